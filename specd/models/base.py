@@ -1,0 +1,84 @@
+"""The target-model runner contract that the engine drives.
+
+A runner owns the target's weights and its KV cache. The engine feeds it, per sequence, the new
+tokens to append at the end of that sequence's cache (a whole prompt at prefill, the last token
+plus k draft tokens at verification) and rolls rejected tokens back with `truncate`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+
+@dataclass
+class ModelInfo:
+    """What the engine and the drafters need to know about a target model."""
+
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    max_position_embeddings: int
+    eos_token_ids: list[int] = field(default_factory=list)
+    architecture: str = ""
+
+
+@dataclass
+class SequenceChunk:
+    """New tokens of one sequence, appended at the end of its cache (position = cached length)."""
+
+    seq_id: int
+    token_ids: list[int]
+
+
+@dataclass
+class ForwardOutput:
+    """Results for the concatenated tokens of a batch, in the order of the chunks given.
+
+    Rows for chunk i are `offsets[i]:offsets[i + 1]`.
+    """
+
+    logits: torch.Tensor  # [num_tokens, vocab] float32
+    offsets: list[int]  # [num_chunks + 1] row offsets
+    hidden_states: torch.Tensor | None = None  # [num_tokens, hidden] final hidden (after the final norm)
+    aux_hidden_states: torch.Tensor | None = None  # [num_tokens, num_aux * hidden] EAGLE-3 features
+
+    def rows(self, i: int) -> slice:
+        return slice(self.offsets[i], self.offsets[i + 1])
+
+
+class TargetRunner(Protocol):
+    """Target model + KV cache. Implemented by LlamaRunner (ours) and HFRunner (transformers)."""
+
+    info: ModelInfo
+    device: torch.device
+
+    def add_sequence(self, seq_id: int) -> None:
+        """Open an empty cache for a sequence."""
+
+    def can_append(self, seq_id: int, num_tokens: int) -> bool:
+        """Whether the cache has room to append num_tokens to the sequence."""
+
+    def forward(self, chunks: list[SequenceChunk], *, want_hidden: bool = False,
+                want_aux_hidden: bool = False) -> ForwardOutput:
+        """Append each chunk to its sequence's cache and return logits for every new token."""
+
+    def truncate(self, seq_id: int, length: int) -> None:
+        """Keep the first `length` tokens of the sequence's cache (rollback of rejected drafts)."""
+
+    def free(self, seq_id: int) -> None:
+        """Release the sequence's cache."""
+
+    def num_cached(self, seq_id: int) -> int:
+        """Tokens currently in the sequence's cache."""
+
+    def set_aux_hidden_layers(self, layer_ids: list[int]) -> None:
+        """Which layers' inputs `aux_hidden_states` concatenates (EAGLE-3)."""
+
+    def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """Input embeddings, [n] -> [n, hidden] (borrowed by EAGLE-3 / MTP heads)."""
+
+    def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Output projection, [n, hidden] -> [n, vocab] (shared by MTP heads)."""

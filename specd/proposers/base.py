@@ -1,0 +1,56 @@
+"""The drafter contract: per-request draft state, fed the committed tokens, proposing k tokens.
+
+A proposer only ever sees committed tokens: the tokens the verifier accepted (plus the recovered
+or bonus token). Its own speculative state (draft KV entries past the committed prefix) is rolled
+back by the proposer itself when the next committed tokens arrive.
+
+Alignment of target hidden states: a sequence whose committed tokens are x_0..x_n has been run
+through the target up to x_{n-1}; the target hidden state h_p belongs to position p, so the
+proposer always holds one hidden row fewer than tokens. EAGLE-3 and MTP heads pair (h_p, x_{p+1})
+at position p to predict x_{p+2}.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+import torch
+
+from specd.sampling_params import SamplingParams
+
+HiddenKind = Literal["none", "final", "aux"]
+
+
+@dataclass
+class DraftRequest:
+    """One sequence's input to a drafting step."""
+
+    seq_id: int
+    new_token_ids: list[int]  # committed since the last step (first step: prompt + first token)
+    new_hidden_states: torch.Tensor | None  # [len(new_token_ids) - (1 on first step else 0), H*]
+    num_draft_tokens: int  # k for this sequence in this step (0: propose nothing, still ingest)
+
+
+@dataclass
+class DraftProposal:
+    """Draft tokens for one sequence, with the draft distribution when drafts were sampled."""
+
+    token_ids: torch.Tensor  # [k] int64, target-vocabulary ids
+    probs: torch.Tensor | None = None  # [k, target_vocab] float32 q; None: one-hot (greedy) drafts
+
+
+class Proposer(Protocol):
+    """Draft proposer holding each request's draft state (draft KV cache, n-gram index)."""
+
+    method: str
+    hidden_kind: HiddenKind  # which target hidden states the proposer consumes
+
+    def open(self, seq_id: int, params: SamplingParams) -> None:
+        """Start draft state for a sequence."""
+
+    def propose(self, requests: list[DraftRequest]) -> list[DraftProposal]:
+        """Ingest each request's committed tokens, then propose its draft tokens (batched)."""
+
+    def close(self, seq_id: int) -> None:
+        """Drop the sequence's draft state."""

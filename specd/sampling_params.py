@@ -1,0 +1,72 @@
+"""Per-request sampling parameters: the engine's domain type, built from GenerationConfig."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+from specd.messages import ConfigError, GenerationConfig
+
+
+@dataclass
+class SamplingParams:
+    """Validated sampling parameters of one request.
+
+    temperature == 0 means greedy. top_k == 0 and top_p == 1 and min_p == 0 disable those filters.
+    seed keys the counter-based random stream: the noise for the token at position j depends only on
+    (seed, j), so a request resumed elsewhere regenerates the same tokens.
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int = 0
+    max_new_tokens: int = 512
+    min_new_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] = field(default_factory=list)
+    stop_words: list[str] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ConfigError(f"temperature: must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ConfigError(f"top_k: must be >= 0, got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ConfigError(f"top_p: must be in (0, 1], got {self.top_p}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ConfigError(f"min_p: must be in [0, 1], got {self.min_p}")
+        if self.repetition_penalty <= 0:
+            raise ConfigError(f"repetition_penalty: must be > 0, got {self.repetition_penalty}")
+        if self.max_new_tokens < 1:
+            raise ConfigError(f"max_new_tokens: must be >= 1, got {self.max_new_tokens}")
+        if not 0 <= self.seed < 2**63:
+            raise ConfigError(f"seed: must be in [0, 2**63), got {self.seed}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    @classmethod
+    def from_generation_config(cls, gen: GenerationConfig) -> "SamplingParams":
+        greedy = gen.is_greedy
+        seed = gen.random_seed if gen.random_seed is not None else random.getrandbits(62)
+        return cls(
+            temperature=0.0 if greedy else gen.temperature,
+            top_k=gen.top_k,
+            top_p=gen.top_p,
+            min_p=gen.min_p,
+            repetition_penalty=gen.repetition_penalty,
+            seed=seed % (2**63),
+            max_new_tokens=gen.max_new_tokens,
+            min_new_tokens=gen.min_new_tokens or 0,
+            ignore_eos=gen.ignore_eos,
+            stop_token_ids=list(gen.stop_token_ids or []),
+            stop_words=list(gen.stop_words or []),
+            include_stop_str_in_output=gen.include_stop_str_in_output,
+            skip_special_tokens=gen.skip_special_tokens,
+        )
