@@ -1,0 +1,77 @@
+"""The `specd` command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def _make_tiny_models(args: argparse.Namespace) -> int:
+    from specd.tiny_models.make import make_tiny_models
+
+    for name, path in make_tiny_models(args.dir, seed=args.seed).items():
+        print(f"{name}: {path}")
+    return 0
+
+
+def _generate(args: argparse.Namespace) -> int:
+    """Run the in-process pipeline on prompts and print completions with speculation figures."""
+    from specd import GenerationConfig, PytorchEngineConfig, pipeline
+    from specd.messages import SpeculativeConfig
+
+    spec = None
+    if args.speculative_algorithm:
+        spec = SpeculativeConfig(method=args.speculative_algorithm,
+                                 num_speculative_tokens=args.speculative_num_draft_tokens,
+                                 model=args.speculative_draft_model or "")
+    pipe = pipeline(args.model, backend_config=PytorchEngineConfig(max_batch_size=args.max_batch_size),
+                    speculative_config=spec)
+    gen = GenerationConfig(max_new_tokens=args.max_new_tokens, do_sample=args.temperature > 0,
+                           temperature=args.temperature, random_seed=args.seed)
+    responses = pipe(args.prompt or ["def fibonacci(n):", "import json"], gen_config=gen,
+                     do_preprocess=not args.raw)
+    for r in responses:
+        print(json.dumps({"text": r.text, "generate_token_len": r.generate_token_len,
+                          "finish_reason": r.finish_reason,
+                          "spec_stats": r.spec_stats.to_dict() if r.spec_stats else None}))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specd", description="Speculative-decoding LLM serving")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    tiny = sub.add_parser("make-tiny-models", help="write tiny checkpoints in every supported layout")
+    tiny.add_argument("dir", type=Path)
+    tiny.add_argument("--seed", type=int, default=0)
+    tiny.set_defaults(func=_make_tiny_models)
+
+    gen = sub.add_parser("generate", help="run prompts through the in-process pipeline")
+    gen.add_argument("model")
+    gen.add_argument("--prompt", action="append", help="repeat for several prompts")
+    gen.add_argument("--speculative-algorithm",
+                     choices=["eagle3", "deepseek_mtp", "qwen3_5_mtp", "draft_model", "ngram"])
+    gen.add_argument("--speculative-draft-model")
+    gen.add_argument("--speculative-num-draft-tokens", type=int, default=3)
+    gen.add_argument("--max-batch-size", type=int, default=32)
+    gen.add_argument("--max-new-tokens", type=int, default=32)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--raw", action="store_true", help="no chat template")
+    gen.set_defaults(func=_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as e:  # config and model-path errors: a message, no traceback
+        print(f"specd: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,290 @@
+"""The speculative-decoding engine: admit, draft, verify, commit — one step for the whole batch.
+
+The same core runs in-process (pipeline, tests) and inside the verifier service, where the
+proposer is a client of the remote drafter. Greedy output is token-for-token the target's own;
+sampled output follows the target distribution exactly (see specd/rejection.py).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from specd.engine.sequence import Sequence, SequenceStatus
+from specd.engine.stop import StopChecker
+from specd.engine.verify import pad_drafts, verify_target_probs
+from specd.messages import ConfigError
+from specd.models.base import SequenceChunk, TargetRunner
+from specd.proposers.base import DraftProposal, DraftRequest, Proposer
+from specd.random import SALT_SAMPLE
+from specd.rejection import rejection_sample
+from specd.sampling import SamplingTensors, apply_repetition_penalty, processed_probs, sample_from_probs
+from specd.sampling_params import SamplingParams
+
+
+@dataclass
+class StepTimings:
+    """Seconds spent in each verb of one step."""
+
+    admit: float = 0.0
+    draft: float = 0.0
+    verify: float = 0.0
+    commit: float = 0.0
+
+
+@dataclass
+class EngineStats:
+    """Running totals over the engine's life (fed to logs and, in the services, Prometheus)."""
+
+    num_steps: int = 0
+    num_output_tokens: int = 0
+    timings: StepTimings = field(default_factory=StepTimings)
+
+
+class SpecEngine:
+    """Continuous batching over a target runner and an optional proposer."""
+
+    def __init__(self, runner: TargetRunner, proposer: Proposer | None, num_speculative_tokens: int,
+                 *, max_batch_size: int, max_model_len: int, tokenizer=None,
+                 max_prefill_tokens: int = 8192) -> None:
+        self.runner = runner
+        self.proposer = proposer
+        self.num_speculative_tokens = num_speculative_tokens if proposer is not None else 0
+        self.max_batch_size = max_batch_size
+        self.max_model_len = max_model_len
+        self.max_prefill_tokens = max_prefill_tokens
+        self.stop = StopChecker(runner.info.eos_token_ids, max_model_len, tokenizer)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.stats = EngineStats()
+        self._ids = itertools.count()
+        self._hidden_kind = proposer.hidden_kind if proposer is not None else "none"
+
+    # ---- requests -------------------------------------------------------------------------
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams) -> Sequence:
+        if not prompt_token_ids:
+            raise ConfigError("prompt: must contain at least one token")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ConfigError(f"prompt: {len(prompt_token_ids)} tokens leave no room to generate "
+                              f"within the context length {self.max_model_len}")
+        vocab = self.runner.info.vocab_size
+        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
+            raise ConfigError(f"prompt: token ids must be in [0, {vocab})")
+        seq = Sequence(next(self._ids), list(prompt_token_ids), params)
+        self.waiting.append(seq)
+        return seq
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def generate(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[Sequence]:
+        """Run the given requests to completion (the in-process path)."""
+        seqs = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
+        while self.has_unfinished():
+            self.step()
+        return seqs
+
+    # ---- the step -------------------------------------------------------------------------
+    def step(self) -> list[Sequence]:
+        """One engine step; returns the sequences that finished in it."""
+        t0 = time.perf_counter()
+        finished = self.admit()
+        t1 = time.perf_counter()
+        self._preempt_if_full()
+        batch = [s for s in self.running if not s.is_finished]
+        proposals = self.draft(batch)
+        t2 = time.perf_counter()
+        verdict = self.verify(batch, proposals)
+        t3 = time.perf_counter()
+        finished += self.commit(batch, proposals, verdict)
+        t4 = time.perf_counter()
+        timings = self.stats.timings
+        timings.admit += t1 - t0
+        timings.draft += t2 - t1
+        timings.verify += t3 - t2
+        timings.commit += t4 - t3
+        self.stats.num_steps += 1
+        return finished
+
+    def admit(self) -> list[Sequence]:
+        """Prefill waiting sequences while the batch and the cache have room; sample their first token."""
+        admitted: list[Sequence] = []
+        budget = self.max_prefill_tokens
+        while self.waiting and len(self.running) + len(admitted) < self.max_batch_size:
+            seq = self.waiting[0]
+            if admitted and seq.num_tokens > budget:
+                break
+            self.runner.add_sequence(seq.seq_id)
+            if not self.runner.can_append(seq.seq_id, seq.num_tokens + self.num_speculative_tokens):
+                self.runner.free(seq.seq_id)
+                if not self.running and not admitted:
+                    raise RuntimeError("the KV cache cannot hold a single request; raise num_gpu_blocks")
+                break
+            self.waiting.popleft()
+            budget -= seq.num_tokens
+            admitted.append(seq)
+        if not admitted:
+            return []
+        # A preempted sequence comes back with its output: re-prefill all but its last token, which
+        # is still waiting to be verified; its next token is not sampled again.
+        out = self.runner.forward([SequenceChunk(s.seq_id, self._prefill_tokens(s)) for s in admitted],
+                                  want_hidden=self._hidden_kind == "final",
+                                  want_aux_hidden=self._hidden_kind == "aux")
+        last_rows = torch.tensor([out.offsets[i + 1] - 1 for i in range(len(admitted))], device=out.logits.device)
+        st = SamplingTensors.from_params([s.params for s in admitted], out.logits.device)
+        logits = self._suppress_early_stop(out.logits[last_rows], admitted)
+        if any(s.params.repetition_penalty != 1.0 for s in admitted):
+            logits = apply_repetition_penalty(
+                logits, [torch.tensor(s.prompt_token_ids) for s in admitted], st.repetition_penalty)
+        positions = torch.tensor([s.num_tokens for s in admitted], device=out.logits.device)
+        first = sample_from_probs(processed_probs(logits, st), st.seeds, positions, SALT_SAMPLE).tolist()
+        finished = []
+        for i, seq in enumerate(admitted):
+            seq.status = SequenceStatus.RUNNING
+            resumed = bool(seq.output_token_ids)
+            if self.proposer is not None:
+                self.proposer.open(seq.seq_id, seq.params)
+                seq.undrafted_token_ids = list(seq.prompt_token_ids) + list(seq.output_token_ids)
+                hidden = self._hidden_rows(out, i, seq.num_tokens - (1 if resumed else 0))
+                if hidden is not None:
+                    seq.undrafted_hidden = [hidden]
+            if not resumed:
+                self._append(seq, [first[i]])
+                if self.proposer is not None:
+                    seq.undrafted_token_ids.append(first[i])
+            if seq.is_finished:
+                self._release(seq)
+                finished.append(seq)
+            else:
+                self.running.append(seq)
+        return finished
+
+    def draft(self, batch: list[Sequence]) -> list[DraftProposal]:
+        """Ask the proposer for k_i draft tokens per sequence (one batched call)."""
+        if self.proposer is None or not batch:
+            return [DraftProposal(torch.empty(0, dtype=torch.long)) for _ in batch]
+        requests = []
+        for seq in batch:
+            tokens, hidden = seq.take_undrafted()
+            requests.append(DraftRequest(seq.seq_id, tokens, hidden, self._num_drafts(seq)))
+        proposals = self.proposer.propose(requests)
+        assert len(proposals) == len(batch)
+        for req, p in zip(requests, proposals):
+            if p.token_ids.numel() > req.num_draft_tokens:
+                raise RuntimeError(f"proposer returned {p.token_ids.numel()} drafts, asked for {req.num_draft_tokens}")
+        return proposals
+
+    def verify(self, batch: list[Sequence], proposals: list[DraftProposal]):
+        """One target forward over [last token, drafts] per sequence, then rejection sampling."""
+        if not batch:
+            return None
+        device = self.runner.device
+        vocab = self.runner.info.vocab_size
+        draft_ids, draft_probs, num_drafts_t = pad_drafts(proposals, vocab, device)
+        num_drafts = [int(p.token_ids.numel()) for p in proposals]
+        chunks = [SequenceChunk(s.seq_id, [s.last_token_id] + draft_ids[i, :num_drafts[i]].tolist())
+                  for i, s in enumerate(batch)]
+        out = self.runner.forward(chunks, want_hidden=self._hidden_kind == "final",
+                                  want_aux_hidden=self._hidden_kind == "aux")
+        st = SamplingTensors.from_params([s.params for s in batch], device)
+        history = ([s.prompt_token_ids + s.output_token_ids for s in batch]
+                   if any(s.params.repetition_penalty != 1.0 for s in batch) else None)
+        suppress = [(s.params.min_new_tokens - s.num_output_tokens, sorted(self.stop.stop_token_ids(s)))
+                    for s in batch]
+        target_probs = verify_target_probs(out, num_drafts, st, history, draft_ids,
+                                           suppress if any(n > 0 for n, _ in suppress) else None)
+        positions = torch.tensor([s.num_tokens for s in batch], device=device)
+        result = rejection_sample(target_probs, draft_ids, draft_probs, num_drafts_t, st.seeds, positions)
+        return out, result
+
+    def commit(self, batch: list[Sequence], proposals: list[DraftProposal], verdict) -> list[Sequence]:
+        """Keep the accepted prefix in the target cache, append tokens, finish stopped sequences."""
+        if not batch:
+            return []
+        out, result = verdict
+        num_accepted = result.num_accepted.tolist()
+        emitted = result.output_token_ids.tolist()
+        finished = []
+        for i, seq in enumerate(batch):
+            k, m = int(proposals[i].token_ids.numel()), num_accepted[i]
+            seq.stats.record_step(k, m)
+            cached_before = seq.num_tokens - 1
+            # The cache now holds the last token and all k drafts; keep the last token + m accepted.
+            self.runner.truncate(seq.seq_id, cached_before + 1 + m)
+            new_tokens = emitted[i][:m + 1]
+            if self.proposer is not None:
+                hidden = self._hidden_rows(out, i, m + 1)
+                if hidden is not None:
+                    seq.undrafted_hidden.append(hidden)
+            num_appended = self._append(seq, new_tokens)
+            if self.proposer is not None:
+                seq.undrafted_token_ids.extend(new_tokens[:num_appended])
+            if seq.is_finished:
+                self._release(seq)
+                finished.append(seq)
+        self.running = [s for s in self.running if not s.is_finished]
+        return finished
+
+    # ---- helpers ----------------------------------------------------------------------------
+    @staticmethod
+    def _prefill_tokens(seq: Sequence) -> list[int]:
+        return seq.prompt_token_ids + seq.output_token_ids[:-1]
+
+    def _preempt_if_full(self) -> None:
+        """Free the newest sequences' caches until every running sequence can verify one token.
+
+        Preempted sequences go back to the front of the queue and are re-prefilled later
+        (recompute); their tokens are kept, so nothing already emitted changes.
+        """
+        while True:
+            stuck = [s for s in self.running if not self.runner.can_append(s.seq_id, 1)]
+            if not stuck:
+                return
+            if len(self.running) == 1:
+                raise RuntimeError("the KV cache cannot hold a single request; raise num_gpu_blocks")
+            victim = self.running.pop()  # the most recently admitted
+            self.runner.free(victim.seq_id)
+            if self.proposer is not None:
+                self.proposer.close(victim.seq_id)
+            victim.status = SequenceStatus.WAITING
+            victim.undrafted_token_ids, victim.undrafted_hidden = [], []
+            self.waiting.appendleft(victim)
+
+    def _num_drafts(self, seq: Sequence) -> int:
+        """k for this sequence: never past max_new_tokens or the context (the bonus token counts)."""
+        room = min(seq.params.max_new_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens)
+        k = max(0, min(self.num_speculative_tokens, room - 1))
+        while k > 0 and not self.runner.can_append(seq.seq_id, k + 1):
+            k -= 1
+        return k
+
+    def _append(self, seq: Sequence, tokens: list[int]) -> int:
+        n = self.stop.append(seq, tokens)
+        self.stats.num_output_tokens += n
+        return n
+
+    def _hidden_rows(self, out, i: int, count: int) -> torch.Tensor | None:
+        source = {"final": out.hidden_states, "aux": out.aux_hidden_states}.get(self._hidden_kind)
+        if source is None:
+            return None
+        start = out.offsets[i]
+        return source[start:start + count]
+
+    def _suppress_early_stop(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """Mask EOS/stop tokens for sequences below min_new_tokens (first-token rows)."""
+        if all(s.params.min_new_tokens <= s.num_output_tokens for s in seqs):
+            return logits
+        logits = logits.clone()
+        for i, s in enumerate(seqs):
+            if s.params.min_new_tokens > s.num_output_tokens:
+                logits[i, sorted(self.stop.stop_token_ids(s))] = float("-inf")
+        return logits
+
+    def _release(self, seq: Sequence) -> None:
+        self.runner.free(seq.seq_id)
+        if self.proposer is not None:
+            self.proposer.close(seq.seq_id)

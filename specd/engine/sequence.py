@@ -1,0 +1,65 @@
+"""A request's lifecycle inside the engine: its tokens, parameters, status and speculation stats."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from specd.messages import SpecStats
+from specd.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    """One request. The committed tokens are prompt_token_ids + output_token_ids.
+
+    After prefill, the last committed token has been sampled but not yet run through the target:
+    the target's cache holds num_tokens - 1 tokens while the sequence runs.
+    """
+
+    seq_id: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    output_token_ids: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: str | None = None  # "stop" | "length"
+    stats: SpecStats = field(default_factory=SpecStats)
+    # Committed since the drafter last saw this sequence, with the target hidden rows that go with
+    # them (one row fewer than tokens before the first draft step, as many afterwards).
+    undrafted_token_ids: list[int] = field(default_factory=list)
+    undrafted_hidden: list[torch.Tensor] = field(default_factory=list)  # each [n_i, H*]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def last_token_id(self) -> int:
+        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def finish(self, reason: str) -> None:
+        self.status = SequenceStatus.FINISHED
+        self.finish_reason = reason
+
+    def take_undrafted(self) -> tuple[list[int], torch.Tensor | None]:
+        """Hand the drafter what it has not seen yet, and forget it here."""
+        tokens, self.undrafted_token_ids = self.undrafted_token_ids, []
+        hidden = torch.cat(self.undrafted_hidden, dim=0) if self.undrafted_hidden else None
+        self.undrafted_hidden = []
+        return tokens, hidden

@@ -1,0 +1,78 @@
+"""Turn a batch's verify forward into padded tensors for rejection sampling.
+
+Each request verifies its last committed token plus its k_i draft tokens (k_i may differ per
+request, 0 included): k_i + 1 logits rows. Rows are padded to K + 1 = max k_i + 1 per request.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specd.models.base import ForwardOutput
+from specd.proposers.base import DraftProposal
+from specd.sampling import SamplingTensors, apply_repetition_penalty, processed_probs
+
+
+def pad_drafts(proposals: list[DraftProposal], vocab_size: int, device: torch.device
+               ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """Stack per-request drafts.
+
+    Returns draft_token_ids [B, K] (0-padded), draft_probs [B, K, V] or None when every draft is
+    one-hot, num_draft_tokens [B].
+    """
+    num_drafts = [int(p.token_ids.numel()) for p in proposals]
+    batch, max_k = len(proposals), max(num_drafts, default=0)
+    token_ids = torch.zeros(batch, max_k, dtype=torch.long, device=device)
+    any_probs = any(p.probs is not None and p.token_ids.numel() for p in proposals)
+    probs = torch.zeros(batch, max_k, vocab_size, device=device) if any_probs else None
+    for i, (p, k) in enumerate(zip(proposals, num_drafts)):
+        if k == 0:
+            continue
+        token_ids[i, :k] = p.token_ids.to(device)
+        if probs is not None:
+            if p.probs is None:  # one-hot draft next to sampled drafts of other requests
+                probs[i, torch.arange(k, device=device), token_ids[i, :k]] = 1.0
+            else:
+                assert p.probs.shape == (k, vocab_size), f"draft probs {tuple(p.probs.shape)} != {(k, vocab_size)}"
+                probs[i, :k] = p.probs.to(device=device, dtype=torch.float32)
+    return token_ids, probs, torch.tensor(num_drafts, dtype=torch.long, device=device)
+
+
+def verify_target_probs(out: ForwardOutput, num_drafts: list[int], st: SamplingTensors,
+                        prev_token_ids: list[list[int]] | None, draft_token_ids: torch.Tensor,
+                        suppress: list[tuple[int, list[int]]] | None = None) -> torch.Tensor:
+    """The processed target distribution at each verified position, [B, K+1, V].
+
+    Row j of request i is the distribution after its committed tokens and drafts 0..j-1.
+    prev_token_ids (for repetition penalty) are the committed tokens per request. suppress[i] =
+    (num_rows, token_ids): those ids are masked out of request i's first num_rows rows, which is
+    how min_new_tokens keeps EOS and stop tokens from ending a sequence too early.
+    """
+    batch, max_k = len(num_drafts), max(num_drafts, default=0)
+    vocab = out.logits.shape[-1]
+    rows = torch.cat([torch.arange(out.offsets[i], out.offsets[i] + k + 1) for i, k in enumerate(num_drafts)])
+    logits = out.logits[rows.to(out.logits.device)]  # [sum(k_i + 1), V]
+    counts = torch.tensor([k + 1 for k in num_drafts], device=logits.device)
+    row_st = st.repeat_interleave(counts)
+    if prev_token_ids is not None:
+        histories = []
+        for i, k in enumerate(num_drafts):
+            drafted = draft_token_ids[i, :k].tolist()
+            histories += [torch.tensor(prev_token_ids[i] + drafted[:j], dtype=torch.long) for j in range(k + 1)]
+        logits = apply_repetition_penalty(logits, histories, row_st.repetition_penalty)
+    if suppress is not None:
+        logits = logits.clone()
+        r = 0
+        for i, k in enumerate(num_drafts):
+            num_rows, token_ids = suppress[i]
+            if num_rows > 0 and token_ids:
+                logits[r:r + min(num_rows, k + 1), token_ids] = float("-inf")
+            r += k + 1
+    probs = processed_probs(logits, row_st)  # [sum(k_i + 1), V]
+    padded = torch.empty(batch, max_k + 1, vocab, device=probs.device)
+    r = 0
+    for i, k in enumerate(num_drafts):
+        padded[i, :k + 1] = probs[r:r + k + 1]
+        padded[i, k + 1:] = probs[r + k]  # padding rows are never read; keep them valid
+        r += k + 1
+    return padded

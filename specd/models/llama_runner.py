@@ -1,0 +1,179 @@
+"""LlamaRunner: the TargetRunner over our compact Llama-family model and a paged KV cache.
+
+One `forward` runs every chunk of the batch (a 50-token prefill next to a 5-token verify chunk of
+another sequence) as ONE model call over the flattened tokens; rollback of rejected drafts is a
+block-table truncation (kv_cache.py), so nothing is recomputed or copied.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from specd.messages import PytorchEngineConfig
+from specd.models.attention import AttentionMetadata
+from specd.models.base import ForwardOutput, ModelInfo, SequenceChunk
+from specd.models.hf_config import LlamaArchConfig
+from specd.models.kv_cache import CacheFullError, PagedKVCache
+from specd.models.llama import LlamaForCausalLM, load_llama
+
+CPU_KV_CACHE_BYTES = 4 << 30  # CPU has no "free GPU memory" to take a fraction of: cap at 4 GiB
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def select_device(engine_config: PytorchEngineConfig) -> torch.device:
+    if engine_config.device_type == "cuda" or (
+            engine_config.device_type == "auto" and torch.cuda.is_available()):
+        return torch.device("cuda")
+    return torch.device("cpu")
+
+
+def select_dtype(engine_config: PytorchEngineConfig, device: torch.device) -> torch.dtype:
+    """"auto": bfloat16 on CUDA, float32 on CPU (CPU half-precision matmuls are slow and lossy)."""
+    if engine_config.dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[engine_config.dtype]
+
+
+def default_aux_layer_ids(num_layers: int) -> list[int]:
+    """EAGLE-3's low / middle / high feature layers: (2, L // 2, L - 3), clamped for tiny models."""
+    return [min(max(i, 0), num_layers - 1) for i in (2, num_layers // 2, num_layers - 3)]
+
+
+def num_cache_blocks(engine_config: PytorchEngineConfig, config: LlamaArchConfig, session_len: int,
+                     dtype: torch.dtype, device: torch.device) -> int:
+    """Blocks to allocate: num_gpu_blocks when set, else what memory allows (see module doc)."""
+    if engine_config.num_gpu_blocks > 0:
+        return engine_config.num_gpu_blocks
+    block_size = engine_config.block_size
+    per_block = PagedKVCache.bytes_per_block(config.num_hidden_layers, block_size,
+                                             config.num_key_value_heads, config.head_dim, dtype)
+    blocks_per_seq = -(-session_len // block_size)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        budget = int(free * engine_config.cache_max_entry_count) // per_block
+        return max(1, budget)
+    wanted = engine_config.max_batch_size * blocks_per_seq
+    # Never less than one full session, so a single request always fits.
+    return max(blocks_per_seq, min(wanted, CPU_KV_CACHE_BYTES // per_block))
+
+
+class LlamaRunner:
+    """TargetRunner for LlamaForCausalLM / Qwen2 / Qwen3 / Mistral checkpoints."""
+
+    def __init__(self, model_dir: str | Path, engine_config: PytorchEngineConfig | None = None) -> None:
+        engine_config = engine_config or PytorchEngineConfig()
+        self.model_dir = Path(model_dir)
+        self.engine_config = engine_config
+        self.config = LlamaArchConfig.from_model_dir(self.model_dir)
+        self.device = select_device(engine_config)
+        self.dtype = select_dtype(engine_config, self.device)
+        self.model: LlamaForCausalLM = load_llama(self.model_dir, self.config, self.dtype, self.device)
+        self.session_len = engine_config.session_len or self.config.max_position_embeddings
+        self.block_size = engine_config.block_size
+        self.kv_cache = PagedKVCache(
+            num_layers=self.config.num_hidden_layers,
+            num_blocks=num_cache_blocks(engine_config, self.config, self.session_len, self.dtype, self.device),
+            block_size=self.block_size,
+            num_kv_heads=self.config.num_key_value_heads,
+            head_dim=self.config.head_dim,
+            dtype=self.dtype,
+            device=self.device,
+        )
+        self.info = ModelInfo(
+            vocab_size=self.config.vocab_size,
+            hidden_size=self.config.hidden_size,
+            num_hidden_layers=self.config.num_hidden_layers,
+            max_position_embeddings=self.config.max_position_embeddings,
+            eos_token_ids=list(self.config.eos_token_ids),
+            architecture=self.config.architecture,
+        )
+        self.aux_layer_ids = default_aux_layer_ids(self.config.num_hidden_layers)
+
+    # cache lifecycle ----------------------------------------------------------------------------
+
+    def add_sequence(self, seq_id: int) -> None:
+        self.kv_cache.add_sequence(seq_id)
+
+    def can_append(self, seq_id: int, num_tokens: int) -> bool:
+        within_session = self.kv_cache.num_tokens(seq_id) + num_tokens <= self.session_len
+        return within_session and self.kv_cache.can_append(seq_id, num_tokens)
+
+    def truncate(self, seq_id: int, length: int) -> None:
+        self.kv_cache.truncate(seq_id, length)
+
+    def free(self, seq_id: int) -> None:
+        self.kv_cache.free(seq_id)
+
+    def num_cached(self, seq_id: int) -> int:
+        return self.kv_cache.num_tokens(seq_id)
+
+    def set_aux_hidden_layers(self, layer_ids: list[int]) -> None:
+        num_layers = self.config.num_hidden_layers
+        bad = [i for i in layer_ids if not 0 <= i < num_layers]
+        if bad or not layer_ids:
+            raise ValueError(f"aux hidden layer ids must be in [0, {num_layers}), got {list(layer_ids)}")
+        self.aux_layer_ids = list(layer_ids)
+
+    # compute ------------------------------------------------------------------------------------
+
+    def _check_batch(self, chunks: list[SequenceChunk]) -> None:
+        if not chunks:
+            raise ValueError("forward needs at least one chunk")
+        seq_ids = [c.seq_id for c in chunks]
+        if len(set(seq_ids)) != len(seq_ids):
+            raise ValueError(f"a sequence may appear once per batch, got seq ids {seq_ids}")
+        for c in chunks:
+            if not c.token_ids:
+                raise ValueError(f"chunk of sequence {c.seq_id} has no tokens")
+            if self.kv_cache.num_tokens(c.seq_id) + len(c.token_ids) > self.session_len:
+                raise ValueError(f"sequence {c.seq_id} would exceed session_len={self.session_len}")
+        need = sum(self.kv_cache.num_new_blocks(c.seq_id, len(c.token_ids)) for c in chunks)
+        if not self.kv_cache.allocator.can_allocate(need):
+            raise CacheFullError(f"batch needs {need} new KV blocks, "
+                                 f"{self.kv_cache.allocator.num_free_blocks} free")
+
+    def forward(self, chunks: list[SequenceChunk], *, want_hidden: bool = False,
+                want_aux_hidden: bool = False) -> ForwardOutput:
+        """Append every chunk to its cache in one model call; logits for every new token."""
+        self._check_batch(chunks)
+        starts = [self.kv_cache.num_tokens(c.seq_id) for c in chunks]
+        query_lens = [len(c.token_ids) for c in chunks]
+        slots: list[int] = []
+        for c, n in zip(chunks, query_lens):
+            slots.extend(self.kv_cache.append_slots(c.seq_id, n))
+        try:
+            meta = AttentionMetadata.build(
+                query_lens=query_lens,
+                seq_lens=[s + n for s, n in zip(starts, query_lens)],
+                block_tables=self.kv_cache.block_tables([c.seq_id for c in chunks]),
+                slot_mapping=slots, block_size=self.block_size, device=self.device)
+            input_ids = torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.long,
+                                     device=self.device)  # [T]
+            positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, query_lens)]
+                                  ).to(self.device)  # [T]
+            with torch.no_grad():
+                hidden, aux = self.model(input_ids, positions, meta, self.kv_cache,
+                                         self.aux_layer_ids if want_aux_hidden else ())
+                logits = self.model.compute_logits(hidden)  # [T, vocab] float32
+        except BaseException:
+            for c, s in zip(chunks, starts):  # leave the caches as they were
+                self.kv_cache.truncate(c.seq_id, s)
+            raise
+        offsets = [0]
+        for n in query_lens:
+            offsets.append(offsets[-1] + n)
+        return ForwardOutput(logits=logits, offsets=offsets,
+                             hidden_states=hidden if want_hidden else None,
+                             aux_hidden_states=aux)
+
+    def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """[n] -> [n, hidden] in the model dtype."""
+        with torch.no_grad():
+            return self.model.model.embed_tokens(token_ids.to(self.device))
+
+    def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[n, hidden] -> [n, vocab] float32."""
+        with torch.no_grad():
+            return self.model.compute_logits(hidden.to(device=self.device, dtype=self.dtype))

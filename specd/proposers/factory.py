@@ -1,0 +1,40 @@
+"""Build the proposer a SpeculativeConfig names."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from specd.messages import PytorchEngineConfig, SpeculativeConfig
+from specd.proposers.base import Proposer
+
+
+def build_proposer(spec: SpeculativeConfig, target_path: Path, target_vocab_size: int,
+                   engine_config: PytorchEngineConfig, device: torch.device, dtype: torch.dtype) -> Proposer:
+    """Load the drafter; MTP heads default to the target checkpoint when spec.model is empty."""
+    from specd.models.model_path import resolve_model_path
+
+    if spec.method == "ngram":
+        from specd.proposers.ngram import NgramProposer
+
+        return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+    draft_path = resolve_model_path(spec.model) if spec.model else target_path
+    if spec.method == "draft_model":
+        from specd.models.loader import load_target_runner
+        from specd.proposers.draft_model import DraftModelProposer
+
+        return DraftModelProposer(load_target_runner(draft_path, engine_config), target_vocab_size)
+    if spec.method == "eagle3":
+        from specd.proposers.eagle3 import Eagle3Proposer
+
+        return Eagle3Proposer(draft_path, target_path, device=device, dtype=dtype)
+    if spec.method == "deepseek_mtp":
+        from specd.proposers.deepseek_mtp import DeepseekMTPProposer
+
+        return DeepseekMTPProposer(draft_path, device=device, dtype=dtype)
+    if spec.method == "qwen3_5_mtp":
+        from specd.proposers.qwen3_5_mtp import Qwen35MTPProposer
+
+        return Qwen35MTPProposer(draft_path, device=device, dtype=dtype)
+    raise ValueError(f"method: unknown speculative method {spec.method!r}")

@@ -1,0 +1,39 @@
+"""Configs validate on construction and name the bad field."""
+
+import pytest
+
+from specd.messages import ConfigError, GenerationConfig, PytorchEngineConfig, SpecStats, SpeculativeConfig
+from specd.sampling_params import SamplingParams
+
+
+@pytest.mark.parametrize("make, field", [
+    (lambda: SpeculativeConfig(method="medusa"), "method"),
+    (lambda: SpeculativeConfig(method="eagle3", num_speculative_tokens=3), "model"),
+    (lambda: SpeculativeConfig(method="ngram", num_speculative_tokens=-1), "num_speculative_tokens"),
+    (lambda: GenerationConfig(max_new_tokens=0), "max_new_tokens"),
+    (lambda: GenerationConfig(top_p=0.0), "top_p"),
+    (lambda: GenerationConfig(temperature=-1.0), "temperature"),
+    (lambda: PytorchEngineConfig(block_size=48), "block_size"),
+    (lambda: PytorchEngineConfig(tp=2), "tp"),
+    (lambda: PytorchEngineConfig(dtype="int4"), "dtype"),
+])
+def test_bad_values_name_their_field(make, field):
+    with pytest.raises(ConfigError, match=f"^{field}:"):
+        make()
+
+
+def test_greedy_mapping_follows_lmdeploy():
+    assert SamplingParams.from_generation_config(GenerationConfig()).is_greedy  # do_sample=False
+    sampled = SamplingParams.from_generation_config(GenerationConfig(do_sample=True, temperature=0.7,
+                                                                     random_seed=5))
+    assert not sampled.is_greedy and sampled.temperature == 0.7 and sampled.seed == 5
+
+
+def test_spec_stats_definitions():
+    s = SpecStats()
+    s.record_step(3, 2)
+    s.record_step(3, 0)
+    s.record_step(0, 0)  # a step without drafts is not a draft step
+    assert (s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens) == (2, 6, 2)
+    assert s.accepted_per_position == [1, 1, 0]
+    assert s.mean_acceptance_length == 2.0 and s.acceptance_rate == pytest.approx(1 / 3)

@@ -1,0 +1,55 @@
+"""The seed's pipeline example runs with only the import and the model paths changed."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from specd import GenerationConfig, PytorchEngineConfig, pipeline
+from specd.messages import SpeculativeConfig
+from specd.models.model_path import ModelNotFoundError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_seed_example_script_runs(tiny_models):
+    out = subprocess.run([sys.executable, str(ROOT / "examples" / "pipeline_eagle3.py"),
+                          str(tiny_models["target-llama"]), str(tiny_models["draft-eagle3"])],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.count("Response(") == 2 and "spec_stats" in out.stdout
+
+
+def test_pipeline_responses_carry_spec_stats(tiny_models):
+    pipe = pipeline(str(tiny_models["target-llama"]), backend_config=PytorchEngineConfig(max_batch_size=4),
+                    speculative_config=SpeculativeConfig(method="ngram", num_speculative_tokens=3))
+    responses = pipe(["Hi, pls intro yourself", [{"role": "user", "content": "Shanghai is"}]],
+                     gen_config=GenerationConfig(max_new_tokens=12, ignore_eos=True))
+    assert len(responses) == 2
+    for r in responses:
+        assert r.generate_token_len == 12 and r.finish_reason == "length" and isinstance(r.text, str)
+        assert r.spec_stats.num_drafts >= 0 and r.input_token_len > 0
+    single = pipe("Shanghai is", gen_config=GenerationConfig(max_new_tokens=4, ignore_eos=True))
+    assert single.generate_token_len == 4
+
+
+def test_stop_words_end_generation_and_are_cut(tiny_models):
+    pipe = pipeline(str(tiny_models["target-llama"]))
+    free = pipe("abc", gen_config=GenerationConfig(max_new_tokens=20, ignore_eos=True))
+    word = free.text[5:8]
+    assert word.strip(), "the target's text should contain a stop word candidate"
+    stopped = pipe("abc", gen_config=GenerationConfig(max_new_tokens=20, ignore_eos=True, stop_words=[word]))
+    assert stopped.finish_reason == "stop" and word not in stopped.text
+    assert free.text.startswith(stopped.text)
+
+
+def test_missing_hub_id_is_a_clear_error():
+    with pytest.raises(ModelNotFoundError, match="does not download"):
+        pipeline("meta-llama/Llama-3.1-8B-Instruct")
+
+
+def test_cli_reports_missing_model_without_traceback():
+    out = subprocess.run([sys.executable, "-m", "specd.cli", "generate", "no-such/model"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "specd: error:" in out.stderr and "Traceback" not in out.stderr
