@@ -36,7 +36,7 @@ from specd.sampling import sample_from_probs
 class RejectionResult:
     """What one verification step emits per request."""
 
-    output_token_ids: torch.Tensor  # [B, K + 1] int64: accepted drafts, then recovered/bonus, then -1
+    output_token_ids: torch.Tensor  # [B, K + 1] int64: accepted drafts, recovered/bonus, then -1
     num_accepted: torch.Tensor  # [B] int64, accepted drafts
     num_emitted: torch.Tensor  # [B] int64, acceptance length = num_accepted + 1
 
@@ -74,13 +74,15 @@ def rejection_sample(target_probs: torch.Tensor, draft_token_ids: torch.Tensor,
     seeds: [B] int64; positions: [B] int64, absolute position of the first token this step emits
         (the token at draft index j sits at positions + j).
     """
-    assert target_probs.ndim == 3, f"target_probs must be [B, K+1, V], got {tuple(target_probs.shape)}"
+    assert target_probs.ndim == 3, \
+        f"target_probs must be [B, K + 1, V], got {tuple(target_probs.shape)}"
     batch, k_plus_1, vocab = target_probs.shape
     max_drafts = k_plus_1 - 1
     assert draft_token_ids.shape == (batch, max_drafts), "draft_token_ids must be [B, K]"
     assert draft_probs is None or draft_probs.shape == (batch, max_drafts, vocab), \
         "draft_probs must be [B, K, V] or None"
-    for name, t in (("num_draft_tokens", num_draft_tokens), ("seeds", seeds), ("positions", positions)):
+    for name, t in (("num_draft_tokens", num_draft_tokens), ("seeds", seeds),
+                    ("positions", positions)):
         assert t.shape == (batch,), f"{name} must be [B]"
     device = target_probs.device
     rows = torch.arange(batch, device=device)  # [B]

@@ -21,7 +21,7 @@ from specd.sampling_params import SamplingParams
 
 @dataclass(slots=True)
 class SamplingTensors:
-    """Per-row sampling parameters as device tensors; one row per request or per verified position."""
+    """Per-row sampling parameters on the device: one row per request, or per verified position."""
 
     temperature: torch.Tensor  # [B] float32 (greedy rows hold 0; processed_probs ignores it there)
     top_k: torch.Tensor  # [B] int64, 0 disables
@@ -72,7 +72,8 @@ class SamplingTensors:
         return self.index_select(rows.repeat_interleave(counts, output_size=output_size))
 
 
-def apply_repetition_penalty(logits: torch.Tensor, prev_token_ids: list[torch.Tensor] | torch.Tensor,
+def apply_repetition_penalty(logits: torch.Tensor,
+                             prev_token_ids: list[torch.Tensor] | torch.Tensor,
                              penalty: torch.Tensor) -> torch.Tensor:
     """CTRL / Hugging Face repetition penalty: for every token already in a row's context, a
     positive logit is divided by the penalty and a negative one multiplied by it.
@@ -93,7 +94,8 @@ def apply_repetition_penalty(logits: torch.Tensor, prev_token_ids: list[torch.Te
         prev_token_ids = torch.nn.utils.rnn.pad_sequence(
             [t.to(device=logits.device, dtype=torch.int64).reshape(-1) for t in prev_token_ids],
             batch_first=True, padding_value=-1)
-    assert prev_token_ids.ndim == 2 and prev_token_ids.shape[0] == num_rows, "prev ids must be [N, L]"
+    assert prev_token_ids.ndim == 2 and prev_token_ids.shape[0] == num_rows, \
+        "prev_token_ids must be [N, L]"
     # Padding points at an extra sink column, so no padding entry can overwrite a real token's
     # penalised logit (scatter order among duplicate indices is unspecified on CUDA).
     with_sink = torch.cat([logits, logits.new_zeros(num_rows, 1)], dim=1)  # [N, V + 1]

@@ -237,3 +237,20 @@ def test_planted_bug_recovered_from_p_instead_of_residual_is_detected(monkeypatc
     target, drafter = chains("plain", seed=12)
     x0, x1 = first_two_tokens(target, drafter, 2, one_hot_drafts=False)
     assert joint_pvalue(empirical_joint(x0, x1), target.joint_of_first_two()) < 1e-6
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_matches_cpu():
+    gen = torch.Generator().manual_seed(4)
+    batch, k = 4096, 3
+    target = torch.softmax(torch.randn(batch, k + 1, 32, generator=gen), -1)
+    q = torch.softmax(torch.randn(batch, k, 32, generator=gen), -1)
+    drafts = torch.randint(0, 32, (batch, k), generator=gen)
+    n, seeds = torch.randint(0, k + 1, (batch,), generator=gen), torch.arange(batch) * 5
+    positions = torch.randint(0, 10_000, (batch,), generator=gen)
+    args = (target, drafts, q, n, seeds, positions)
+    cpu = rejection_sample(*args)
+    gpu = rejection_sample(*(a.cuda() for a in args))
+    assert gpu.output_token_ids.device.type == "cuda"
+    assert torch.equal(cpu.output_token_ids, gpu.output_token_ids.cpu())
+    assert torch.equal(cpu.num_accepted, gpu.num_accepted.cpu())

@@ -27,7 +27,7 @@ def build_engine(model_path: str | Path, backend_config: PytorchEngineConfig | N
         k = speculative_config.num_speculative_tokens
     elif proposer is not None:
         raise ValueError("proposer: given without a speculative_config naming num_speculative_tokens")
-    aux_layers = getattr(proposer, "aux_hidden_layer_ids", None)
+    aux_layers = getattr(proposer, "aux_layer_ids", None)  # EAGLE-3 picks its target layers
     if aux_layers:
         runner.set_aux_hidden_layers(list(aux_layers))
     max_len = config.session_len or runner.info.max_position_embeddings

@@ -81,6 +81,24 @@ class SpecEngine:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def abort(self, seq: Sequence, reason: str = "abort") -> bool:
+        """Drop a sequence between steps: free its KV blocks and draft state, mark it finished.
+
+        The verifier calls this for requests past their deadline. Returns False when the sequence
+        is not (or no longer) in the engine; its tokens so far stay on the Sequence.
+        """
+        # By identity: Sequence is a dataclass whose == compares (tensor) fields.
+        if any(s is seq for s in self.running):
+            self.running = [s for s in self.running if s is not seq]
+            self._release(seq)
+        elif any(s is seq for s in self.waiting):
+            # Waiting sequences hold no cache (never admitted, or preempted and freed).
+            self.waiting = deque(s for s in self.waiting if s is not seq)
+        else:
+            return False
+        seq.finish(reason)
+        return True
+
     def generate(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[Sequence]:
         """Run the given requests to completion (the in-process path)."""
         seqs = [self.add_request(p, sp) for p, sp in zip(prompts, params)]

@@ -100,13 +100,15 @@ class LlamaArchConfig:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                      "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings"):
             value = getattr(self, name)
-            _require(isinstance(value, int) and value >= 1, name, f"must be a positive integer, got {value!r}")
+            _require(isinstance(value, int) and value >= 1, name,
+                     f"must be a positive integer, got {value!r}")
         _require(self.num_attention_heads % self.num_key_value_heads == 0, "num_key_value_heads",
                  f"{self.num_key_value_heads} does not divide num_attention_heads={self.num_attention_heads}")
         _require(self.head_dim % 2 == 0, "head_dim", f"RoPE needs an even head_dim, got {self.head_dim}")
         _require(self.rms_norm_eps > 0, "rms_norm_eps", f"must be > 0, got {self.rms_norm_eps}")
         _require(self.rope_theta > 0, "rope_theta", f"must be > 0, got {self.rope_theta}")
-        _require(self.hidden_act == "silu", "hidden_act", f"only silu (SwiGLU) is supported, got {self.hidden_act!r}")
+        _require(self.hidden_act == "silu", "hidden_act",
+                 f"only silu (SwiGLU) is supported, got {self.hidden_act!r}")
         if self.rope_scaling is not None:
             rope_type = self.rope_scaling.get("rope_type")
             _require(rope_type in SUPPORTED_ROPE_TYPES, "rope_scaling",
@@ -115,7 +117,8 @@ class LlamaArchConfig:
             _require(float(self.rope_scaling.get("partial_rotary_factor", 1.0)) == 1.0, "rope_scaling",
                      "partial_rotary_factor != 1 is not supported")
             needed = {"llama3": ("factor", "low_freq_factor", "high_freq_factor",
-                                 "original_max_position_embeddings"), "linear": ("factor",)}.get(rope_type, ())
+                                 "original_max_position_embeddings"),
+                      "linear": ("factor",)}.get(rope_type, ())
             missing = [k for k in needed if k not in self.rope_scaling]
             _require(not missing, "rope_scaling", f"rope type {rope_type!r} needs {', '.join(missing)}")
         _require(self.sliding_window is None or self.sliding_window >= 1, "sliding_window",

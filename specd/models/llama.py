@@ -207,13 +207,16 @@ def load_llama(model_dir: str | Path, config: LlamaArchConfig, dtype: torch.dtyp
         if param is None:
             continue  # e.g. rotary inv_freq of old checkpoints, MTP heads: not ours
         if tuple(param.shape) != tuple(tensor.shape):
-            raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model shape {tuple(param.shape)}")
+            raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} "
+                             f"!= model shape {tuple(param.shape)}")
         with torch.no_grad():
             param.copy_(tensor)
         loaded.add(name)
     missing = set(params) - loaded
     if config.tie_word_embeddings:
-        missing.discard("lm_head.weight" if "model.embed_tokens.weight" in loaded else "model.embed_tokens.weight")
+        # One copy of the tied matrix is enough (checkpoints usually store only the embedding).
+        loaded_embed = "model.embed_tokens.weight" in loaded
+        missing.discard("lm_head.weight" if loaded_embed else "model.embed_tokens.weight")
     if missing:
         raise ValueError(f"checkpoint {model_dir} lacks tensors: {sorted(missing)[:8]}"
                          + (" ..." if len(missing) > 8 else ""))

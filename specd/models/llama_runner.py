@@ -74,7 +74,8 @@ class LlamaRunner:
         self.block_size = engine_config.block_size
         self.kv_cache = PagedKVCache(
             num_layers=self.config.num_hidden_layers,
-            num_blocks=num_cache_blocks(engine_config, self.config, self.session_len, self.dtype, self.device),
+            num_blocks=num_cache_blocks(engine_config, self.config, self.session_len, self.dtype,
+                                        self.device),
             block_size=self.block_size,
             num_kv_heads=self.config.num_key_value_heads,
             head_dim=self.config.head_dim,

@@ -67,7 +67,8 @@ def iter_tensors(model_dir: str | Path, prefix: str | None = None,
     names = [n for n in mapping if prefix is None or n.startswith(prefix)]
     for path, file_names in _by_file(names, mapping).items():
         if not path.is_file():
-            raise WeightsNotFoundError(f"shard {path.name} listed in {INDEX_FILE} is missing from {path.parent}")
+            raise WeightsNotFoundError(
+                f"shard {path.name} listed in {INDEX_FILE} is missing from {path.parent}")
         with safe_open(str(path), framework="pt", device=str(device)) as f:
             for name in file_names:
                 yield name, f.get_tensor(name)

@@ -1,0 +1,119 @@
+"""DeepSeek-V3 multi-token prediction (arXiv:2412.19437, sec. 2.2) as a proposer.
+
+The MTP module sits in the target checkpoint as one extra layer, `model.layers.<L>.*` with
+L = num_hidden_layers:
+    h' = eh_proj(cat(enorm(embed(x_{p+1})), hnorm(h_p)))     [2H -> H]
+    g  = DeepseekV3DecoderLayer(h')                          MLA; MoE or dense as the config says
+    logits = shared_head.head(shared_head.norm(g))
+h_p is the target's final hidden state, after its final norm (hidden_kind "final"). For k > 1 the
+module is reused on its own g, the decoder output before shared_head.norm, as in the paper and
+vLLM (SGLang feeds the normed state instead; CHAIN_AFTER_NORM switches).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import DeepseekV3Config
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
+    DeepseekV3DecoderLayer, DeepseekV3RMSNorm, DeepseekV3RotaryEmbedding)
+
+from specd.models.weights import iter_tensors
+from specd.proposers.mtp_common import (BatchKV, PairHeadProposer, TransformersCache,
+                                        load_module_tensors, read_first_tensor)
+
+CHAIN_AFTER_NORM = False  # feed g (vLLM, the paper), not shared_head.norm(g) (SGLang)
+_OWN_NAMES = ("embed_tokens.weight", "enorm.weight", "hnorm.weight", "eh_proj.weight",
+              "shared_head.norm.weight", "shared_head.head.weight")
+
+
+class DeepseekMTPHead(nn.Module):
+    """One MTP module of DeepSeek-V3 around a transformers DeepseekV3DecoderLayer."""
+
+    def __init__(self, config: DeepseekV3Config) -> None:
+        super().__init__()
+        hidden, eps = config.hidden_size, config.rms_norm_eps
+        self.embed_tokens = nn.Embedding(config.vocab_size, hidden)
+        self.enorm = DeepseekV3RMSNorm(hidden, eps)
+        self.hnorm = DeepseekV3RMSNorm(hidden, eps)
+        self.eh_proj = nn.Linear(2 * hidden, hidden, bias=False)
+        # layer_idx = L: MLA and the MoE-vs-dense choice (first_k_dense_replace) follow the config.
+        self.layer = DeepseekV3DecoderLayer(config, layer_idx=config.num_hidden_layers)
+        self.shared_head = nn.Module()
+        self.shared_head.norm = DeepseekV3RMSNorm(hidden, eps)
+        self.shared_head.head = nn.Linear(hidden, config.vocab_size, bias=False)
+        self.rotary = DeepseekV3RotaryEmbedding(config)
+        self.cache_kwarg = TransformersCache.kwarg_name(self.layer)
+
+    def project_target(self, rows: torch.Tensor) -> torch.Tensor:
+        """The target's final hidden rows [n, H] are the head's input as they are."""
+        assert rows.shape[-1] == self.eh_proj.out_features, \
+            f"expected [n, H] hidden rows, got {tuple(rows.shape)}"
+        return rows
+
+    def forward(self, ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+                kv: BatchKV) -> torch.Tensor:
+        """ids, positions [B, S]; hidden [B, S, H] -> g [B, S, H] (the state fed back)."""
+        emb = self.embed_tokens(ids).to(hidden.dtype)
+        x = self.eh_proj(torch.cat([self.enorm(emb), self.hnorm(hidden)], dim=-1))  # [B, S, H]
+        out = self.layer(x, attention_mask=kv.mask, position_ids=positions,
+                         position_embeddings=self.rotary(x, positions),
+                         **{self.cache_kwarg: TransformersCache(kv)})
+        return self.shared_head.norm(out) if CHAIN_AFTER_NORM else out
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, H] -> [N, vocab] float32."""
+        normed = hidden if CHAIN_AFTER_NORM else self.shared_head.norm(hidden)
+        return self.shared_head.head(normed).float()
+
+
+def load_deepseek_mtp_head(target_path: str | Path) -> DeepseekMTPHead:
+    """Build the head on CPU in float32 from `model.layers.<L>.*` of the target checkpoint."""
+    config = DeepseekV3Config.from_pretrained(str(target_path))
+    quant = getattr(config, "quantization_config", None)
+    if quant:
+        raise ValueError(f"{target_path}: quantized checkpoints ({quant.get('quant_method')}) are "
+                         "not supported by the MTP drafter; use a bf16 checkpoint")
+    if not getattr(config, "num_nextn_predict_layers", 0):
+        raise ValueError(f"{target_path}: num_nextn_predict_layers is 0: no MTP layer")
+    config._attn_implementation = "sdpa"  # BatchKV hands the layer a boolean mask
+    config._experts_implementation = "eager"
+    prefix = f"model.layers.{config.num_hidden_layers}."
+    tensors = {name[len(prefix):]: t for name, t in iter_tensors(target_path, prefix)}
+    if not tensors:
+        raise KeyError(f"{target_path}: no MTP tensors under {prefix}*")
+    # DeepSeek-V3 stores copies of the shared embeddings in the MTP layer; else use the originals.
+    if "embed_tokens.weight" not in tensors:
+        tensors["embed_tokens.weight"] = read_first_tensor(target_path,
+                                                           ("model.embed_tokens.weight",))
+    if "shared_head.head.weight" not in tensors:
+        tensors["shared_head.head.weight"] = read_first_tensor(target_path, ("lm_head.weight",))
+    missing = [prefix + n for n in _OWN_NAMES if n not in tensors]
+    if missing:
+        raise KeyError(f"{target_path}: MTP layer lacks {missing}")
+    head = DeepseekMTPHead(config)
+    for name in _OWN_NAMES:
+        head.get_parameter(name).data.copy_(tensors.pop(name))
+    load_module_tensors(head.layer, tensors, f"{target_path}: {prefix}*")
+    return head
+
+
+class DeepseekMTPProposer(PairHeadProposer):
+    """Drafts with DeepSeek-V3's MTP module, read from the target checkpoint itself."""
+
+    method = "deepseek_mtp"
+    hidden_kind = "final"
+
+    def __init__(self, target_path: str | Path, device: torch.device | str = "cpu",
+                 dtype: torch.dtype = torch.float32) -> None:
+        head = load_deepseek_mtp_head(target_path)
+        self.vocab_size = head.shared_head.head.out_features
+        router = getattr(head.layer.mlp, "gate", None)  # MoE layers only
+        router_state = None if router is None else {
+            k: v.clone() for k, v in router.state_dict().items()}
+        head = head.to(device=device, dtype=dtype)
+        if router is not None:  # the router stays float32, as transformers keeps it
+            router.float().load_state_dict(router_state)
+        super().__init__(head, device, dtype)

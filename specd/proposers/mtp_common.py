@@ -1,0 +1,279 @@
+"""The drafting loop shared by the heads that read target hidden states: EAGLE-3 and MTP.
+
+Such a head pairs (h_p, x_{p+1}) at position p and predicts x_{p+2}. A sequence with committed
+tokens x_0..x_n has committed pairs 0..n-1 (one target hidden row fewer than tokens, see
+specd.proposers.base). Drafting k tokens is:
+  catch-up    one forward over the committed pairs not yet in the head's KV cache; the output at
+              pair n-1 gives draft d_1 (sequence position n+1);
+  k-1 steps   pair (g, d_{j-1}) at position n+j-2, where g is the head's own output hidden state
+              at the previous pair, gives d_j (sequence position n+j).
+Catch-up entries are committed (they saw the target's hidden states) and stay in the cache; the
+autoregressive entries are speculative and are cropped when the next committed tokens arrive.
+
+Sequences of one batch are padded to a common length: `BatchKV` lays each sequence's cached
+entries side by side, appends the new ones and gives the mask that keeps sequences apart.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from specd.models.weights import read_tensor, tensor_names
+from specd.proposers.base import DraftProposal, DraftRequest
+from specd.random import SALT_DRAFT
+from specd.sampling import (SamplingTensors, apply_repetition_penalty, processed_probs,
+                            sample_from_probs)
+from specd.sampling_params import SamplingParams
+
+
+class BatchKV:
+    """Per-sequence caches of one attention layer, padded into a batch for one forward.
+
+    A cache is a list of tensors, each [heads, L, dim] (k and v; MLA's two latents), or None when
+    empty. Keys of the batch are [past padded to max_past | new], so query j of sequence i sees
+    its own past (slots < past_lens[i]) and new slots max_past .. max_past + j.
+    """
+
+    def __init__(self, caches: list[list[torch.Tensor] | None], query_lens: list[int],
+                 device: torch.device) -> None:
+        self.caches = caches
+        self.query_lens = query_lens
+        self.past_lens = [0 if c is None else c[0].shape[1] for c in caches]
+        self.max_past = max(self.past_lens)
+        self.new: tuple[torch.Tensor, ...] | None = None
+        num_q = max(query_lens)
+        past_ok = torch.arange(self.max_past, device=device)[None, :] < torch.tensor(
+            self.past_lens, device=device)[:, None]  # [B, max_past]
+        # Every query sees at least its own slot, so no row is fully masked and padded rows stay
+        # finite; valid queries never see padded keys, which all come after them.
+        causal = torch.ones(num_q, num_q, dtype=torch.bool, device=device).tril()  # [S, S]
+        mask = torch.cat([past_ok[:, None, :].expand(-1, num_q, -1),
+                          causal[None].expand(len(caches), -1, -1)], dim=-1)  # [B, S, past + S]
+        valid_q = torch.arange(num_q, device=device)[None, :] < torch.tensor(
+            query_lens, device=device)[:, None]  # [B, S]
+        mask[:, :, :self.max_past] &= valid_q[:, :, None]
+        self.mask = mask[:, None]  # [B, 1, S, max_past + S] bool, True = attend
+
+    def update(self, *new: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """New entries [B, heads, S, dim] each -> the batch's keys [B, heads, max_past + S, dim]."""
+        self.new = new
+        out = []
+        for t, fresh in enumerate(new):
+            past = fresh.new_zeros(fresh.shape[0], fresh.shape[1], self.max_past, fresh.shape[3])
+            for i, cache in enumerate(self.caches):
+                if cache is not None:
+                    past[i, :, :self.past_lens[i]] = cache[t]
+            out.append(torch.cat([past, fresh], dim=2))
+        return tuple(out)
+
+    def appended(self, i: int) -> list[torch.Tensor]:
+        """Sequence i's cache with its valid new entries appended."""
+        assert self.new is not None, "update() was never called: the head has no attention layer?"
+        fresh = [t[i, :, :self.query_lens[i]] for t in self.new]
+        if self.caches[i] is None:
+            return fresh
+        return [torch.cat([old, f], dim=1) for old, f in zip(self.caches[i], fresh)]
+
+
+class TransformersCache:
+    """The cache transformers' attention modules call: `update(k, v, layer_idx)` -> all k, v."""
+
+    def __init__(self, kv: BatchKV) -> None:
+        self.kv = kv
+
+    def update(self, key_states, value_states, layer_idx=None, *args, **kwargs):
+        return self.kv.update(key_states, value_states)
+
+    @staticmethod
+    def kwarg_name(layer: nn.Module) -> str:
+        """The keyword a transformers decoder layer takes its cache by: `cache` in the pinned
+        release, `past_key_values` in older ones (a layer given neither would skip BatchKV)."""
+        params = inspect.signature(layer.forward).parameters
+        return "cache" if "cache" in params else "past_key_values"
+
+
+def load_module_tensors(module: nn.Module, tensors: dict[str, torch.Tensor], where: str) -> None:
+    """Load checkpoint tensors (names relative to `module`) strictly, fusing per-expert MoE weights.
+
+    Checkpoints store `mlp.experts.<e>.{gate,up,down}_proj.weight`; transformers' MoE modules hold
+    `mlp.experts.gate_up_proj` [E, 2I, H] (gate rows first) and `mlp.experts.down_proj` [E, H, I].
+    """
+    expected = module.state_dict()
+    fused = dict(tensors)
+    for name in expected:
+        if not name.endswith(("experts.gate_up_proj", "experts.down_proj")) or name in fused:
+            continue
+        base = name.rsplit(".", 1)[0]  # ...mlp.experts
+        experts = range(expected[name].shape[0])
+
+        def take(e: int, proj: str) -> torch.Tensor:
+            return fused.pop(f"{base}.{e}.{proj}.weight")
+        try:
+            if name.endswith("gate_up_proj"):
+                fused[name] = torch.stack(
+                    [torch.cat([take(e, "gate_proj"), take(e, "up_proj")]) for e in experts])
+            else:
+                fused[name] = torch.stack([take(e, "down_proj") for e in experts])
+        except KeyError as err:
+            raise KeyError(f"{where}: missing expert weight {err}") from None
+    missing = sorted(set(expected) - set(fused))
+    unexpected = sorted(set(fused) - set(expected))
+    if missing or unexpected:
+        raise KeyError(f"{where}: checkpoint does not match the layer: missing {missing}, "
+                       f"unexpected {unexpected}")
+    module.load_state_dict(fused, strict=True)
+
+
+def read_first_tensor(model_dir: str | Path, names: tuple[str, ...]) -> torch.Tensor:
+    """The first of `names` the checkpoint holds (shared weights have several published names)."""
+    available = set(tensor_names(model_dir))
+    for name in names:
+        if name in available:
+            return read_tensor(model_dir, name)
+    raise KeyError(f"checkpoint {model_dir} has none of {list(names)}")
+
+
+@dataclass
+class _SeqState:
+    """Draft state of one sequence; pairs are counted by their position p."""
+
+    params: SamplingParams
+    tokens: list[int]  # committed x_0..x_n
+    pending: torch.Tensor | None = None  # [m, H] head-space hidden rows of pairs not yet cached
+    kv: list[torch.Tensor] | None = None  # [heads, L, dim] each; past num_cached: speculative
+    num_cached: int = 0  # committed pairs in kv
+    last: torch.Tensor | None = None  # [H] head output at the last committed pair
+
+    @property
+    def num_pairs(self) -> int:
+        return self.num_cached + (0 if self.pending is None else self.pending.shape[0])
+
+
+class PairHeadProposer:
+    """Proposer around a head module with `project_target`, `forward` and `logits`.
+
+    head.project_target(rows [n, H_target*]) -> [n, H]: the target rows in the head's input space.
+    head.forward(ids [B, S], hidden [B, S, H], positions [B, S], kv: BatchKV) -> [B, S, H]: the
+        hidden state fed back at the next position.
+    head.logits(hidden [N, H]) -> [N, target_vocab] float32 (-inf outside the draft vocabulary).
+    """
+
+    method: str
+    hidden_kind: str
+
+    def __init__(self, head: nn.Module, device: torch.device | str, dtype: torch.dtype) -> None:
+        self.head = head.eval()
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self._seqs: dict[int, _SeqState] = {}
+
+    def open(self, seq_id: int, params: SamplingParams) -> None:
+        self._seqs[seq_id] = _SeqState(params=params, tokens=[])
+
+    def close(self, seq_id: int) -> None:
+        self._seqs.pop(seq_id, None)
+
+    @torch.inference_mode()
+    def propose(self, requests: list[DraftRequest]) -> list[DraftProposal]:
+        for r in requests:
+            self._ingest(self._seqs[r.seq_id], r)
+        active = [r for r in requests if r.num_draft_tokens > 0]
+        drafts: dict[int, list[int]] = {r.seq_id: [] for r in requests}
+        probs: dict[int, list[torch.Tensor]] = {r.seq_id: [] for r in requests}
+        if active:
+            self._draft([self._seqs[r.seq_id] for r in active],
+                        [r.num_draft_tokens for r in active],
+                        [drafts[r.seq_id] for r in active], [probs[r.seq_id] for r in active])
+        out = []
+        for r in requests:
+            token_ids = torch.tensor(drafts[r.seq_id], dtype=torch.long)  # [k]
+            q = probs[r.seq_id]
+            sampled = q and not self._seqs[r.seq_id].params.is_greedy
+            out.append(DraftProposal(token_ids, torch.stack(q).cpu() if sampled else None))
+        return out
+
+    def _ingest(self, seq: _SeqState, r: DraftRequest) -> None:
+        """Append committed tokens and hidden rows; drop last step's speculative cache entries."""
+        seq.tokens.extend(r.new_token_ids)
+        if r.new_hidden_states is not None and r.new_hidden_states.shape[0] > 0:
+            assert r.new_hidden_states.ndim == 2, "new_hidden_states must be [n, H*]"
+            rows = self.head.project_target(r.new_hidden_states.to(self.device, self.dtype))
+            seq.pending = rows if seq.pending is None else torch.cat([seq.pending, rows])
+        if seq.num_pairs != len(seq.tokens) - 1:
+            raise ValueError(f"seq {r.seq_id}: {len(seq.tokens)} committed tokens need "
+                             f"{len(seq.tokens) - 1} hidden rows, got {seq.num_pairs}")
+        if seq.kv is not None:
+            seq.kv = [t[:, :seq.num_cached] for t in seq.kv]
+
+    def _draft(self, seqs: list[_SeqState], ks: list[int], drafts: list[list[int]],
+               probs: list[list[torch.Tensor]]) -> None:
+        self._catch_up([s for s in seqs if s.pending is not None])
+        for s in seqs:
+            if s.last is None:
+                raise ValueError("a sequence needs at least one hidden row before drafting")
+        rows = list(range(len(seqs)))
+        hidden = torch.stack([s.last for s in seqs])  # [B, H]
+        for step in range(max(ks)):
+            if step > 0:  # pair (g, d_{step}) at position n + step - 1, speculative
+                batch = [seqs[i] for i in rows]
+                ids = torch.tensor([[drafts[i][-1]] for i in rows], device=self.device)  # [B, 1]
+                pos = torch.tensor([[s.num_cached + step - 1] for s in batch], device=self.device)
+                kv = BatchKV([s.kv for s in batch], [1] * len(batch), self.device)
+                hidden = self.head(ids, hidden[:, None], pos, kv)[:, 0]  # [B, H]
+                for j, s in enumerate(batch):
+                    s.kv = kv.appended(j)
+            tokens, q = self._choose(self.head.logits(hidden), [seqs[i] for i in rows],
+                                     [drafts[i] for i in rows])
+            for j, i in enumerate(rows):
+                drafts[i].append(tokens[j])
+                if q is not None:
+                    probs[i].append(q[j])
+            keep = [j for j, i in enumerate(rows) if ks[i] > step + 1]
+            rows = [rows[j] for j in keep]
+            if not rows:
+                break
+            hidden = hidden[keep]
+
+    def _catch_up(self, seqs: list[_SeqState]) -> None:
+        """One padded forward over every sequence's uncached committed pairs."""
+        if not seqs:
+            return
+        lens = [s.pending.shape[0] for s in seqs]
+        num_q = max(lens)
+        ids = torch.zeros(len(seqs), num_q, dtype=torch.long)
+        pos = torch.zeros(len(seqs), num_q, dtype=torch.long)
+        hidden = seqs[0].pending.new_zeros(len(seqs), num_q, seqs[0].pending.shape[1])  # [B,S,H]
+        for i, s in enumerate(seqs):
+            start, m = s.num_cached, lens[i]
+            ids[i, :m] = torch.tensor(s.tokens[start + 1:start + 1 + m])  # x_{p+1} of pair p
+            pos[i, :m] = torch.arange(start, start + m)
+            hidden[i, :m] = s.pending
+        kv = BatchKV([s.kv for s in seqs], lens, self.device)
+        out = self.head(ids.to(self.device), hidden, pos.to(self.device), kv)  # [B, S, H]
+        for i, s in enumerate(seqs):
+            s.kv = kv.appended(i)
+            s.num_cached += lens[i]
+            s.pending = None
+            s.last = out[i, lens[i] - 1]
+
+    def _choose(self, logits: torch.Tensor, seqs: list[_SeqState], drafts: list[list[int]]
+                ) -> tuple[list[int], torch.Tensor | None]:
+        """Greedy argmax, or a sample from the processed draft distribution q (target vocab)."""
+        params = [s.params for s in seqs]
+        if all(p.is_greedy for p in params):
+            return logits.argmax(dim=-1).tolist(), None
+        st = SamplingTensors.from_params(params, logits.device)
+        if any(p.repetition_penalty != 1.0 for p in params):
+            # q should track the target's p, which is penalised over the context including drafts.
+            context = [torch.tensor(s.tokens + d) for s, d in zip(seqs, drafts)]
+            logits = apply_repetition_penalty(logits, context, st.repetition_penalty)
+        q = processed_probs(logits, st)  # [B, V]; greedy rows one-hot
+        # The draft would sit at sequence position len(tokens) + len(drafts so far).
+        positions = torch.tensor([len(s.tokens) + len(d) for s, d in zip(seqs, drafts)],
+                                 device=logits.device)  # [B]
+        return sample_from_probs(q, st.seeds, positions, SALT_DRAFT).tolist(), q

@@ -1,0 +1,92 @@
+"""The shared pieces of the hidden-state heads, on hand-made tensors: BatchKV, weight fusion,
+and the proposer's bookkeeping errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from specd.proposers.base import DraftRequest
+from specd.proposers.mtp_common import BatchKV, PairHeadProposer, load_module_tensors
+from specd.sampling_params import SamplingParams
+
+
+def test_batch_kv_mask_and_appended():
+    past0 = [torch.arange(2.0).view(1, 2, 1), -torch.arange(2.0).view(1, 2, 1)]  # k, v: [1, 2, 1]
+    kv = BatchKV([past0, None], query_lens=[1, 3], device=torch.device("cpu"))
+    want = torch.tensor([
+        # seq 0: past 2 slots, 1 query (rows 1, 2 are padding: causal over new slots, no past)
+        [[1, 1, 1, 0, 0], [0, 0, 1, 1, 0], [0, 0, 1, 1, 1]],
+        # seq 1: no past, 3 causal queries
+        [[0, 0, 1, 0, 0], [0, 0, 1, 1, 0], [0, 0, 1, 1, 1]],
+    ], dtype=torch.bool)
+    assert torch.equal(kv.mask[:, 0], want)
+    new_k = torch.arange(6.0).view(2, 1, 3, 1) + 10
+    keys, values = kv.update(new_k, -new_k)
+    assert keys.shape == (2, 1, 5, 1)
+    assert keys[0, 0, :, 0].tolist() == [0, 1, 10, 11, 12] and keys[1, 0, :2, 0].tolist() == [0, 0]
+    k0, v0 = kv.appended(0)
+    assert k0[0, :, 0].tolist() == [0, 1, 10] and v0[0, :, 0].tolist() == [0, -1, -10]
+    k1, _ = kv.appended(1)
+    assert k1[0, :, 0].tolist() == [13, 14, 15]
+
+
+class _Experts(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.zeros(2, 6, 4))  # [E, 2I, H]
+        self.down_proj = nn.Parameter(torch.zeros(2, 4, 3))  # [E, H, I]
+
+
+def test_load_module_tensors_fuses_experts():
+    module = nn.Module()
+    module.mlp = nn.Module()
+    module.mlp.experts = _Experts()
+    per_expert = {}
+    for e in range(2):
+        per_expert[f"mlp.experts.{e}.gate_proj.weight"] = torch.full((3, 4), 10.0 * e + 1)
+        per_expert[f"mlp.experts.{e}.up_proj.weight"] = torch.full((3, 4), 10.0 * e + 2)
+        per_expert[f"mlp.experts.{e}.down_proj.weight"] = torch.full((4, 3), 10.0 * e + 3)
+    load_module_tensors(module, dict(per_expert), "test")
+    gate_up = module.mlp.experts.gate_up_proj
+    assert gate_up[1, :3].unique().tolist() == [11.0] and gate_up[1, 3:].unique().tolist() == [12.0]
+    assert module.mlp.experts.down_proj[0].unique().tolist() == [3.0]
+    del per_expert["mlp.experts.1.up_proj.weight"]
+    with pytest.raises(KeyError, match="up_proj"):
+        load_module_tensors(module, per_expert, "test")
+    with pytest.raises(KeyError, match="unexpected"):
+        load_module_tensors(module, {"mlp.experts.gate_up_proj": gate_up.detach(),
+                                     "mlp.experts.down_proj": torch.zeros(2, 4, 3),
+                                     "stray.weight": torch.zeros(1)}, "test")
+
+
+class _EchoHead(nn.Module):
+    """A head without attention parameters: outputs its hidden input, logits favour token 7."""
+
+    def project_target(self, rows):
+        return rows
+
+    def forward(self, ids, hidden, positions, kv):
+        kv.update(hidden[:, None], hidden[:, None])  # one cached quantity per pair
+        return hidden
+
+    def logits(self, hidden):
+        out = torch.zeros(hidden.shape[0], 16)
+        out[:, 7] = 1.0
+        return out
+
+
+def test_proposer_bookkeeping():
+    proposer = PairHeadProposer(_EchoHead(), "cpu", torch.float32)
+    proposer.open(0, SamplingParams())
+    out = proposer.propose([DraftRequest(0, [1, 2, 3], torch.zeros(2, 4), 3)])[0]
+    assert out.token_ids.tolist() == [7, 7, 7] and out.probs is None
+    assert proposer._seqs[0].num_cached == 2 and proposer._seqs[0].kv[0].shape[1] == 4
+    # no new tokens: the speculative entries are dropped and the last committed output reused
+    out = proposer.propose([DraftRequest(0, [], None, 1)])[0]
+    assert out.token_ids.tolist() == [7] and proposer._seqs[0].kv[0].shape[1] == 2
+    with pytest.raises(ValueError, match="hidden rows"):
+        proposer.propose([DraftRequest(0, [5, 6], torch.zeros(1, 4), 1)])
+    proposer.close(0)
+    assert 0 not in proposer._seqs
