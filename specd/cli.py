@@ -39,6 +39,34 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+SERVICE_CLI_MODULES = ("services.gateway.cli", "services.verifier.cli", "services.drafter.cli",
+                       "services.launcher.cli")
+
+
+def _healthcheck(args: argparse.Namespace) -> int:
+    """Exit 0 when the target is healthy (compose and Kubernetes probes call this)."""
+    if args.kind == "http":
+        import urllib.request
+
+        try:
+            with urllib.request.urlopen(args.target, timeout=args.timeout) as reply:
+                return 0 if reply.status == 200 else 1
+        except OSError as e:
+            print(f"unhealthy: {e}", file=sys.stderr)
+            return 1
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(args.target) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout)
+        except grpc.RpcError as e:
+            print(f"unhealthy: {e.code().name}", file=sys.stderr)
+            return 1
+    return 0 if reply.status == health_pb2.HealthCheckResponse.SERVING else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specd", description="Speculative-decoding LLM serving")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -61,6 +89,23 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--raw", action="store_true", help="no chat template")
     gen.set_defaults(func=_generate)
+
+    health = sub.add_parser("healthcheck", help="probe a specd service (exit 0 when healthy)")
+    health.add_argument("kind", choices=["grpc", "http"])
+    health.add_argument("target", help="host:port (grpc) or URL (http)")
+    health.add_argument("--service", default="", help="grpc health service name")
+    health.add_argument("--timeout", type=float, default=3.0)
+    health.set_defaults(func=_healthcheck)
+
+    # Each service owns its flags; its cli module imports nothing heavy at module level.
+    import importlib
+
+    for module in SERVICE_CLI_MODULES:
+        try:
+            importlib.import_module(module).add_parser(sub)
+        except ModuleNotFoundError as e:
+            if e.name != module:
+                raise
     return parser
 
 

@@ -17,7 +17,7 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(eq=False)  # identity semantics: two requests with equal tokens are still two requests
 class Sequence:
     """One request. The committed tokens are prompt_token_ids + output_token_ids.
 

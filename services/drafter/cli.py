@@ -1,0 +1,60 @@
+"""`specd drafter MODEL ...`: run the drafter service (imports nothing heavy until it runs)."""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+METHODS = ("eagle3", "deepseek_mtp", "qwen3_5_mtp", "draft_model", "ngram")
+
+
+def _device(value: str) -> str:
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", value):
+        raise argparse.ArgumentTypeError(f"expected cpu, cuda or cuda:N, got {value!r}")
+    return value
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    """Register the `drafter` subcommand on the `specd` parser's subparsers."""
+    p = sub.add_parser("drafter", help="serve draft tokens to verifiers over gRPC",
+                       description="The drafter service: holds per-request draft state and proposes "
+                                   "draft tokens for a verifier's batch, one stream message per step.")
+    p.add_argument("model", help="target checkpoint (vocabulary and hidden width; MTP heads and "
+                                 "EAGLE-3's embeddings are read from it, its weights are not loaded)")
+    p.add_argument("--speculative-algorithm", required=True, choices=METHODS)
+    p.add_argument("--speculative-draft-model", help="draft checkpoint (eagle3, draft_model)")
+    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--port", type=int, default=50061)
+    p.add_argument("--device", type=_device, default="cpu", help="cpu | cuda | cuda:N")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
+    p.add_argument("--max-num-draft-tokens", type=int, default=32,
+                   help="largest k a verifier may ask for per sequence and step")
+    p.add_argument("--max-batch-size", type=int, default=128,
+                   help="draft_model: sequences its KV cache is sized for (all verifiers together)")
+    p.add_argument("--prompt-lookup-min", type=int, default=1, help="ngram: shortest suffix to match")
+    p.add_argument("--prompt-lookup-max", type=int, default=4, help="ngram: longest suffix to match")
+    p.add_argument("--max-workers", type=int, default=32,
+                   help="gRPC threads; each open verifier stream holds one")
+    p.add_argument("--log-level", default="INFO")
+    p.set_defaults(func=_run)
+    return p
+
+
+def _run(args: argparse.Namespace) -> int:
+    import logging
+
+    from services.drafter.server import serve_drafter
+    from specd.messages import SpeculativeConfig
+
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    spec = SpeculativeConfig(method=args.speculative_algorithm,
+                             num_speculative_tokens=min(args.max_num_draft_tokens, 32),
+                             model=args.speculative_draft_model or "",
+                             prompt_lookup_min=args.prompt_lookup_min,
+                             prompt_lookup_max=args.prompt_lookup_max)
+    serve_drafter(args.speculative_draft_model or args.model, spec, target_path=args.model,
+                  host=args.host, port=args.port, device=args.device, dtype=args.dtype,
+                  max_num_draft_tokens=args.max_num_draft_tokens, max_batch_size=args.max_batch_size,
+                  max_workers=args.max_workers)
+    return 0

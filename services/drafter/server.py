@@ -1,0 +1,141 @@
+"""The drafter process: load one proposer and serve it over gRPC, with health and reflection.
+
+Only the drafter's own weights are loaded: the target contributes its config.json (vocabulary
+size, hidden width) and, where the method reads them from the target checkpoint, the tensors it
+needs (EAGLE-3's embeddings, the MTP heads), never the target model itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import signal
+import threading
+import time
+from concurrent import futures
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import torch
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from services.drafter.servicer import DrafterServicer
+from specd.messages import PytorchEngineConfig, SpeculativeConfig
+from specd.models.hf_config import read_json
+from specd.v1 import drafter_pb2, drafter_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_PORT = 50061
+MAX_MESSAGE_BYTES = 256 << 20  # a step of EAGLE-3 hidden rows at a large batch is several MB
+DRAFTER_SERVICE = drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name
+GRPC_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
+
+
+def target_text_config(target_path: str | Path) -> dict:
+    """The target's config.json, or its `text_config` for multimodal checkpoints."""
+    raw = read_json(Path(target_path) / "config.json")
+    return raw.get("text_config") or raw
+
+
+def load_drafter(model_path: str | Path, spec: SpeculativeConfig, target_path: str | Path | None = None,
+                 *, device: str = "cpu", dtype: str = "auto", max_num_draft_tokens: int = 32,
+                 max_batch_size: int = 128) -> DrafterServicer:
+    """Build the proposer `spec` names and wrap it in a servicer.
+
+    model_path: the draft checkpoint for eagle3 / draft_model when spec.model is empty (spec.model
+    wins when set); for MTP and ngram pass the target. target_path: the target checkpoint
+    (default: model_path). max_batch_size sizes draft_model's KV cache (all streams together).
+    """
+    from specd.models.llama_runner import select_dtype
+    from specd.models.model_path import resolve_model_path
+    from specd.proposers.factory import build_proposer
+
+    target = resolve_model_path(str(target_path or model_path))
+    if not spec.model and target_path is not None and Path(model_path) != Path(target_path):
+        spec = dataclasses.replace(spec, model=str(model_path))
+    text = target_text_config(target)
+    vocab_size = int(text["vocab_size"])
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is not None:
+        torch.cuda.set_device(dev)  # the draft runner places itself on the current CUDA device
+    engine_config = PytorchEngineConfig(dtype=dtype, device_type=dev.type, max_batch_size=max_batch_size)
+    proposer = build_proposer(spec, target, vocab_size, engine_config, dev, select_dtype(engine_config, dev))
+    hidden_size = {"none": 0, "final": int(text["hidden_size"]),
+                   "aux": len(getattr(proposer, "aux_layer_ids", None) or []) * int(text["hidden_size"])
+                   }[proposer.hidden_kind]
+    return DrafterServicer(proposer, vocab_size=vocab_size, hidden_size=hidden_size,
+                           max_num_draft_tokens=max_num_draft_tokens)
+
+
+@dataclass
+class DrafterServer:
+    """A running drafter gRPC server (Drafter + grpc.health.v1 + reflection on one port)."""
+
+    server: grpc.Server
+    servicer: DrafterServicer
+    health: health.HealthServicer
+    port: int
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def stop(self, grace_s: float | None = 5.0) -> None:
+        """Report NOT_SERVING, then let in-flight steps finish for up to grace_s seconds."""
+        self.health.enter_graceful_shutdown()
+        self.server.stop(grace_s).wait()
+
+
+def start_server(servicer: DrafterServicer, host: str = "0.0.0.0", port: int = 0,
+                 max_workers: int = 32) -> DrafterServer:
+    """Start serving `servicer` (port 0: any free port); health turns SERVING once started.
+
+    Sync gRPC holds one worker thread per open DraftSteps stream, so max_workers bounds the
+    number of verifiers served at once (plus a few for Info and health).
+    """
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="drafter"),
+                         options=GRPC_OPTIONS)
+    drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, server)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection((DRAFTER_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME),
+                                        server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"drafter: cannot listen on {host}:{port}")
+    server.start()
+    for service in ("", DRAFTER_SERVICE):
+        health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+    return DrafterServer(server, servicer, health_servicer, bound)
+
+
+def serve_drafter(model_path: str | Path, spec: SpeculativeConfig, target_path: str | Path | None = None,
+                  host: str = "0.0.0.0", port: int = DEFAULT_PORT, device: str = "cpu", *,
+                  dtype: str = "auto", max_num_draft_tokens: int = 32, max_batch_size: int = 128,
+                  max_workers: int = 32, grace_s: float = 5.0) -> None:
+    """Load, serve until SIGTERM or SIGINT, then stop gracefully (blocks; call from the main thread)."""
+    t0 = time.perf_counter()
+    servicer = load_drafter(model_path, spec, target_path, device=device, dtype=dtype,
+                            max_num_draft_tokens=max_num_draft_tokens, max_batch_size=max_batch_size)
+    running = start_server(servicer, host, port, max_workers)
+    logger.info("event=drafter_serving method=%s host=%s port=%d device=%s load_s=%.2f",
+                servicer.proposer.method, host, running.port, device, time.perf_counter() - t0)
+    stop = threading.Event()
+
+    def on_signal(signum, frame) -> None:
+        logger.info("event=drafter_stopping signal=%s", signal.Signals(signum).name)
+        stop.set()
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        while not stop.wait(0.5):
+            pass
+    finally:
+        running.stop(grace_s)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        logger.info("event=drafter_stopped port=%d", running.port)

@@ -1,0 +1,102 @@
+"""The Redis Streams contract between gateways and verifiers: keys, entries, encodings.
+
+Request stream (one per deployment, default `specd:requests`), consumer group `verifiers`:
+    entry fields: id (request id), body (JSON of QueuedRequest)
+    A verifier XREADGROUPs entries, XACKs and XDELs them when the request finished, so XLEN is the
+    number of accepted requests not yet answered (the queue depth the gateway's backpressure uses;
+    it works on Redis 6.2, which has no consumer-group lag).
+Result stream (one per request, `specd:results:<id>`), written by the verifier, read by the gateway:
+    kind=delta  pos=<output index of the first token>  tokens=<JSON list of token ids>
+    kind=final  pos, tokens (possibly empty), finish_reason, spec_stats (JSON), prompt_tokens
+    kind=error  code (HTTP-like status), message
+    Every write refreshes a TTL so abandoned results expire. Positions make deltas idempotent: a
+    reader drops tokens below the position it already has (exactly-once across verifier restarts).
+Everything on the wire is JSON or integers: nothing is unpickled.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from specd.messages import SpecStats
+from specd.sampling_params import SamplingParams
+
+DEFAULT_REQUEST_STREAM = "specd:requests"
+CONSUMER_GROUP = "verifiers"
+RESULT_PREFIX = "specd:results:"
+RESULT_TTL_SECONDS = 600
+
+
+def result_key(request_id: str, prefix: str = RESULT_PREFIX) -> str:
+    return f"{prefix}{request_id}"
+
+
+@dataclass
+class QueuedRequest:
+    """A validated, tokenized request as it waits in the request stream."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    model: str = ""
+    arrival_time: float = field(default_factory=time.time)
+    deadline: float | None = None  # unix time after which the request is abandoned
+    response_format: dict | None = None  # structured output (grammar service)
+
+    def to_fields(self) -> dict[str, str]:
+        body = {"prompt_token_ids": self.prompt_token_ids, "params": asdict(self.params), "model": self.model,
+                "arrival_time": self.arrival_time, "deadline": self.deadline,
+                "response_format": self.response_format}
+        return {"id": self.request_id, "body": json.dumps(body, separators=(",", ":"))}
+
+    @classmethod
+    def from_fields(cls, fields: dict[bytes | str, bytes | str]) -> "QueuedRequest":
+        f = {_s(k): _s(v) for k, v in fields.items()}
+        body = json.loads(f["body"])
+        return cls(request_id=f["id"], prompt_token_ids=[int(t) for t in body["prompt_token_ids"]],
+                   params=SamplingParams(**body["params"]), model=body.get("model", ""),
+                   arrival_time=float(body.get("arrival_time") or time.time()), deadline=body.get("deadline"),
+                   response_format=body.get("response_format"))
+
+
+@dataclass
+class ResultEntry:
+    """One entry of a result stream."""
+
+    kind: str  # delta | final | error
+    pos: int = 0
+    tokens: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    spec_stats: SpecStats | None = None
+    prompt_tokens: int = 0
+    code: int = 0
+    message: str = ""
+
+    def to_fields(self) -> dict[str, str]:
+        fields: dict[str, Any] = {"kind": self.kind, "pos": self.pos, "tokens": json.dumps(self.tokens)}
+        if self.kind == "final":
+            fields.update(finish_reason=self.finish_reason or "",
+                          spec_stats=json.dumps(asdict(self.spec_stats or SpecStats())),
+                          prompt_tokens=self.prompt_tokens)
+        elif self.kind == "error":
+            fields.update(code=self.code, message=self.message)
+        return {k: str(v) for k, v in fields.items()}
+
+    @classmethod
+    def from_fields(cls, fields: dict[bytes | str, bytes | str]) -> "ResultEntry":
+        f = {_s(k): _s(v) for k, v in fields.items()}
+        entry = cls(kind=f["kind"], pos=int(f.get("pos", 0)), tokens=json.loads(f.get("tokens", "[]")))
+        if entry.kind == "final":
+            entry.finish_reason = f.get("finish_reason") or None
+            entry.spec_stats = SpecStats(**json.loads(f.get("spec_stats", "{}")))
+            entry.prompt_tokens = int(f.get("prompt_tokens", 0))
+        elif entry.kind == "error":
+            entry.code, entry.message = int(f.get("code", 500)), f.get("message", "")
+        return entry
+
+
+def _s(v: bytes | str) -> str:
+    return v.decode() if isinstance(v, bytes) else v

@@ -1,0 +1,394 @@
+"""The drafter service and RemoteProposer over real gRPC on loopback.
+
+For every method, an engine whose proposer is a RemoteProposer decodes exactly the target's own
+greedy tokens, and every step's remote drafts (and q) equal a local proposer's for the same inputs.
+Also: two drafters splitting one batch, health and reflection, malformed steps ending only their
+stream, deadlines, the tensor codec, the hash ring and the `specd drafter` command.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from services.drafter.server import load_drafter, start_server
+from services.drafter.servicer import DrafterServicer, sampling_params_from_pb
+from specd.engine.builder import build_engine
+from specd.messages import PytorchEngineConfig, SpeculativeConfig
+from specd.proposers.base import DraftProposal, DraftRequest
+from specd.proposers.factory import build_proposer
+from specd.proposers.remote import (DrafterRejectedError, DrafterUnavailableError, HashRing,
+                                    RemoteProposer, sampling_params_to_pb)
+from specd.sampling_params import SamplingParams
+from specd.transport.tensor_codec import TensorCodecError, tensor_from_pb, tensor_to_pb
+from specd.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
+
+ROOT = Path(__file__).resolve().parents[2]
+METHODS = {  # method -> (target checkpoint, draft checkpoint or None)
+    "eagle3": ("target-llama", "draft-eagle3"),
+    "draft_model": ("target-llama", "draft-llama-small"),
+    "ngram": ("target-llama", None),
+    "deepseek_mtp": ("target-deepseek-mtp", None),
+    "qwen3_5_mtp": ("target-qwen3_5-mtp", None),
+}
+K = 3
+ENGINE_CONFIG = PytorchEngineConfig(max_batch_size=8, block_size=8)
+
+
+def spec_for(tiny_models, method: str) -> SpeculativeConfig:
+    draft = METHODS[method][1]
+    return SpeculativeConfig(method=method, num_speculative_tokens=K,
+                             model=str(tiny_models[draft]) if draft else "")
+
+
+def make_requests(num: int = 6, sampled: bool = False):
+    """Prompts of mixed lengths (some repetitive, so n-gram lookup finds matches)."""
+    gen = torch.Generator().manual_seed(0)
+    prompts, params = [], []
+    for i in range(num):
+        length = [1, 4, 9, 17, 30, 6, 12, 3][i % 8]
+        prompt = torch.randint(4, 512, (length,), generator=gen).tolist()
+        prompts.append((prompt * 3)[:3 * length] if i % 3 == 0 else prompt)
+        params.append(SamplingParams(temperature=0.8 if sampled and i % 2 else 0.0, top_k=40 * (i % 3),
+                                     seed=100 + i, max_new_tokens=[6, 13, 20][i % 3], ignore_eos=True))
+    return prompts, params
+
+
+class TeeProposer:
+    """Hands the engine the remote drafts after checking they equal the local proposer's."""
+
+    def __init__(self, remote: RemoteProposer, local) -> None:
+        self.remote, self.local = remote, local
+        self.method, self.hidden_kind = remote.method, remote.hidden_kind
+        self.aux_layer_ids = remote.aux_layer_ids
+        self.num_steps_compared = 0
+
+    def open(self, seq_id, params):
+        self.remote.open(seq_id, params)
+        self.local.open(seq_id, params)
+
+    def close(self, seq_id):
+        self.remote.close(seq_id)
+        self.local.close(seq_id)
+
+    def propose(self, requests):
+        got, want = self.remote.propose(requests), self.local.propose(requests)
+        for r, g, w in zip(requests, got, want):
+            assert g.token_ids.tolist() == w.token_ids.tolist(), f"seq {r.seq_id}: drafts differ"
+            assert (g.probs is None) == (w.probs is None)
+            if w.probs is not None:
+                assert torch.equal(g.probs, w.probs), f"seq {r.seq_id}: q differs"
+        self.num_steps_compared += 1
+        return got
+
+
+@pytest.fixture(scope="module")
+def drafters(tiny_models):
+    """drafters(method, index=0) -> a running in-process DrafterServer, started once."""
+    running = {}
+
+    def get(method: str, index: int = 0):
+        if (method, index) not in running:
+            target = tiny_models[METHODS[method][0]]
+            servicer = load_drafter(target, spec_for(tiny_models, method), target,
+                                    max_num_draft_tokens=8)
+            running[method, index] = start_server(servicer, "127.0.0.1", 0, max_workers=8)
+        return running[method, index]
+    yield get
+    for server in running.values():
+        server.stop(0.5)
+
+
+_baselines: dict[tuple, list[list[int]]] = {}
+
+
+def target_greedy(tiny_models, target_name: str, prompts, params) -> list[list[int]]:
+    key = (target_name, len(prompts))
+    if key not in _baselines:
+        engine = build_engine(tiny_models[target_name], ENGINE_CONFIG)
+        _baselines[key] = [s.output_token_ids for s in engine.generate(prompts, params)]
+    return _baselines[key]
+
+
+def run_remote(tiny_models, method, addresses, prompts, params):
+    target_name = METHODS[method][0]
+    spec = spec_for(tiny_models, method)
+    target = tiny_models[target_name]
+    with RemoteProposer(addresses) as remote:
+        local = build_proposer(spec, target, remote.vocab_size, ENGINE_CONFIG, torch.device("cpu"),
+                               torch.float32)
+        tee = TeeProposer(remote, local)
+        engine = build_engine(target, ENGINE_CONFIG, spec, proposer=tee)
+        seqs = engine.generate(prompts, params)
+        remote.flush()  # the finished sequences' closes
+        assert tee.num_steps_compared > 0
+        assert remote.last_rpc_seconds > 0
+        return seqs, remote, tee
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+def test_remote_greedy_equals_target_greedy(tiny_models, drafters, method):
+    server = drafters(method)
+    prompts, params = make_requests()
+    want = target_greedy(tiny_models, METHODS[method][0], prompts, params)
+    seqs, remote, _ = run_remote(tiny_models, method, [server.address], prompts, params)
+    assert [s.output_token_ids for s in seqs] == want
+    assert sum(s.stats.num_draft_tokens for s in seqs) > 0, "speculation never ran"
+    assert remote.aux_layer_ids == list(getattr(server.servicer.proposer, "aux_layer_ids", []) or [])
+    assert server.servicer.num_open_sequences == 0
+
+
+@pytest.mark.parametrize("method", ["eagle3", "draft_model"])
+def test_sampled_drafts_and_q_match_local(tiny_models, drafters, method):
+    prompts, params = make_requests(sampled=True)
+    run_remote(tiny_models, method, [drafters(method).address], prompts, params)  # TeeProposer checks q
+
+
+def test_two_drafters_split_the_batch(tiny_models, drafters):
+    a, b = drafters("draft_model", 0), drafters("draft_model", 1)
+    opened = (a.servicer.num_sequences_opened, b.servicer.num_sequences_opened)
+    prompts, params = make_requests(num=8)
+    want = target_greedy(tiny_models, "target-llama", prompts, params)
+    seqs, remote, _ = run_remote(tiny_models, "draft_model", [a.address, b.address], prompts, params)
+    assert [s.output_token_ids for s in seqs] == want
+    assert a.servicer.num_sequences_opened > opened[0] and b.servicer.num_sequences_opened > opened[1]
+    assert a.servicer.num_open_sequences == b.servicer.num_open_sequences == 0
+
+
+def test_hash_ring_is_stable_under_membership_changes():
+    nodes = ["10.0.0.1:50061", "10.0.0.2:50061", "10.0.0.3:50061"]
+    ring = HashRing(nodes)
+    before = {k: ring.lookup(k) for k in range(3000)}
+    assert set(before.values()) == set(nodes)
+    ring.add("10.0.0.4:50061")
+    after = {k: ring.lookup(k) for k in before}
+    moved = [k for k in before if before[k] != after[k]]
+    assert all(after[k] == "10.0.0.4:50061" for k in moved)  # only keys the new node takes move
+    assert 0.1 < len(moved) / len(before) < 0.4
+    ring.remove("10.0.0.4:50061")
+    assert {k: ring.lookup(k) for k in before} == before
+
+
+def test_health_and_reflection(drafters):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    server = drafters("ngram")
+    with grpc.insecure_channel(server.address) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        for service in ("", "specd.v1.Drafter"):
+            status = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status
+            assert status == health_pb2.HealthCheckResponse.SERVING
+        stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+        answers = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
+        names = {s.name for s in next(answers).list_services_response.service}
+        assert {"specd.v1.Drafter", "grpc.health.v1.Health"} <= names
+
+
+def _open(seq_id: int) -> drafter_pb2.OpenSequence:
+    return drafter_pb2.OpenSequence(seq_id=seq_id, params=sampling_params_to_pb(SamplingParams()))
+
+
+def _steps(stub, *messages):
+    return list(stub.DraftSteps(iter(messages), timeout=10))
+
+
+@pytest.mark.parametrize("case", ["unknown_seq", "k_too_large", "hidden_width", "hidden_rows",
+                                  "token_out_of_vocab", "duplicate_open"])
+def test_malformed_step_ends_only_its_stream(drafters, case):
+    method = "eagle3" if case.startswith("hidden") else "ngram"
+    server = drafters(method)
+    width = server.servicer.hidden_size or 8
+    hidden = {"hidden_width": torch.zeros(2, width + 1), "hidden_rows": torch.zeros(3, width)}.get(
+        case, torch.zeros(2, width))
+    seq = drafter_pb2.SequenceDraftInput(seq_id=1, new_token_ids=[5, 6, 7], num_draft_tokens=2)
+    if method == "eagle3":
+        tensor_to_pb(hidden, seq.new_hidden_states)
+    if case == "unknown_seq":
+        seq.seq_id = 7
+    if case == "k_too_large":
+        seq.num_draft_tokens = 99
+    if case == "token_out_of_vocab":
+        seq.new_token_ids.append(10**6)
+    message = drafter_pb2.DraftStepRequest(open=[_open(1)] + ([_open(1)] if case == "duplicate_open" else []),
+                                           sequences=[seq])
+    want_code, want_text = {"unknown_seq": (grpc.StatusCode.INVALID_ARGUMENT, "unknown seq id 7"),
+                            "k_too_large": (grpc.StatusCode.INVALID_ARGUMENT, "num_draft_tokens"),
+                            "hidden_width": (grpc.StatusCode.INVALID_ARGUMENT, f"expects {width}"),
+                            "hidden_rows": (grpc.StatusCode.INVALID_ARGUMENT, "expected 2 rows"),
+                            "token_out_of_vocab": (grpc.StatusCode.INVALID_ARGUMENT, "outside"),
+                            "duplicate_open": (grpc.StatusCode.FAILED_PRECONDITION, "already open")}[case]
+    with grpc.insecure_channel(server.address) as channel:
+        stub = drafter_pb2_grpc.DrafterStub(channel)
+        with pytest.raises(grpc.RpcError) as err:
+            _steps(stub, message)
+        assert err.value.code() == want_code and want_text in err.value.details()
+        # The server keeps serving: a well-formed stream on the same server still drafts.
+        ok = drafter_pb2.SequenceDraftInput(seq_id=1, new_token_ids=[5, 6, 7], num_draft_tokens=2)
+        if method == "eagle3":
+            tensor_to_pb(torch.zeros(2, width), ok.new_hidden_states)
+        answers = _steps(stub, drafter_pb2.DraftStepRequest(step_id=4, open=[_open(1)], sequences=[ok]))
+        assert answers[0].step_id == 4 and len(answers[0].sequences[0].token_ids) <= 2
+    deadline = time.monotonic() + 5
+    while server.servicer.num_open_sequences and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert server.servicer.num_open_sequences == 0  # both streams' sequences were closed
+
+
+def test_rejected_step_raises_drafter_rejected_error(drafters):
+    with RemoteProposer([drafters("ngram").address]) as remote:
+        remote.open(0, SamplingParams())
+        with pytest.raises(DrafterRejectedError, match="num_draft_tokens") as err:
+            remote.propose([DraftRequest(0, [5, 6], None, 99)])
+        assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+
+
+class SlowProposer:
+    """A proposer that takes `delay_s` per step (a stuck drafter)."""
+
+    method, hidden_kind = "ngram", "none"
+
+    def __init__(self, delay_s: float) -> None:
+        self.delay_s = delay_s
+
+    def open(self, seq_id, params):
+        pass
+
+    def close(self, seq_id):
+        pass
+
+    def propose(self, requests):
+        time.sleep(self.delay_s)
+        return [DraftProposal(torch.empty(0, dtype=torch.long)) for _ in requests]
+
+
+def test_deadline_and_unreachable_raise_drafter_unavailable():
+    server = start_server(DrafterServicer(SlowProposer(1.0), vocab_size=16), "127.0.0.1", 0)
+    try:
+        remote = RemoteProposer([server.address], deadline_s=0.2)
+        remote.open(3, SamplingParams())
+        t0 = time.perf_counter()
+        with pytest.raises(DrafterUnavailableError, match="deadline") as err:
+            remote.propose([DraftRequest(3, [1, 2], None, 2)])
+        assert time.perf_counter() - t0 < 0.9 and err.value.lost_seq_ids == [3]
+        with pytest.raises(DrafterUnavailableError):  # the stream stays dead: fail fast
+            remote.propose([DraftRequest(3, [], None, 2)])
+        remote.close(3)
+        remote.shutdown()
+    finally:
+        server.stop(0)
+    with pytest.raises(DrafterUnavailableError, match="Info failed"):
+        RemoteProposer([server.address], connect_timeout_s=0.3)
+
+
+def test_step_timing_batch_of_8(drafters):
+    """Per-step RPC overhead (round trip minus model time) on loopback, batch 8, EAGLE-3 rows."""
+    server = drafters("eagle3")
+    width = server.servicer.hidden_size
+    with RemoteProposer([server.address]) as remote:
+        for i in range(8):
+            remote.open(i, SamplingParams())
+        remote.propose([DraftRequest(i, [5, 6, 7, 8], torch.randn(3, width), 3) for i in range(8)])
+        overheads = []
+        for _ in range(20):
+            remote.propose([DraftRequest(i, [9, 10], torch.randn(2, width), 3) for i in range(8)])
+            overheads.append(remote.last_rpc_seconds - remote.last_draft_seconds)
+        overheads.sort()
+        print(f"drafter RPC overhead, batch 8: p50 {overheads[10] * 1e3:.2f} ms")
+        assert 0 < remote.last_draft_seconds < remote.last_rpc_seconds
+        assert overheads[10] < 0.05
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int64,
+                                   torch.int32, torch.bool])
+def test_tensor_codec_round_trip_is_exact(dtype):
+    source = torch.randn(5, 7) * 1000
+    t = source.to(dtype) if dtype != torch.bool else source > 0
+    for case in (t, t.t(), t[1:3, ::2], t[0, 0], t[:0]):  # non-contiguous, 0-d, empty
+        wire = common_pb2.Tensor.FromString(tensor_to_pb(case).SerializeToString())
+        back = tensor_from_pb(wire)
+        assert back.dtype == case.dtype and back.shape == case.shape and torch.equal(back, case)
+        assert len(wire.data) == case.numel() * case.element_size()
+        copied = tensor_from_pb(wire, copy=True)
+        assert torch.equal(copied, case)
+
+
+def test_tensor_codec_rejects_bad_messages():
+    with pytest.raises(TensorCodecError, match="cannot send"):
+        tensor_to_pb(torch.zeros(2, dtype=torch.float64))
+    msg = tensor_to_pb(torch.zeros(2, 3))
+    msg.shape[:] = [2, 4]
+    with pytest.raises(TensorCodecError, match="24 bytes"):
+        tensor_from_pb(msg)
+    with pytest.raises(TensorCodecError, match="dtype"):
+        tensor_from_pb(common_pb2.Tensor(dtype=common_pb2.DTYPE_UNSPECIFIED))
+
+
+def test_sampling_params_survive_the_wire():
+    params = SamplingParams(temperature=0.7, top_k=20, top_p=0.9, min_p=0.05, repetition_penalty=1.3,
+                            seed=2**62 + 5)
+    back = sampling_params_from_pb(common_pb2.SamplingParameters.FromString(
+        sampling_params_to_pb(params).SerializeToString()))
+    for name in ("temperature", "top_p", "min_p", "repetition_penalty"):  # float32 on the wire
+        assert torch.tensor(getattr(back, name)).float() == torch.tensor(getattr(params, name)).float()
+    assert (back.top_k, back.seed) == (params.top_k, params.seed)
+    assert sampling_params_from_pb(common_pb2.SamplingParameters()).top_p == 1.0
+
+
+def test_cli_help_parses(capsys):
+    from specd.cli import build_parser
+
+    with pytest.raises(SystemExit) as done:
+        build_parser().parse_args(["drafter", "--help"])
+    assert done.value.code == 0 and "--speculative-algorithm" in capsys.readouterr().out
+    args = build_parser().parse_args(["drafter", "m", "--speculative-algorithm", "eagle3",
+                                      "--speculative-draft-model", "d", "--device", "cuda:1"])
+    assert (args.model, args.port, args.host, args.device, args.dtype) == ("m", 50061, "0.0.0.0", "cuda:1", "auto")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["drafter", "m", "--speculative-algorithm", "ngram", "--device", "gpu"])
+    light = subprocess.run([sys.executable, "-c", "import sys, services.drafter.cli; "
+                            "print(sorted({'torch', 'grpc'} & set(sys.modules)))"],
+                           cwd=ROOT, capture_output=True, text=True, check=True)
+    assert light.stdout.strip() == "[]"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_drafter_process_serves_and_stops_on_sigterm(tiny_models):
+    port = _free_port()
+    target = str(tiny_models["target-llama"])
+    proc = subprocess.Popen([sys.executable, "-m", "specd.cli", "drafter", target, "--speculative-algorithm",
+                             "ngram", "--host", "127.0.0.1", "--port", str(port)],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    log: list[str] = []
+    reader = threading.Thread(target=lambda: log.extend(proc.stdout), daemon=True)
+    reader.start()
+    try:
+        with RemoteProposer([f"127.0.0.1:{port}"], connect_timeout_s=60) as remote:
+            remote.open(0, SamplingParams())
+            out = remote.propose([DraftRequest(0, [5, 6, 7, 5, 6], None, 3)])
+            assert out[0].token_ids.tolist() == [7, 5, 6]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    reader.join(5)
+    text = "".join(log)
+    assert "event=drafter_serving" in text and "event=stream_open" in text
+    assert "event=stream_close" in text and "event=drafter_stopped" in text
