@@ -26,7 +26,8 @@ if _version_not_supported:
 
 
 class DrafterStub:
-    """Missing associated documentation comment in .proto file."""
+    """Serves drafts to verifiers; health checking and reflection run on the same port.
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -47,7 +48,8 @@ class DrafterStub:
 
 
 class DrafterServicer:
-    """Missing associated documentation comment in .proto file."""
+    """Serves drafts to verifiers; health checking and reflection run on the same port.
+    """
 
     def Info(self, request, context):
         """What this drafter runs and which target hidden states it needs.
@@ -87,7 +89,8 @@ def add_DrafterServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class Drafter:
-    """Missing associated documentation comment in .proto file."""
+    """Serves drafts to verifiers; health checking and reflection run on the same port.
+    """
 
     @staticmethod
     def Info(request,

@@ -26,7 +26,8 @@ if _version_not_supported:
 
 
 class GrammarStub:
-    """Missing associated documentation comment in .proto file."""
+    """Holds xgrammar matchers: fork, mask, commit, rollback (used by the structured-output work).
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -47,7 +48,8 @@ class GrammarStub:
 
 
 class GrammarServicer:
-    """Missing associated documentation comment in .proto file."""
+    """Holds xgrammar matchers: fork, mask, commit, rollback (used by the structured-output work).
+    """
 
     def Validate(self, request, context):
         """Check that a format compiles (the gateway calls it before queueing a request).
@@ -85,7 +87,8 @@ def add_GrammarServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class Grammar:
-    """Missing associated documentation comment in .proto file."""
+    """Holds xgrammar matchers: fork, mask, commit, rollback (used by the structured-output work).
+    """
 
     @staticmethod
     def Validate(request,

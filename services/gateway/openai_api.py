@@ -1,0 +1,373 @@
+"""The OpenAI API subset the gateway serves: request/response models and conversion to QueuedRequest.
+
+Semantics follow OpenAI: temperature defaults to 1.0 and 0 is greedy; max_tokens defaults to 16
+for completions and to the rest of the context for chat; `n` must be 1. Like vLLM and lmdeploy,
+top_k, min_p, repetition_penalty, min_tokens, stop_token_ids, ignore_eos, skip_special_tokens and
+include_stop_str_in_output are accepted as extra fields. Responses carry specd's per-request
+speculation figures as an extra top-level field `spec_stats`.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from collections.abc import AsyncIterator
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from specd.messages import ConfigError, SpecStats
+from specd.sampling_params import SamplingParams
+from specd.transport.redis_streams import QueuedRequest
+
+from services.gateway.results import GatewayError, GenerationOutput, RequestStream
+
+
+# ---- requests ---------------------------------------------------------------------------------
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _SamplingFields(BaseModel):
+    """Fields chat and completion requests share."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, ge=0.0, le=1.0)
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    response_format: dict[str, Any] | None = None
+    # extra fields (vLLM, lmdeploy)
+    top_k: int = Field(0, ge=-1)  # 0 or -1 disables
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(1.0, gt=0.0)
+    min_tokens: int = Field(0, ge=0)
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    @field_validator("n")
+    @classmethod
+    def _only_one_choice(cls, n: int) -> int:
+        if n != 1:
+            raise ValueError("only n=1 is supported")
+        return n
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _no_penalties(cls, v: float) -> float:
+        if v != 0.0:
+            raise ValueError("presence and frequency penalties are not supported; use repetition_penalty")
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_logit_bias(cls, v: dict | None) -> dict | None:
+        if v:
+            raise ValueError("logit_bias is not supported")
+        return v
+
+    @field_validator("response_format")
+    @classmethod
+    def _typed_format(cls, v: dict | None) -> dict | None:
+        if v is not None and not isinstance(v.get("type"), str):
+            raise ValueError("response_format needs a 'type' (text, json_object or json_schema)")
+        return v
+
+    @property
+    def stop_words(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+    def to_template_dict(self) -> dict[str, Any]:
+        content = self.content
+        if isinstance(content, list):  # content parts: text only
+            texts = []
+            for part in content:
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise GatewayError(400, "messages: only text content parts are supported",
+                                       param="messages")
+                texts.append(part["text"])
+            content = "".join(texts)
+        return {**(self.model_extra or {}), "role": self.role, "content": content or ""}
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    tools: list[dict[str, Any]] | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @field_validator("logprobs")
+    @classmethod
+    def _no_logprobs(cls, v: bool) -> bool:
+        if v:
+            raise ValueError("logprobs are not supported")
+        return v
+
+    @field_validator("tools")
+    @classmethod
+    def _no_tools(cls, v: list | None) -> list | None:
+        if v:
+            raise ValueError("tools are not supported")
+        return v
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=1)
+    echo: bool = False
+    best_of: int | None = None
+    logprobs: int | None = None
+    suffix: str | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, v):
+        if isinstance(v, list) and v and isinstance(v[0], (str, list)):
+            if len(v) != 1:
+                raise ValueError("batched prompts are not supported; send one prompt per request")
+            v = v[0]
+        if isinstance(v, (str, list)) and len(v) == 0:
+            raise ValueError("the prompt is empty")
+        return v
+
+    @model_validator(mode="after")
+    def _unsupported(self) -> "CompletionRequest":
+        if self.echo:
+            raise ValueError("echo is not supported")
+        if self.best_of not in (None, 1):
+            raise ValueError("best_of must be 1")
+        if self.logprobs is not None:
+            raise ValueError("logprobs are not supported")
+        if self.suffix:
+            raise ValueError("suffix is not supported")
+        return self
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+
+# ---- conversion ----------------------------------------------------------------------------------
+def to_sampling_params(req: _SamplingFields, max_tokens: int) -> SamplingParams:
+    """OpenAI semantics to specd's SamplingParams (temperature 0 or top_p 0: greedy; no seed: draw one)."""
+    greedy = req.temperature == 0.0 or req.top_p == 0.0
+    seed = req.seed if req.seed is not None else random.getrandbits(62)
+    try:
+        return SamplingParams(
+            temperature=0.0 if greedy else req.temperature,
+            top_k=max(req.top_k, 0), top_p=1.0 if greedy else req.top_p, min_p=req.min_p,
+            repetition_penalty=req.repetition_penalty, seed=seed % (2**63), max_new_tokens=max_tokens,
+            min_new_tokens=min(req.min_tokens, max_tokens), ignore_eos=req.ignore_eos,
+            stop_token_ids=list(req.stop_token_ids or []), stop_words=req.stop_words,
+            include_stop_str_in_output=req.include_stop_str_in_output,
+            skip_special_tokens=req.skip_special_tokens)
+    except ConfigError as e:
+        raise GatewayError(400, str(e), param=str(e).split(":", 1)[0]) from None
+
+
+def response_format_of(req: _SamplingFields) -> dict | None:
+    """The structured-output constraint, None for plain text."""
+    fmt = req.response_format
+    return None if fmt is None or fmt.get("type") == "text" else fmt
+
+
+def to_queued_request(req: _SamplingFields, request_id: str, prompt_token_ids: list[int], max_tokens: int,
+                      *, model: str, timeout_s: float) -> QueuedRequest:
+    now = time.time()
+    return QueuedRequest(request_id=request_id, prompt_token_ids=prompt_token_ids,
+                         params=to_sampling_params(req, max_tokens), model=model, arrival_time=now,
+                         deadline=now + timeout_s, response_format=response_format_of(req))
+
+
+# ---- responses -------------------------------------------------------------------------------------
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int) -> "Usage":
+        return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                   total_tokens=prompt_tokens + completion_tokens)
+
+
+class SpecStatsInfo(BaseModel):
+    """Per-request speculation figures (terms as in the README)."""
+
+    num_drafts: int
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    accepted_per_position: list[int]
+    acceptance_rate: float
+    mean_acceptance_length: float
+
+    @classmethod
+    def of(cls, stats: SpecStats) -> "SpecStatsInfo":
+        return cls(**stats.to_dict())
+
+
+FinishReason = Literal["stop", "length"]
+
+
+class _Response(BaseModel):
+    id: str
+    created: int
+    model: str
+
+
+class ChatResponseMessage(BaseModel):
+    role: str = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: ChatResponseMessage
+    logprobs: None = None
+    finish_reason: FinishReason
+
+
+class ChatCompletionResponse(_Response):
+    object: Literal["chat.completion"] = "chat.completion"
+    choices: list[ChatChoice]
+    usage: Usage
+    spec_stats: SpecStatsInfo
+
+
+class ChatDelta(BaseModel):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int = 0
+    delta: ChatDelta
+    logprobs: None = None
+    finish_reason: FinishReason | None = None
+
+
+class ChatCompletionChunk(_Response):
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+    spec_stats: SpecStatsInfo | None = None
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: None = None
+    finish_reason: FinishReason | None = None
+
+
+class CompletionResponse(_Response):
+    object: Literal["text_completion"] = "text_completion"
+    choices: list[CompletionChoice]
+    usage: Usage
+    spec_stats: SpecStatsInfo
+
+
+class CompletionChunk(_Response):
+    object: Literal["text_completion"] = "text_completion"
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    spec_stats: SpecStatsInfo | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "specd"
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+def sse(chunk: ChatCompletionChunk | CompletionChunk, *, include_usage: bool = False) -> str:
+    """One server-sent event; `usage` appears (null until the end) only with include_usage."""
+    exclude = set() if include_usage else {"usage"}
+    if chunk.spec_stats is None:
+        exclude.add("spec_stats")
+    return f"data: {chunk.model_dump_json(exclude=exclude)}\n\n"
+
+
+def sse_error(error: GatewayError) -> str:
+    """An error after the stream started (OpenAI clients raise APIError on it)."""
+    return f"data: {json.dumps(error.to_body())}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+async def _outputs(stream: RequestStream, first: GenerationOutput | None) -> AsyncIterator[GenerationOutput]:
+    if first is not None:
+        yield first
+    async for out in stream:
+        yield out
+
+
+def chat_chunks(stream: RequestStream, meta: dict, include_usage: bool):
+    """Renders a chat stream as SSE chunks: the role, text deltas, finish_reason + spec_stats, usage."""
+    async def render(first: GenerationOutput | None) -> AsyncIterator[str]:
+        yield sse(ChatCompletionChunk(**meta, choices=[ChatChunkChoice(
+            delta=ChatDelta(role="assistant", content=""))]), include_usage=include_usage)
+        async for out in _outputs(stream, first):
+            if out.text or out.finish_reason:
+                yield sse(ChatCompletionChunk(
+                    **meta, choices=[ChatChunkChoice(delta=ChatDelta(content=out.text or None),
+                                                     finish_reason=out.finish_reason)],
+                    spec_stats=SpecStatsInfo.of(out.spec_stats) if out.finish_reason else None),
+                    include_usage=include_usage)
+        if include_usage:
+            yield sse(ChatCompletionChunk(**meta, choices=[], usage=Usage.of(
+                stream.num_prompt_tokens, len(stream.token_ids))), include_usage=True)
+    return render
+
+
+def completion_chunks(stream: RequestStream, meta: dict, include_usage: bool):
+    """Renders a completion stream as SSE chunks: text deltas, finish_reason + spec_stats, usage."""
+    async def render(first: GenerationOutput | None) -> AsyncIterator[str]:
+        async for out in _outputs(stream, first):
+            if out.text or out.finish_reason:
+                yield sse(CompletionChunk(
+                    **meta, choices=[CompletionChoice(text=out.text, finish_reason=out.finish_reason)],
+                    spec_stats=SpecStatsInfo.of(out.spec_stats) if out.finish_reason else None),
+                    include_usage=include_usage)
+        if include_usage:
+            yield sse(CompletionChunk(**meta, choices=[], usage=Usage.of(
+                stream.num_prompt_tokens, len(stream.token_ids))), include_usage=True)
+    return render

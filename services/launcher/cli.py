@@ -1,0 +1,50 @@
+"""`specd serve api_server MODEL ...`: lmdeploy's command line, running specd's whole stack."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+METHODS = ["eagle3", "deepseek_mtp", "qwen3_5_mtp", "draft_model", "ngram"]
+
+
+def add_parser(sub) -> None:
+    serve = sub.add_parser("serve", help="run a whole stack (redis, drafter, verifier, gateway)")
+    kinds = serve.add_subparsers(dest="serve_kind", required=True)
+    api = kinds.add_parser("api_server", help="OpenAI-compatible server with speculative decoding")
+    api.add_argument("model", help="local model directory (config.json + safetensors)")
+    api.add_argument("--server-name", default="0.0.0.0")
+    api.add_argument("--server-port", type=int, default=23333)
+    api.add_argument("--grpc-port", type=int, default=0, help="default: server port + 1")
+    api.add_argument("--backend", choices=["pytorch"], default="pytorch",
+                     help="accepted for lmdeploy compatibility; specd has one backend")
+    api.add_argument("--redis-url", default=None, help="default: start an embedded redis-server")
+    api.add_argument("--speculative-algorithm", choices=METHODS, default=None)
+    api.add_argument("--speculative-draft-model", default=None)
+    api.add_argument("--speculative-num-draft-tokens", type=int, default=3)
+    api.add_argument("--max-batch-size", type=int, default=128)
+    api.add_argument("--session-len", type=int, default=None)
+    api.add_argument("--tp", type=int, default=1)
+    api.add_argument("--enable-metrics", action="store_true")
+    api.add_argument("--model-name", dest="served_model_name", default=None)
+    api.add_argument("--device", default="cpu", help="verifier device: cpu | cuda | cuda:N")
+    api.add_argument("--drafter-device", default=None, help="default: the verifier's device")
+    api.add_argument("--max-queue-depth", type=int, default=1024)
+    api.add_argument("--log-level", default="INFO")
+    api.set_defaults(func=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from services.launcher.supervisor import StackConfig, run_stack
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    config = StackConfig(
+        model=args.model, server_name=args.server_name, server_port=args.server_port,
+        grpc_port=args.grpc_port, redis_url=args.redis_url,
+        speculative_algorithm=args.speculative_algorithm,
+        speculative_draft_model=args.speculative_draft_model,
+        speculative_num_draft_tokens=args.speculative_num_draft_tokens,
+        max_batch_size=args.max_batch_size, session_len=args.session_len, tp=args.tp,
+        enable_metrics=args.enable_metrics, served_model_name=args.served_model_name,
+        device=args.device, drafter_device=args.drafter_device, max_queue_depth=args.max_queue_depth)
+    return run_stack(config)

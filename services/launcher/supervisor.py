@@ -1,0 +1,203 @@
+"""Run a whole specd stack on one machine: Redis (embedded unless a URL is given), drafter,
+verifier and gateway as separate OS processes, started in dependency order and stopped together.
+
+If any child exits, the others are stopped and the supervisor exits non-zero: a half-running
+stack would accept requests that nobody serves.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+log = logging.getLogger("specd.serve")
+
+
+@dataclass
+class StackConfig:
+    """What `specd serve api_server` starts."""
+
+    model: str
+    server_name: str = "0.0.0.0"
+    server_port: int = 23333
+    grpc_port: int = 0  # 0: server_port + 1
+    redis_url: str | None = None
+    speculative_algorithm: str | None = None
+    speculative_draft_model: str | None = None
+    speculative_num_draft_tokens: int = 3
+    max_batch_size: int = 128
+    session_len: int | None = None
+    tp: int = 1
+    enable_metrics: bool = False
+    served_model_name: str | None = None
+    device: str = "cpu"
+    drafter_device: str | None = None
+    drafter_port: int = 0
+    verifier_admin_port: int = 0
+    verifier_metrics_port: int = 0
+    max_queue_depth: int = 1024
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.tp != 1:
+            raise ValueError("tp: tensor parallelism (--tp > 1) is not available yet in specd; use --tp 1")
+        if self.speculative_algorithm in ("eagle3", "draft_model") and not self.speculative_draft_model:
+            raise ValueError(f"speculative_draft_model: --speculative-algorithm {self.speculative_algorithm} "
+                             "needs --speculative-draft-model")
+        if self.speculative_num_draft_tokens < 0:
+            raise ValueError("speculative_num_draft_tokens: must be >= 0")
+
+
+def _free_port() -> int:
+    from specd.transport.embedded_redis import free_port
+
+    return free_port()
+
+
+class Stack:
+    """The child processes of one stack, in start order."""
+
+    def __init__(self, config: StackConfig) -> None:
+        self.config = config
+        self.redis = None
+        self.children: list[tuple[str, subprocess.Popen]] = []
+        self.redis_url = config.redis_url
+        self.grpc_port = config.grpc_port or config.server_port + 1
+
+    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
+        cmd = [sys.executable, "-m", "specd.cli", *args]
+        log.info("starting %s: %s", name, " ".join(cmd))
+        proc = subprocess.Popen(cmd, env={**os.environ, **self.config.extra_env}, start_new_session=True)
+        self.children.append((name, proc))
+        return proc
+
+    def start(self, timeout: float = 300.0) -> None:
+        c = self.config
+        if not self.redis_url:
+            from specd.transport.embedded_redis import start_embedded_redis
+
+            self.redis = start_embedded_redis()
+            self.redis_url = self.redis.url
+            log.info("embedded redis at %s", self.redis_url)
+        drafter_addr = None
+        if c.speculative_algorithm and c.speculative_num_draft_tokens > 0:
+            port = c.drafter_port or _free_port()
+            args = ["drafter", c.model, "--speculative-algorithm", c.speculative_algorithm,
+                    "--host", "127.0.0.1", "--port", str(port), "--device", c.drafter_device or c.device]
+            if c.speculative_draft_model:
+                args += ["--speculative-draft-model", c.speculative_draft_model]
+            self._spawn("drafter", args)
+            drafter_addr = f"127.0.0.1:{port}"
+            self._wait_grpc_health(drafter_addr, timeout)
+        admin_port = c.verifier_admin_port or _free_port()
+        args = ["verifier", c.model, "--redis-url", self.redis_url, "--max-batch-size", str(c.max_batch_size),
+                "--device", c.device, "--admin-port", str(admin_port),
+                "--metrics-port", str(c.verifier_metrics_port if c.enable_metrics else 0)]
+        if c.session_len:
+            args += ["--session-len", str(c.session_len)]
+        if drafter_addr:
+            args += ["--drafter", drafter_addr, "--speculative-algorithm", c.speculative_algorithm,
+                     "--speculative-num-draft-tokens", str(c.speculative_num_draft_tokens)]
+        self._spawn("verifier", args)
+        self._wait_grpc_health(f"127.0.0.1:{admin_port}", timeout)
+        args = ["gateway", c.model, "--host", c.server_name, "--port", str(c.server_port),
+                "--grpc-port", str(self.grpc_port), "--redis-url", self.redis_url,
+                "--max-queue-depth", str(c.max_queue_depth)]
+        if c.served_model_name:
+            args += ["--served-model-name", c.served_model_name]
+        if c.enable_metrics:
+            args.append("--enable-metrics")
+        self._spawn("gateway", args)
+        self._wait_http_health(f"http://127.0.0.1:{c.server_port}/health", timeout)
+        log.info("specd is serving on http://%s:%d (gRPC :%d)", c.server_name, c.server_port, self.grpc_port)
+
+    def _check_children(self) -> None:
+        for name, proc in self.children:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{name} exited with code {proc.returncode}")
+
+    def _wait_grpc_health(self, address: str, timeout: float) -> None:
+        import grpc
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        deadline = time.monotonic() + timeout
+        with grpc.insecure_channel(address) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            while True:
+                self._check_children()
+                try:
+                    reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
+                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                        return
+                except grpc.RpcError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{address} did not become healthy in {timeout:.0f} s")
+                time.sleep(0.2)
+
+    def _wait_http_health(self, url: str, timeout: float) -> None:
+        import urllib.request
+
+        deadline = time.monotonic() + timeout
+        while True:
+            self._check_children()
+            try:
+                with urllib.request.urlopen(url, timeout=1.0) as reply:
+                    if reply.status == 200:
+                        return
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{url} did not answer in {timeout:.0f} s")
+            time.sleep(0.2)
+
+    def wait(self) -> int:
+        """Block until a child exits (returns its code) or a signal arrives."""
+        while True:
+            for name, proc in self.children:
+                if proc.poll() is not None:
+                    log.error("%s exited with code %s; stopping the stack", name, proc.returncode)
+                    return proc.returncode or 1
+            time.sleep(0.5)
+
+    def stop(self, timeout: float = 20.0) -> None:
+        """SIGTERM the children in reverse start order (gateway first: no new requests), then Redis."""
+        for name, proc in reversed(self.children):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(timeout=timeout)
+                except subprocess.TimeoutExpired:
+                    log.warning("%s did not stop in %.0f s; killing it", name, timeout)
+                    proc.kill()
+                    proc.wait()
+        self.children.clear()
+        if self.redis is not None:
+            self.redis.stop()
+            self.redis = None
+
+
+def run_stack(config: StackConfig) -> int:
+    """Start the stack, serve until Ctrl-C / SIGTERM or a child's death, stop everything."""
+    stack = Stack(config)
+
+    def on_signal(signum, _frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        stack.start()
+        return stack.wait()
+    except KeyboardInterrupt:
+        log.info("stopping")
+        return 0
+    except (RuntimeError, TimeoutError) as e:
+        log.error("%s", e)
+        return 1
+    finally:
+        stack.stop()
