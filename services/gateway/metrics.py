@@ -1,10 +1,7 @@
 """The gateway's Prometheus metrics, on its own registry (never the global one).
 
-Speculation counters follow lmdeploy's names (lmdeploy:spec_decode_* becomes specd:spec_decode_*)
-and are computed from each finished request's spec_stats: drafts (verify steps that checked at
-least one draft token), draft tokens, accepted tokens, accepted tokens per draft position. The
-gauges derive the running means: acceptance rate = accepted / drafted, acceptance length =
-1 + accepted / drafts (the bonus or recovered token counted).
+Speculation metrics (specd/spec_metrics.py) are computed from each finished request's
+spec_stats, so they agree with the per-request figures by construction.
 """
 
 from __future__ import annotations
@@ -13,6 +10,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from specd.messages import SpecStats
+from specd.spec_metrics import SpecDecodeMetrics
 
 __all__ = ["CONTENT_TYPE_LATEST", "GatewayMetrics"]
 
@@ -36,24 +34,7 @@ class GatewayMetrics:
         def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
             return Counter(name, doc, labels + list(extra), registry=r)
 
-        self.num_drafts = counter("specd:spec_decode_num_drafts_total", "Number of speculative decoding drafts "
-                                  "(verify steps that checked at least one draft token).")
-        self.num_draft_tokens = counter("specd:spec_decode_num_draft_tokens_total",
-                                        "Number of speculative decoding draft tokens.")
-        self.num_accepted_tokens = counter("specd:spec_decode_num_accepted_tokens_total",
-                                           "Number of speculative decoding accepted tokens.")
-        self.num_accepted_per_pos = counter("specd:spec_decode_num_accepted_tokens_per_pos_total",
-                                            "Number of accepted speculative decoding tokens per draft position.",
-                                            ("position",))
-        self.mean_accept_rate = Gauge("specd:spec_decode_mean_accept_rate",
-                                      "Mean speculative decoding acceptance rate (accepted / drafted).",
-                                      labels, registry=r)
-        self.mean_accept_length = Gauge("specd:spec_decode_mean_accept_length",
-                                        "Mean speculative decoding acceptance length, including the bonus token.",
-                                        labels, registry=r)
-        self.per_position_accept_rate = Gauge("specd:spec_decode_per_position_accept_rate",
-                                              "Acceptance rate per draft position (accepted / drafts).",
-                                              labels + ["position"], registry=r)
+        self.spec = SpecDecodeMetrics(r, ("model_name",), (model_name,))
         self.requests = counter("specd:request_success_total", "Finished requests by finish reason.",
                                 ("finished_reason",))
         self.request_errors = counter("specd:request_failure_total",
@@ -75,7 +56,6 @@ class GatewayMetrics:
         self.queue_pending = Gauge("specd:request_queue_pending",
                                    "Requests a verifier has read and not yet acknowledged (XPENDING).",
                                    labels, registry=r)
-        self._totals = SpecStats()
 
     def observe_finished(self, *, finish_reason: str, spec_stats: SpecStats, num_prompt_tokens: int,
                          num_output_tokens: int, time_to_first_token: float, latency: float) -> None:
@@ -87,26 +67,10 @@ class GatewayMetrics:
         self.e2e_latency.labels(m).observe(latency)
         if num_output_tokens > 1:
             self.time_per_output_token.labels(m).observe((latency - time_to_first_token) / (num_output_tokens - 1))
-        self._observe_spec_stats(spec_stats)
+        self.spec.observe(spec_stats)
 
     def observe_error(self, status: int) -> None:
         self.request_errors.labels(self.model_name, str(status)).inc()
-
-    def _observe_spec_stats(self, stats: SpecStats) -> None:
-        if stats.num_drafts <= 0:
-            return
-        m = self.model_name
-        self.num_drafts.labels(m).inc(stats.num_drafts)
-        self.num_draft_tokens.labels(m).inc(stats.num_draft_tokens)
-        self.num_accepted_tokens.labels(m).inc(stats.num_accepted_tokens)
-        for position, count in enumerate(stats.accepted_per_position):
-            self.num_accepted_per_pos.labels(m, str(position)).inc(count)
-        totals = self._totals
-        totals.merge(stats)
-        self.mean_accept_rate.labels(m).set(totals.acceptance_rate)
-        self.mean_accept_length.labels(m).set(totals.mean_acceptance_length)
-        for position, count in enumerate(totals.accepted_per_position):
-            self.per_position_accept_rate.labels(m, str(position)).set(count / totals.num_drafts)
 
     def set_queue(self, depth: int, pending: int) -> None:
         self.queue_depth.labels(self.model_name).set(depth)

@@ -497,8 +497,8 @@ def test_metrics_equal_the_sum_of_spec_stats(client, base_url):
             s["accepted_per_position"][pos] for s in stats if len(s["accepted_per_position"]) > pos)
     drafts = after[("specd:spec_decode_num_drafts_total", labels)]
     accepted = after[("specd:spec_decode_num_accepted_tokens_total", labels)]
-    assert after[("specd:spec_decode_mean_accept_length", labels)] == pytest.approx(1 + accepted / drafts)
-    assert after[("specd:spec_decode_mean_accept_rate", labels)] == pytest.approx(
+    assert after[("specd:spec_decode_mean_acceptance_length", labels)] == pytest.approx(1 + accepted / drafts)
+    assert after[("specd:spec_decode_mean_acceptance_rate", labels)] == pytest.approx(
         accepted / after[("specd:spec_decode_num_draft_tokens_total", labels)])
     finished = sum(delta("specd:request_success_total", (("finished_reason", r),)) for r in ("stop", "length"))
     assert finished == 3

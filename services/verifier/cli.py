@@ -1,0 +1,60 @@
+"""`specd verifier MODEL ...`: the flags of the verifier service (nothing heavy imported here)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from specd.messages import SPECULATIVE_METHODS  # dataclasses only: cheap to import
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("verifier", help="run a verifier: the target model behind a Redis request stream")
+    p.add_argument("model", help="target checkpoint (local path or a cached hub id)")
+    p.add_argument("--redis-url", default=os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"))
+    p.add_argument("--request-stream", default="specd:requests")
+    p.add_argument("--consumer", default=None, help="name in the consumer group (default: hostname-pid)")
+    p.add_argument("--drafter", default="", help="drafter service address(es), host:port[,host:port...]")
+    p.add_argument("--speculative-algorithm", choices=SPECULATIVE_METHODS, default=None)
+    p.add_argument("--speculative-draft-model", default=None,
+                   help="draft checkpoint for in-process drafting (without --drafter)")
+    p.add_argument("--speculative-num-draft-tokens", type=int, default=3)
+    p.add_argument("--max-batch-size", type=int, default=128)
+    p.add_argument("--session-len", type=int, default=None)
+    p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N | auto")
+    p.add_argument("--admin-host", default="0.0.0.0")
+    p.add_argument("--admin-port", type=int, default=50071, help="gRPC admin + health (0: any free port)")
+    p.add_argument("--metrics-port", type=int, default=9101, help="Prometheus /metrics (0: off)")
+    p.add_argument("--tp", type=int, default=1, help="tensor parallelism (only 1 for now)")
+    p.add_argument("--block-size", type=int, default=64, help="tokens per KV-cache block")
+    p.add_argument("--log-level", default="INFO")
+    p.add_argument("--log-interval", type=float, default=10.0, help="seconds between summary lines (0: off)")
+    p.set_defaults(func=run)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.tp != 1:  # refuse before loading anything
+        print(f"specd verifier: error: --tp {args.tp}: tensor parallelism is not available yet in specd; "
+              "run one verifier per GPU with --tp 1", file=sys.stderr)
+        return 2
+    import redis
+
+    from services.verifier.server import VerifierConfig, configure_logging, default_consumer_name, serve
+
+    configure_logging(args.log_level)
+    config = VerifierConfig(
+        model=args.model, redis_url=args.redis_url, request_stream=args.request_stream,
+        consumer=args.consumer or default_consumer_name(),
+        drafters=[a.strip() for a in args.drafter.split(",") if a.strip()],
+        speculative_algorithm=args.speculative_algorithm, speculative_draft_model=args.speculative_draft_model,
+        speculative_num_draft_tokens=args.speculative_num_draft_tokens, max_batch_size=args.max_batch_size,
+        session_len=args.session_len, device=args.device, tp=args.tp, admin_host=args.admin_host,
+        admin_port=args.admin_port, metrics_port=args.metrics_port, block_size=args.block_size,
+        log_interval_s=args.log_interval)
+    try:
+        return serve(config)
+    except redis.RedisError as e:
+        print(f"specd verifier: error: redis at {args.redis_url}: {e}", file=sys.stderr)
+        return 1

@@ -1,0 +1,108 @@
+"""Prometheus figures of one verifier: lmdeploy's (and vLLM's) spec-decoding counters and more.
+
+Terms as everywhere in specd: draft tokens are proposed, accepted ones kept; acceptance rate is
+accepted / drafted; acceptance length is tokens emitted per verify step (accepted + 1).
+
+The worker fills one StepRecord per loop iteration; `observe_step` turns it into counter and
+histogram updates. Metrics live in their own registry (no global state) and are served by
+prometheus_client's HTTP server when a port is given.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from specd.messages import SpecStats
+from specd.spec_metrics import SpecDecodeMetrics
+
+STEP_BUCKETS = (0.0005, 0.001, 0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075,
+                0.1, 0.2, 0.5, 1.0, 2.5)
+
+
+@dataclass(slots=True)
+class StepRecord:
+    """What one iteration of the verifier loop did."""
+
+    num_admitted: int = 0  # requests taken from the stream
+    num_running: int = 0  # sequences in the batch after the step
+    num_waiting: int = 0  # admitted, not yet prefilled
+    num_new_tokens: int = 0  # tokens committed in the step (all requests)
+    num_finished: int = 0  # requests that got their final entry
+    draft_seconds: float = 0.0  # engine draft verb
+    verify_seconds: float = 0.0  # engine verify verb (target forward + rejection sampling)
+    engine_seconds: float = 0.0  # the whole engine step
+    emit_seconds: float = 0.0  # queueing + the Redis round trip of the results
+    total_seconds: float = 0.0  # the whole iteration: admit + step + emit
+    spec: SpecStats = field(default_factory=SpecStats)  # speculation within this step
+
+    @property
+    def other_seconds(self) -> float:
+        """Everything on the iteration's critical path but draft and verify (admit, commit, Redis)."""
+        return max(0.0, self.total_seconds - self.draft_seconds - self.verify_seconds)
+
+
+def add_spec_difference(total: SpecStats, current: SpecStats, seen: SpecStats) -> None:
+    """total += current - seen, then seen = current (per-request stats -> per-step deltas)."""
+    if current.num_drafts == seen.num_drafts:
+        return  # no verify step with drafts since last time: nothing changed
+    total.num_drafts += current.num_drafts - seen.num_drafts
+    total.num_draft_tokens += current.num_draft_tokens - seen.num_draft_tokens
+    total.num_accepted_tokens += current.num_accepted_tokens - seen.num_accepted_tokens
+    cur, old = current.accepted_per_position, seen.accepted_per_position
+    if len(total.accepted_per_position) < len(cur):
+        total.accepted_per_position.extend([0] * (len(cur) - len(total.accepted_per_position)))
+    for i, v in enumerate(cur):
+        total.accepted_per_position[i] += v - (old[i] if i < len(old) else 0)
+    seen.num_drafts, seen.num_draft_tokens = current.num_drafts, current.num_draft_tokens
+    seen.num_accepted_tokens, seen.accepted_per_position = current.num_accepted_tokens, list(cur)
+
+
+class VerifierMetrics:
+    """The verifier's Prometheus collectors, in a registry of their own."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        r = self.registry = registry or CollectorRegistry()
+        self.spec = SpecDecodeMetrics(r)
+        self.num_running = Gauge("specd:num_requests_running", "Sequences in the batch", registry=r)
+        self.num_waiting = Gauge("specd:num_requests_waiting", "Admitted requests not yet prefilled",
+                                 registry=r)
+        self.step_seconds = Histogram("specd:step_duration_seconds",
+                                      "Seconds per loop iteration, by phase (draft, verify, other)",
+                                      ["phase"], buckets=STEP_BUCKETS, registry=r)
+        self.emit_seconds = Histogram("specd:emit_duration_seconds",
+                                      "Seconds per step writing results (one Redis round trip)",
+                                      buckets=STEP_BUCKETS, registry=r)
+        self.output_tokens = Counter("specd:generation_tokens", "Tokens generated", registry=r)
+        self.prompt_tokens = Counter("specd:prompt_tokens", "Prompt tokens of admitted requests", registry=r)
+        self.requests_finished = Counter("specd:request_success", "Requests finished, by finish reason",
+                                         ["finished_reason"], registry=r)
+        self.request_errors = Counter("specd:request_errors", "Requests answered with an error, by code",
+                                      ["code"], registry=r)
+        self._phases = {p: self.step_seconds.labels(phase=p) for p in ("draft", "verify", "other")}
+
+    def serve(self, port: int, addr: str = "0.0.0.0"):
+        """Serve /metrics over HTTP (a daemon thread); returns (server, thread)."""
+        return start_http_server(port, addr=addr, registry=self.registry)
+
+    def observe_step(self, record: StepRecord) -> None:
+        self.num_running.set(record.num_running)
+        self.num_waiting.set(record.num_waiting)
+        if record.num_new_tokens:
+            self.output_tokens.inc(record.num_new_tokens)
+        if record.engine_seconds > 0:
+            self._phases["draft"].observe(record.draft_seconds)
+            self._phases["verify"].observe(record.verify_seconds)
+            self._phases["other"].observe(record.other_seconds)
+            self.emit_seconds.observe(record.emit_seconds)
+        self.spec.observe(record.spec)
+
+    def observe_admitted(self, num_prompt_tokens: int) -> None:
+        self.prompt_tokens.inc(num_prompt_tokens)
+
+    def observe_finished(self, finish_reason: str | None) -> None:
+        self.requests_finished.labels(finished_reason=finish_reason or "unknown").inc()
+
+    def observe_error(self, code: int) -> None:
+        self.request_errors.labels(code=str(code)).inc()

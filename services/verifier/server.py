@@ -1,0 +1,194 @@
+"""Process wiring of `specd verifier`: load the model, start the admin and metrics ports, run the loop.
+
+Order: logging and signal handlers first, then the admin port (health NOT_SERVING while the model
+loads), the tokenizer and engine, the Redis connection and consumer group, then health SERVING and
+the loop in the main thread. SIGTERM (or SIGINT) drains: no new requests, the running ones finish,
+then the process exits 0; a second signal stops at once, leaving unanswered entries pending.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+from dataclasses import dataclass, field
+
+from specd.messages import SPECULATIVE_METHODS, ConfigError, PytorchEngineConfig, SpeculativeConfig
+from specd.transport.redis_streams import DEFAULT_REQUEST_STREAM
+
+log = logging.getLogger("specd.verifier")
+
+
+def default_consumer_name() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+@dataclass
+class VerifierConfig:
+    """Everything `specd verifier` is told, validated on construction."""
+
+    model: str
+    redis_url: str
+    request_stream: str = DEFAULT_REQUEST_STREAM
+    consumer: str = field(default_factory=default_consumer_name)
+    drafters: list[str] = field(default_factory=list)  # host:port of drafter services
+    speculative_algorithm: str | None = None
+    speculative_draft_model: str | None = None  # in-process drafting when no drafter is given
+    speculative_num_draft_tokens: int = 3
+    max_batch_size: int = 128
+    session_len: int | None = None
+    device: str = "cpu"  # cpu | cuda | cuda:N | auto
+    tp: int = 1
+    admin_host: str = "0.0.0.0"
+    admin_port: int = 50071  # 0: any free port (logged)
+    metrics_port: int = 9101  # 0: no metrics endpoint
+    block_size: int = 64
+    log_interval_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.tp != 1:
+            raise ConfigError(f"tp: tensor parallelism (--tp {self.tp}) is not available yet in specd; "
+                              "run one verifier per GPU with --tp 1")
+        if not self.redis_url:
+            raise ConfigError("redis_url: required (redis://host:port/db)")
+        if self.drafters and not self.speculative_algorithm:
+            raise ConfigError("speculative_algorithm: --drafter needs --speculative-algorithm")
+        if self.speculative_algorithm and self.speculative_algorithm not in SPECULATIVE_METHODS:
+            raise ConfigError(f"speculative_algorithm: expected one of {', '.join(SPECULATIVE_METHODS)}, "
+                              f"got {self.speculative_algorithm!r}")
+        if not (self.device in ("cpu", "cuda", "auto") or self.device.startswith("cuda:")):
+            raise ConfigError(f"device: expected cpu, cuda, cuda:N or auto, got {self.device!r}")
+        for name in ("admin_port", "metrics_port"):
+            if not 0 <= getattr(self, name) < 65536:
+                raise ConfigError(f"{name}: must be in [0, 65535], got {getattr(self, name)}")
+
+    def engine_config(self) -> PytorchEngineConfig:
+        return PytorchEngineConfig(tp=self.tp, session_len=self.session_len, max_batch_size=self.max_batch_size,
+                                   block_size=self.block_size, device_type=self.device.split(":")[0])
+
+    def speculative_config(self) -> SpeculativeConfig | None:
+        if not self.speculative_algorithm or self.speculative_num_draft_tokens == 0:
+            return None
+        # With remote drafters the draft model lives there; the name only satisfies validation.
+        model = self.speculative_draft_model or (",".join(self.drafters) if self.drafters else "")
+        return SpeculativeConfig(method=self.speculative_algorithm,
+                                 num_speculative_tokens=self.speculative_num_draft_tokens, model=model)
+
+
+class KeyValueFormatter(logging.Formatter):
+    """`time level logger message key=value ...`: the `extra` fields of a record, request ids first."""
+
+    _STANDARD = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime"}
+
+    def format(self, record: logging.LogRecord) -> str:
+        line = super().format(record)
+        extras = {k: v for k, v in vars(record).items() if k not in self._STANDARD}
+        if extras:
+            line += " " + " ".join(f"{k}={json.dumps(v) if isinstance(v, str) else v}" for k, v in extras.items())
+        return line
+
+
+def configure_logging(level: str = "INFO") -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(KeyValueFormatter("%(asctime)s %(levelname)s %(name)s %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+
+
+class _Shutdown:
+    """Signal state: the first signal drains, the second stops at once."""
+
+    def __init__(self) -> None:
+        self.worker = None
+        self.num_signals = 0
+
+    def handle(self, signum, _frame) -> None:
+        self.num_signals += 1
+        log.info("signal received", extra={"signal": signal.Signals(signum).name,
+                                           "count": self.num_signals})
+        if self.worker is None:
+            return  # still loading: serve() checks num_signals once the model is up
+        if self.num_signals == 1:
+            self.worker.drain(exit_when_drained=True)
+        else:
+            self.worker.stop()
+
+
+def build_proposer(config: VerifierConfig):
+    """The remote drafter client when --drafter addresses are given; else None (in-process drafting)."""
+    spec = config.speculative_config()
+    if not config.drafters or spec is None:
+        return None
+    try:
+        from specd.proposers.remote import RemoteProposer
+    except ImportError as e:
+        raise ConfigError(f"drafter: the remote proposer is unavailable ({e})") from e
+    proposer = RemoteProposer(list(config.drafters))
+    max_k = getattr(proposer, "max_num_draft_tokens", 0) or spec.num_speculative_tokens
+    problem = None
+    if proposer.method != spec.method:
+        problem = (f"speculative_algorithm: the drafters at {config.drafters} run {proposer.method!r}, "
+                   f"not {spec.method!r}")
+    elif spec.num_speculative_tokens > max_k:
+        problem = (f"speculative_num_draft_tokens: {spec.num_speculative_tokens} is more than the drafters "
+                   f"propose ({max_k})")
+    if problem:
+        proposer.shutdown()
+        raise ConfigError(problem)
+    return proposer
+
+
+def serve(config: VerifierConfig) -> int:
+    """Run a verifier until drained by SIGTERM or the Drain RPC; returns the exit code."""
+    import redis
+
+    from services.verifier.admin import AdminServer
+    from services.verifier.metrics import VerifierMetrics
+    from services.verifier.worker import VerifierWorker, WorkerConfig
+    from specd.engine.builder import build_engine
+    from specd.models.loader import load_tokenizer
+
+    shutdown = _Shutdown()
+    signal.signal(signal.SIGTERM, shutdown.handle)
+    signal.signal(signal.SIGINT, shutdown.handle)
+    worker_config = WorkerConfig(consumer=config.consumer, request_stream=config.request_stream,
+                                 log_interval_s=config.log_interval_s)
+    admin = AdminServer(config.admin_host, config.admin_port).start()
+    log.info("admin port open", extra={"port": admin.port, "consumer": config.consumer})
+    metrics = VerifierMetrics()
+    if config.metrics_port:
+        metrics.serve(config.metrics_port)
+        log.info("metrics served", extra={"port": config.metrics_port})
+    client = proposer = None
+    try:
+        if config.device.startswith("cuda:"):
+            import torch
+
+            torch.cuda.set_device(int(config.device.split(":", 1)[1]))
+        tokenizer = load_tokenizer(config.model)
+        proposer = build_proposer(config)
+        engine = build_engine(config.model, config.engine_config(), config.speculative_config(),
+                              tokenizer=tokenizer, proposer=proposer)
+        log.info("model loaded", extra={"model": config.model, "max_batch_size": engine.max_batch_size,
+                                        "max_model_len": engine.max_model_len,
+                                        "speculative_algorithm": config.speculative_algorithm,
+                                        "num_speculative_tokens": engine.num_speculative_tokens})
+        client = redis.Redis.from_url(config.redis_url, socket_connect_timeout=5, socket_keepalive=True)
+        worker = VerifierWorker(engine, client, worker_config, metrics)
+        worker.ensure_group()
+        shutdown.worker = worker
+        if shutdown.num_signals:
+            return 0  # told to stop while loading: nothing admitted yet
+        admin.attach(worker)
+        worker.run()
+        return 0
+    finally:
+        admin.stop()
+        if proposer is not None:
+            proposer.shutdown()  # ends the drafter streams: the drafters drop our draft state
+        if client is not None:
+            client.close()
