@@ -1,8 +1,24 @@
 #!/usr/bin/env bash
-# Set up (if needed), write the tiny checkpoints, and run the seed's pipeline example with EAGLE-3.
+# The main job: set up (if needed), write the small default models, serve the whole stack
+# (embedded Redis, drafter, verifier, gateway) with EAGLE-3, send a sample request through the
+# OpenAI client, print the completion and the acceptance figures, and keep serving until Ctrl-C.
+# SPECD_DEMO_EXIT=1 stops after the sample request.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 MODELS="${SPECD_TINY_MODELS:-.tiny-models}"
-[ -f "$MODELS/draft-eagle3/config.json" ] || .venv/bin/specd make-tiny-models "$MODELS"
-.venv/bin/python examples/pipeline_eagle3.py "$MODELS/target-llama" "$MODELS/draft-eagle3"
+PORT="${SPECD_PORT:-23333}"
+[ -f "$MODELS/draft-eagle3/config.json" ] || .venv/bin/specd make-tiny-models "$MODELS" >/dev/null
+.venv/bin/specd serve api_server "$MODELS/target-llama" --backend pytorch --server-port "$PORT" \
+  --speculative-algorithm eagle3 --speculative-draft-model "$MODELS/draft-eagle3" \
+  --speculative-num-draft-tokens 3 --max-batch-size 32 --enable-metrics --log-level warning &
+SERVER=$!
+trap 'kill -INT $SERVER 2>/dev/null; wait $SERVER' EXIT
+for _ in $(seq 600); do
+  .venv/bin/specd healthcheck http "http://127.0.0.1:$PORT/health" 2>/dev/null && break
+  kill -0 $SERVER 2>/dev/null || { echo "the stack failed to start"; exit 1; }
+  sleep 0.5
+done
+.venv/bin/python examples/openai_client.py "$PORT"
+echo "serving on http://0.0.0.0:$PORT/v1 (metrics on /metrics); Ctrl-C stops everything"
+[ "${SPECD_DEMO_EXIT:-0}" = 1 ] || wait $SERVER

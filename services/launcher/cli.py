@@ -30,7 +30,8 @@ def add_parser(sub) -> None:
     api.add_argument("--device", default="cpu", help="verifier device: cpu | cuda | cuda:N")
     api.add_argument("--drafter-device", default=None, help="default: the verifier's device")
     api.add_argument("--max-queue-depth", type=int, default=1024)
-    api.add_argument("--log-level", default="INFO")
+    api.add_argument("--log-level", default="info", type=str.lower,
+                     choices=["debug", "info", "warning", "error"])
     api.set_defaults(func=_run)
 
 
@@ -46,5 +47,6 @@ def _run(args: argparse.Namespace) -> int:
         speculative_num_draft_tokens=args.speculative_num_draft_tokens,
         max_batch_size=args.max_batch_size, session_len=args.session_len, tp=args.tp,
         enable_metrics=args.enable_metrics, served_model_name=args.served_model_name,
-        device=args.device, drafter_device=args.drafter_device, max_queue_depth=args.max_queue_depth)
+        device=args.device, drafter_device=args.drafter_device, max_queue_depth=args.max_queue_depth,
+        log_level=args.log_level)
     return run_stack(config)

@@ -41,6 +41,7 @@ class StackConfig:
     verifier_admin_port: int = 0
     verifier_metrics_port: int = 0
     max_queue_depth: int = 1024
+    log_level: str = "info"
     extra_env: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -70,7 +71,7 @@ class Stack:
         self.grpc_port = config.grpc_port or config.server_port + 1
 
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
-        cmd = [sys.executable, "-m", "specd.cli", *args]
+        cmd = [sys.executable, "-m", "specd.cli", *args, "--log-level", self.config.log_level.lower()]
         log.info("starting %s: %s", name, " ".join(cmd))
         proc = subprocess.Popen(cmd, env={**os.environ, **self.config.extra_env}, start_new_session=True)
         self.children.append((name, proc))
