@@ -82,3 +82,15 @@ class TargetRunner(Protocol):
 
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Output projection, [n, hidden] -> [n, vocab] (shared by MTP heads)."""
+
+
+def check_chunks(chunks: list[SequenceChunk]) -> None:
+    """The batch rules every runner enforces: non-empty, one chunk per sequence, no empty chunk."""
+    if not chunks:
+        raise ValueError("forward needs at least one chunk")
+    seq_ids = [c.seq_id for c in chunks]
+    if len(set(seq_ids)) != len(seq_ids):
+        raise ValueError(f"a sequence may appear once per batch, got seq ids {seq_ids}")
+    for c in chunks:
+        if not c.token_ids:
+            raise ValueError(f"chunk of sequence {c.seq_id} has no tokens")

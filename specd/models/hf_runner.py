@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from specd.messages import PytorchEngineConfig
-from specd.models.base import ForwardOutput, ModelInfo, SequenceChunk
+from specd.models.base import check_chunks, ForwardOutput, ModelInfo, SequenceChunk
 from specd.models.llama_runner import default_aux_layer_ids, select_device, select_dtype
 
 
@@ -145,14 +145,8 @@ class HFRunner:
     def forward(self, chunks: list[SequenceChunk], *, want_hidden: bool = False,
                 want_aux_hidden: bool = False) -> ForwardOutput:
         """Append each chunk to its sequence (one model call per chunk); logits for every token."""
-        if not chunks:
-            raise ValueError("forward needs at least one chunk")
-        seq_ids = [c.seq_id for c in chunks]
-        if len(set(seq_ids)) != len(seq_ids):
-            raise ValueError(f"a sequence may appear once per batch, got seq ids {seq_ids}")
+        check_chunks(chunks)
         for c in chunks:
-            if not c.token_ids:
-                raise ValueError(f"chunk of sequence {c.seq_id} has no tokens")
             if not self.can_append(c.seq_id, len(c.token_ids)):
                 raise ValueError(f"sequence {c.seq_id} would exceed session_len={self.session_len}")
         logits, hidden, aux, offsets = [], [], [], [0]

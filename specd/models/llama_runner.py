@@ -13,7 +13,7 @@ import torch
 
 from specd.messages import PytorchEngineConfig
 from specd.models.attention import AttentionMetadata
-from specd.models.base import ForwardOutput, ModelInfo, SequenceChunk
+from specd.models.base import check_chunks, ForwardOutput, ModelInfo, SequenceChunk
 from specd.models.hf_config import LlamaArchConfig
 from specd.models.kv_cache import CacheFullError, PagedKVCache
 from specd.models.llama import LlamaForCausalLM, load_llama
@@ -120,14 +120,8 @@ class LlamaRunner:
     # compute ------------------------------------------------------------------------------------
 
     def _check_batch(self, chunks: list[SequenceChunk]) -> None:
-        if not chunks:
-            raise ValueError("forward needs at least one chunk")
-        seq_ids = [c.seq_id for c in chunks]
-        if len(set(seq_ids)) != len(seq_ids):
-            raise ValueError(f"a sequence may appear once per batch, got seq ids {seq_ids}")
+        check_chunks(chunks)
         for c in chunks:
-            if not c.token_ids:
-                raise ValueError(f"chunk of sequence {c.seq_id} has no tokens")
             if self.kv_cache.num_tokens(c.seq_id) + len(c.token_ids) > self.session_len:
                 raise ValueError(f"sequence {c.seq_id} would exceed session_len={self.session_len}")
         need = sum(self.kv_cache.num_new_blocks(c.seq_id, len(c.token_ids)) for c in chunks)
