@@ -47,7 +47,8 @@ class Pipeline:
         else:
             gens = [gen_config or GenerationConfig()] * len(batch)
         token_ids = [self.encode(p, do_preprocess) for p in batch]
-        seqs = self.engine.generate(token_ids, [SamplingParams.from_generation_config(g) for g in gens])
+        grammars = [self._grammar(g.response_format) for g in gens]
+        seqs = self.engine.generate(token_ids, [SamplingParams.from_generation_config(g) for g in gens], grammars)
         responses = [self._response(s, i) for i, s in enumerate(seqs)]
         return responses[0] if single else responses
 
@@ -62,6 +63,27 @@ class Pipeline:
             raise ConfigError("prompts: expected a string or a list of {'role', 'content'} messages")
         text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def _grammar(self, response_format: dict | None):
+        """Parse and compile-check response_format; the local grammar backend starts on first use."""
+        from specd.grammar.response_format import parse_response_format
+
+        spec = parse_response_format(response_format)
+        if spec is None:
+            return None
+        if self.engine.constraints.backend is None:
+            from specd.grammar.compiler import GrammarCompilerCache
+            from specd.grammar.local import LocalGrammarBackend
+
+            self._grammar_cache = GrammarCompilerCache(self.tokenizer, self.engine.runner.info.vocab_size,
+                                                       eos_token_ids=self.engine.runner.info.eos_token_ids)
+            self.engine.constraints.backend = LocalGrammarBackend(self._grammar_cache)
+            if self.engine.proposer is not None and hasattr(self.engine.proposer, "draft_constraints"):
+                from specd.proposers.draft_constraints import DraftConstraints
+
+                self.engine.proposer.draft_constraints = DraftConstraints(self._grammar_cache)
+        self._grammar_cache.validate(spec)
+        return spec
 
     def _response(self, seq, index: int) -> Response:
         text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=seq.params.skip_special_tokens)

@@ -41,6 +41,18 @@ def target_text_config(target_path: str | Path) -> dict:
     return raw.get("text_config") or raw
 
 
+def _draft_constraints(target):
+    """Draft masking for constrained requests; the grammar tables are built on first use."""
+    from specd.proposers.draft_constraints import DraftConstraints
+
+    def compiler():
+        from specd.grammar.compiler import GrammarCompilerCache
+
+        return GrammarCompilerCache.from_model_dir(target)
+
+    return DraftConstraints(compiler)
+
+
 def load_drafter(model_path: str | Path, spec: SpeculativeConfig, target_path: str | Path | None = None,
                  *, device: str = "cpu", dtype: str = "auto", max_num_draft_tokens: int = 32,
                  max_batch_size: int = 128) -> DrafterServicer:
@@ -64,6 +76,7 @@ def load_drafter(model_path: str | Path, spec: SpeculativeConfig, target_path: s
         torch.cuda.set_device(dev)  # the draft runner places itself on the current CUDA device
     engine_config = PytorchEngineConfig(dtype=dtype, device_type=dev.type, max_batch_size=max_batch_size)
     proposer = build_proposer(spec, target, vocab_size, engine_config, dev, select_dtype(engine_config, dev))
+    proposer.draft_constraints = _draft_constraints(target)
     hidden_size = {"none": 0, "final": int(text["hidden_size"]),
                    "aux": len(getattr(proposer, "aux_layer_ids", None) or []) * int(text["hidden_size"])
                    }[proposer.hidden_kind]

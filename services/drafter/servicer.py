@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from specd.grammar.backend import GrammarSpec
 from specd.messages import ConfigError
 from specd.proposers.base import DraftRequest, Proposer
 from specd.sampling_params import SamplingParams
@@ -147,8 +148,12 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                     raise StepError(grpc.StatusCode.FAILED_PRECONDITION,
                                     f"open: seq {item.seq_id} is already open on this stream")
                 params = sampling_params_from_pb(item.params)
+                grammar = GrammarSpec(item.grammar_kind, item.grammar_source) if item.grammar_kind else None
                 state = _SeqState(next(self._internal_ids))
-                self.proposer.open(state.internal_id, params)
+                if grammar is None:  # proposers without draft masking take no grammar argument
+                    self.proposer.open(state.internal_id, params)
+                else:
+                    self.proposer.open(state.internal_id, params, grammar=grammar)
                 stream.seqs[item.seq_id] = state
                 self.num_sequences_opened += 1
             if len({item.seq_id for item in request.sequences}) != len(request.sequences):
@@ -198,7 +203,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             if hidden is not None and self.hidden_size and hidden.shape[1] != self.hidden_size:
                 raise _invalid(f"new_hidden_states: seq {item.seq_id}: rows of width {hidden.shape[1]}, "
                                f"this drafter expects {self.hidden_size}")
-        return DraftRequest(state.internal_id, tokens, hidden, k)
+        return DraftRequest(state.internal_id, tokens, hidden, k, num_output_tokens=item.num_output_tokens)
 
     # ---- stream end ---------------------------------------------------------------------------
     def _close_stream(self, stream: _Stream, reason: str) -> None:

@@ -10,7 +10,7 @@ from specd.messages import PytorchEngineConfig, SpeculativeConfig
 
 def build_engine(model_path: str | Path, backend_config: PytorchEngineConfig | None = None,
                  speculative_config: SpeculativeConfig | None = None, tokenizer=None,
-                 proposer=None) -> SpecEngine:
+                 proposer=None, grammar_backend=None) -> SpecEngine:
     """Load the target runner and the drafter the configs name (or use the given proposer)."""
     from specd.models.loader import load_target_runner
     from specd.models.model_path import resolve_model_path
@@ -32,4 +32,5 @@ def build_engine(model_path: str | Path, backend_config: PytorchEngineConfig | N
         runner.set_aux_hidden_layers(list(aux_layers))
     max_len = config.session_len or runner.info.max_position_embeddings
     return SpecEngine(runner, proposer, k, max_batch_size=config.max_batch_size, max_model_len=max_len,
-                      tokenizer=tokenizer, max_prefill_tokens=config.max_prefill_token_num)
+                      tokenizer=tokenizer, max_prefill_tokens=config.max_prefill_token_num,
+                      grammar_backend=grammar_backend)

@@ -14,9 +14,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specd.engine.constraints import ConstraintTracker, mask_rows
 from specd.engine.sequence import Sequence, SequenceStatus
 from specd.engine.stop import StopChecker
 from specd.engine.verify import pad_drafts, verify_target_probs
+from specd.grammar.backend import GrammarSpec
 from specd.messages import ConfigError
 from specd.models.base import SequenceChunk, TargetRunner
 from specd.proposers.base import DraftProposal, DraftRequest, Proposer
@@ -50,7 +52,7 @@ class SpecEngine:
 
     def __init__(self, runner: TargetRunner, proposer: Proposer | None, num_speculative_tokens: int,
                  *, max_batch_size: int, max_model_len: int, tokenizer=None,
-                 max_prefill_tokens: int = 8192) -> None:
+                 max_prefill_tokens: int = 8192, grammar_backend=None) -> None:
         self.runner = runner
         self.proposer = proposer
         self.num_speculative_tokens = num_speculative_tokens if proposer is not None else 0
@@ -63,9 +65,11 @@ class SpecEngine:
         self.stats = EngineStats()
         self._ids = itertools.count()
         self._hidden_kind = proposer.hidden_kind if proposer is not None else "none"
+        self.constraints = ConstraintTracker(grammar_backend)
 
     # ---- requests -------------------------------------------------------------------------
-    def add_request(self, prompt_token_ids: list[int], params: SamplingParams) -> Sequence:
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
+                    grammar: GrammarSpec | None = None) -> Sequence:
         if not prompt_token_ids:
             raise ConfigError("prompt: must contain at least one token")
         if len(prompt_token_ids) >= self.max_model_len:
@@ -74,7 +78,9 @@ class SpecEngine:
         vocab = self.runner.info.vocab_size
         if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
             raise ConfigError(f"prompt: token ids must be in [0, {vocab})")
-        seq = Sequence(next(self._ids), list(prompt_token_ids), params)
+        if grammar is not None and self.constraints.backend is None:
+            raise ConfigError("response_format: structured output needs a grammar backend")
+        seq = Sequence(next(self._ids), list(prompt_token_ids), params, grammar=grammar)
         self.waiting.append(seq)
         return seq
 
@@ -99,9 +105,11 @@ class SpecEngine:
         seq.finish(reason)
         return True
 
-    def generate(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[Sequence]:
+    def generate(self, prompts: list[list[int]], params: list[SamplingParams],
+                 grammars: list[GrammarSpec | None] | None = None) -> list[Sequence]:
         """Run the given requests to completion (the in-process path)."""
-        seqs = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
+        grammars = grammars or [None] * len(prompts)
+        seqs = [self.add_request(p, sp, g) for p, sp, g in zip(prompts, params, grammars)]
         while self.has_unfinished():
             self.step()
         return seqs
@@ -158,6 +166,10 @@ class SpecEngine:
         if any(s.params.repetition_penalty != 1.0 for s in admitted):
             logits = apply_repetition_penalty(
                 logits, [torch.tensor(s.prompt_token_ids) for s in admitted], st.repetition_penalty)
+        for seq in admitted:
+            self.constraints.open(seq)
+        masks = self.constraints.masks(admitted, [[] for _ in admitted])
+        logits = mask_rows(logits, list(range(len(admitted))), masks)
         positions = torch.tensor([s.num_tokens for s in admitted], device=out.logits.device)
         first = sample_from_probs(processed_probs(logits, st), st.seeds, positions, SALT_SAMPLE).tolist()
         finished = []
@@ -165,13 +177,18 @@ class SpecEngine:
             seq.status = SequenceStatus.RUNNING
             resumed = bool(seq.output_token_ids)
             if self.proposer is not None:
-                self.proposer.open(seq.seq_id, seq.params)
+                # (grammar only when constrained: proposers without draft masking keep working)
+                if seq.grammar is None:
+                    self.proposer.open(seq.seq_id, seq.params)
+                else:
+                    self.proposer.open(seq.seq_id, seq.params, grammar=seq.grammar)
                 seq.undrafted_token_ids = list(seq.prompt_token_ids) + list(seq.output_token_ids)
                 hidden = self._hidden_rows(out, i, seq.num_tokens - (1 if resumed else 0))
                 if hidden is not None:
                     seq.undrafted_hidden = [hidden]
             if not resumed:
                 self._append(seq, [first[i]])
+                self.constraints.committed(seq, [first[i]])
                 if self.proposer is not None:
                     seq.undrafted_token_ids.append(first[i])
             if seq.is_finished:
@@ -188,7 +205,8 @@ class SpecEngine:
         requests = []
         for seq in batch:
             tokens, hidden = seq.take_undrafted()
-            requests.append(DraftRequest(seq.seq_id, tokens, hidden, self._num_drafts(seq)))
+            requests.append(DraftRequest(seq.seq_id, tokens, hidden, self._num_drafts(seq),
+                                         num_output_tokens=seq.num_output_tokens))
         proposals = self.proposer.propose(requests)
         assert len(proposals) == len(batch)
         for req, p in zip(requests, proposals):
@@ -213,8 +231,9 @@ class SpecEngine:
                    if any(s.params.repetition_penalty != 1.0 for s in batch) else None)
         suppress = [(s.params.min_new_tokens - s.num_output_tokens, sorted(self.stop.stop_token_ids(s)))
                     for s in batch]
+        masks = self.constraints.masks(batch, [draft_ids[i, :k].tolist() for i, k in enumerate(num_drafts)])
         target_probs = verify_target_probs(out, num_drafts, st, history, draft_ids,
-                                           suppress if any(n > 0 for n, _ in suppress) else None)
+                                           suppress if any(n > 0 for n, _ in suppress) else None, masks)
         positions = torch.tensor([s.num_tokens for s in batch], device=device)
         result = rejection_sample(target_probs, draft_ids, draft_probs, num_drafts_t, st.seeds, positions)
         return out, result
@@ -239,6 +258,7 @@ class SpecEngine:
                 if hidden is not None:
                     seq.undrafted_hidden.append(hidden)
             num_appended = self._append(seq, new_tokens)
+            self.constraints.committed(seq, new_tokens[:num_appended])
             if self.proposer is not None:
                 seq.undrafted_token_ids.extend(new_tokens[:num_appended])
             if seq.is_finished:
@@ -266,6 +286,7 @@ class SpecEngine:
                 raise RuntimeError("the KV cache cannot hold a single request; raise num_gpu_blocks")
             victim = self.running.pop()  # the most recently admitted
             self.runner.free(victim.seq_id)
+            self.constraints.close(victim)
             if self.proposer is not None:
                 self.proposer.close(victim.seq_id)
             victim.status = SequenceStatus.WAITING
@@ -304,5 +325,6 @@ class SpecEngine:
 
     def _release(self, seq: Sequence) -> None:
         self.runner.free(seq.seq_id)
+        self.constraints.close(seq)
         if self.proposer is not None:
             self.proposer.close(seq.seq_id)

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specd.grammar.backend import GrammarSpec
 from specd.messages import SpecStats
 from specd.sampling_params import SamplingParams
 
@@ -32,6 +33,7 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None  # "stop" | "length"
     stats: SpecStats = field(default_factory=SpecStats)
+    grammar: GrammarSpec | None = None  # structured output: the grammar every token must follow
     # Committed since the drafter last saw this sequence, with the target hidden rows that go with
     # them (one row fewer than tokens before the first draft step, as many afterwards).
     undrafted_token_ids: list[int] = field(default_factory=list)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from specd.engine.constraints import mask_rows
 from specd.models.base import ForwardOutput
 from specd.proposers.base import DraftProposal
 from specd.sampling import SamplingTensors, apply_repetition_penalty, processed_probs
@@ -40,13 +41,15 @@ def pad_drafts(proposals: list[DraftProposal], vocab_size: int, device: torch.de
 
 def verify_target_probs(out: ForwardOutput, num_drafts: list[int], st: SamplingTensors,
                         prev_token_ids: list[list[int]] | None, draft_token_ids: torch.Tensor,
-                        suppress: list[tuple[int, list[int]]] | None = None) -> torch.Tensor:
+                        suppress: list[tuple[int, list[int]]] | None = None,
+                        masks: list | None = None) -> torch.Tensor:
     """The processed target distribution at each verified position, [B, K+1, V].
 
     Row j of request i is the distribution after its committed tokens and drafts 0..j-1.
     prev_token_ids (for repetition penalty) are the committed tokens per request. suppress[i] =
     (num_rows, token_ids): those ids are masked out of request i's first num_rows rows, which is
-    how min_new_tokens keeps EOS and stop tokens from ending a sequence too early.
+    how min_new_tokens keeps EOS and stop tokens from ending a sequence too early. masks[i] (a
+    grammar MaskResult or None) restricts request i's rows serially along its drafts.
     """
     batch, max_k = len(num_drafts), max(num_drafts, default=0)
     vocab = out.logits.shape[-1]
@@ -68,6 +71,11 @@ def verify_target_probs(out: ForwardOutput, num_drafts: list[int], st: SamplingT
             if num_rows > 0 and token_ids:
                 logits[r:r + min(num_rows, k + 1), token_ids] = float("-inf")
             r += k + 1
+    if masks is not None:
+        starts = [0]
+        for k in num_drafts[:-1]:
+            starts.append(starts[-1] + k + 1)
+        logits = mask_rows(logits, starts, masks)
     probs = processed_probs(logits, row_st)  # [sum(k_i + 1), V]
     padded = torch.empty(batch, max_k + 1, vocab, device=probs.device)
     r = 0

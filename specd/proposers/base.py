@@ -17,6 +17,7 @@ from typing import Literal, Protocol
 
 import torch
 
+from specd.grammar.backend import GrammarSpec
 from specd.sampling_params import SamplingParams
 
 HiddenKind = Literal["none", "final", "aux"]
@@ -30,6 +31,8 @@ class DraftRequest:
     new_token_ids: list[int]  # committed since the last step (first step: prompt + first token)
     new_hidden_states: torch.Tensor | None  # [len(new_token_ids) - (1 on first step else 0), H*]
     num_draft_tokens: int  # k for this sequence in this step (0: propose nothing, still ingest)
+    num_output_tokens: int = 0  # committed output tokens so far (the tail of the history): what a
+    # constrained sequence's grammar has seen
 
 
 @dataclass
@@ -45,9 +48,12 @@ class Proposer(Protocol):
 
     method: str
     hidden_kind: HiddenKind  # which target hidden states the proposer consumes
+    # Draft masking for constrained sequences (specd.proposers.draft_constraints); None: drafts are
+    # unconstrained and the verifier's masks alone keep the output valid.
+    draft_constraints: object | None
 
-    def open(self, seq_id: int, params: SamplingParams) -> None:
-        """Start draft state for a sequence."""
+    def open(self, seq_id: int, params: SamplingParams, grammar: GrammarSpec | None = None) -> None:
+        """Start draft state for a sequence (masking its drafts by the grammar when given)."""
 
     def propose(self, requests: list[DraftRequest]) -> list[DraftProposal]:
         """Ingest each request's committed tokens, then propose its draft tokens (batched)."""

@@ -11,6 +11,7 @@ import torch
 
 from specd.models.base import SequenceChunk, TargetRunner
 from specd.proposers.base import DraftProposal, DraftRequest
+from specd.proposers.draft_constraints import mask_logits
 from specd.random import SALT_DRAFT
 from specd.sampling import SamplingTensors, processed_probs, sample_from_probs
 from specd.sampling_params import SamplingParams
@@ -28,23 +29,32 @@ class DraftModelProposer:
         self._history: dict[int, list[int]] = {}
         self._cached: dict[int, int] = {}  # committed tokens validly in the draft cache
         self._params: dict[int, SamplingParams] = {}
+        self.draft_constraints = None  # DraftConstraints when structured output is enabled
 
-    def open(self, seq_id: int, params: SamplingParams) -> None:
+    def open(self, seq_id: int, params: SamplingParams, grammar=None) -> None:
         self.runner.add_sequence(seq_id)
         self._history[seq_id] = []
         self._cached[seq_id] = 0
         self._params[seq_id] = params
+        if self.draft_constraints is not None:
+            self.draft_constraints.open(seq_id, grammar)
 
     def close(self, seq_id: int) -> None:
         if seq_id in self._history:
             self.runner.free(seq_id)
             del self._history[seq_id], self._cached[seq_id], self._params[seq_id]
+        if self.draft_constraints is not None:
+            self.draft_constraints.close(seq_id)
 
     def propose(self, requests: list[DraftRequest]) -> list[DraftProposal]:
         drafts: dict[int, list[int]] = {r.seq_id: [] for r in requests}
         probs: dict[int, list[torch.Tensor]] = {r.seq_id: [] for r in requests}
+        dc = self.draft_constraints
         for r in requests:
-            self._history[r.seq_id].extend(r.new_token_ids)
+            history = self._history[r.seq_id]
+            history.extend(r.new_token_ids)
+            if dc is not None:
+                dc.begin(r.seq_id, history[len(history) - r.num_output_tokens:])
         active = [r for r in requests if r.num_draft_tokens > 0]
         if not active:
             return [DraftProposal(torch.empty(0, dtype=torch.long)) for _ in requests]
@@ -59,9 +69,12 @@ class DraftModelProposer:
             out = self.runner.forward(chunks)
             last_rows = torch.tensor([out.offsets[i + 1] - 1 for i in range(len(chunks))])
             logits = out.logits[last_rows.to(out.logits.device)]  # [B, draft_vocab]
-            chosen, q = self._choose(logits, active, step)
+            bitmask = None if dc is None else dc.masks([r.seq_id for r in active])
+            chosen, q = self._choose(logits, active, step, bitmask)
             next_active, chunks = [], []
             for i, r in enumerate(active):
+                if dc is not None and not dc.advance(r.seq_id, chosen[i]):
+                    continue  # the grammar allows nothing more: this sequence's drafts end here
                 drafts[r.seq_id].append(chosen[i])
                 if q is not None:
                     probs[r.seq_id].append(q[i])
@@ -73,10 +86,10 @@ class DraftModelProposer:
                 break
         return [self._proposal(drafts[r.seq_id], probs[r.seq_id], r.seq_id) for r in requests]
 
-    def _choose(self, logits: torch.Tensor, reqs: list[DraftRequest], step: int):
+    def _choose(self, logits: torch.Tensor, reqs: list[DraftRequest], step: int, bitmask=None):
         """Greedy or sampled draft token per row; q in the target vocabulary for sampled rows."""
         params = [self._params[r.seq_id] for r in reqs]
-        logits = self._to_target_vocab(logits.float())
+        logits = mask_logits(self._to_target_vocab(logits.float()), bitmask)
         if all(p.is_greedy for p in params):
             return logits.argmax(dim=-1).tolist(), None
         st = SamplingTensors.from_params(params, logits.device)

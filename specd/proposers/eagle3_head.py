@@ -181,9 +181,21 @@ class Eagle3Head(nn.Module):
         cos, sin = self.rotary(hidden, positions)  # [B, S, head_dim] each
         return self.midlayer(emb, hidden, cos, sin, kv)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, H] -> [N, vocab] float32; -inf at target ids outside the draft vocabulary."""
+    def logits(self, hidden: torch.Tensor, bitmask: torch.Tensor | None = None) -> torch.Tensor:
+        """[N, H] -> [N, vocab] float32; -inf at target ids outside the draft vocabulary.
+
+        bitmask [N, W] int32 (target vocabulary, a grammar's allowed tokens) is translated to the
+        draft vocabulary through d2t in one gather and masks the draft logits before the scatter.
+        """
         draft = self.lm_head(self.norm(hidden)).float()  # [N, draft_vocab]
+        if bitmask is not None:
+            from specd.grammar.masking import translate_bitmask_to_draft_vocab
+
+            allowed = translate_bitmask_to_draft_vocab(bitmask.to(draft.device), self.d2t)  # [N, Vd]
+            draft = draft.masked_fill(~allowed, float("-inf"))
         target_ids = torch.arange(self.cfg.draft_vocab_size, device=draft.device) + self.d2t
         out = draft.new_full((draft.shape[0], self.cfg.vocab_size), float("-inf"))
         return out.index_copy_(1, target_ids, draft)
+
+    def masked_logits(self, hidden: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+        return self.logits(hidden, bitmask)

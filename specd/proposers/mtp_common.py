@@ -25,6 +25,7 @@ from torch import nn
 
 from specd.models.weights import read_tensor, tensor_names
 from specd.proposers.base import DraftProposal, DraftRequest
+from specd.proposers.draft_constraints import mask_logits
 from specd.random import SALT_DRAFT
 from specd.sampling import (SamplingTensors, apply_repetition_penalty, processed_probs,
                             sample_from_probs)
@@ -144,6 +145,7 @@ class _SeqState:
 
     params: SamplingParams
     tokens: list[int]  # committed x_0..x_n
+    seq_id: int = -1
     pending: torch.Tensor | None = None  # [m, H] head-space hidden rows of pairs not yet cached
     kv: list[torch.Tensor] | None = None  # [heads, L, dim] each; past num_cached: speculative
     num_cached: int = 0  # committed pairs in kv
@@ -171,17 +173,26 @@ class PairHeadProposer:
         self.device = torch.device(device)
         self.dtype = dtype
         self._seqs: dict[int, _SeqState] = {}
+        self.draft_constraints = None  # DraftConstraints when structured output is enabled
 
-    def open(self, seq_id: int, params: SamplingParams) -> None:
-        self._seqs[seq_id] = _SeqState(params=params, tokens=[])
+    def open(self, seq_id: int, params: SamplingParams, grammar=None) -> None:
+        self._seqs[seq_id] = _SeqState(params=params, tokens=[], seq_id=seq_id)
+        if self.draft_constraints is not None:
+            self.draft_constraints.open(seq_id, grammar)
 
     def close(self, seq_id: int) -> None:
         self._seqs.pop(seq_id, None)
+        if self.draft_constraints is not None:
+            self.draft_constraints.close(seq_id)
 
     @torch.inference_mode()
     def propose(self, requests: list[DraftRequest]) -> list[DraftProposal]:
+        dc = self.draft_constraints
         for r in requests:
-            self._ingest(self._seqs[r.seq_id], r)
+            seq = self._seqs[r.seq_id]
+            self._ingest(seq, r)
+            if dc is not None:
+                dc.begin(r.seq_id, seq.tokens[len(seq.tokens) - r.num_output_tokens:])
         active = [r for r in requests if r.num_draft_tokens > 0]
         drafts: dict[int, list[int]] = {r.seq_id: [] for r in requests}
         probs: dict[int, list[torch.Tensor]] = {r.seq_id: [] for r in requests}
@@ -227,17 +238,29 @@ class PairHeadProposer:
                 hidden = self.head(ids, hidden[:, None], pos, kv)[:, 0]  # [B, H]
                 for j, s in enumerate(batch):
                     s.kv = kv.appended(j)
-            tokens, q = self._choose(self.head.logits(hidden), [seqs[i] for i in rows],
+            bitmask = None if self.draft_constraints is None else \
+                self.draft_constraints.masks([seqs[i].seq_id for i in rows])
+            tokens, q = self._choose(self._logits(hidden, bitmask), [seqs[i] for i in rows],
                                      [drafts[i] for i in rows])
+            allowed = {}
             for j, i in enumerate(rows):
-                drafts[i].append(tokens[j])
-                if q is not None:
-                    probs[i].append(q[j])
-            keep = [j for j, i in enumerate(rows) if ks[i] > step + 1]
+                allowed[i] = (self.draft_constraints is None
+                              or self.draft_constraints.advance(seqs[i].seq_id, tokens[j]))
+                if allowed[i]:  # a forbidden token (grammar finished) ends this sequence's drafts
+                    drafts[i].append(tokens[j])
+                    if q is not None:
+                        probs[i].append(q[j])
+            keep = [j for j, i in enumerate(rows) if ks[i] > step + 1 and allowed[i]]
             rows = [rows[j] for j in keep]
             if not rows:
                 break
             hidden = hidden[keep]
+
+    def _logits(self, hidden: torch.Tensor, bitmask: torch.Tensor | None) -> torch.Tensor:
+        """Draft logits in the target vocabulary, masked by the grammar rows when given."""
+        if bitmask is not None and hasattr(self.head, "masked_logits"):
+            return self.head.masked_logits(hidden, bitmask)  # EAGLE-3 masks in its draft vocabulary
+        return mask_logits(self.head.logits(hidden), bitmask)
 
     def _catch_up(self, seqs: list[_SeqState]) -> None:
         """One padded forward over every sequence's uncached committed pairs."""

@@ -46,9 +46,12 @@ class NgramProposer:
         self.min_n = prompt_lookup_min
         self.max_n = prompt_lookup_max
         self._history: dict[int, list[int]] = {}
+        self.draft_constraints = None  # DraftConstraints when structured output is enabled
 
-    def open(self, seq_id: int, params: SamplingParams) -> None:
+    def open(self, seq_id: int, params: SamplingParams, grammar=None) -> None:
         self._history[seq_id] = []
+        if self.draft_constraints is not None:
+            self.draft_constraints.open(seq_id, grammar)
 
     def propose(self, requests: list[DraftRequest]) -> list[DraftProposal]:
         proposals = []
@@ -59,8 +62,22 @@ class NgramProposer:
             if req.num_draft_tokens > 0:
                 drafts = find_ngram_continuation(np.asarray(history, dtype=np.int64), self.min_n,
                                                  self.max_n, req.num_draft_tokens)
+                drafts = self._grammar_prefix(req, history, drafts)
             proposals.append(DraftProposal(token_ids=torch.from_numpy(drafts.copy())))
         return proposals
 
+    def _grammar_prefix(self, req: DraftRequest, history: list[int], drafts: np.ndarray) -> np.ndarray:
+        """The drafts a constrained sequence's grammar allows (a copied continuation may break it)."""
+        dc = self.draft_constraints
+        if dc is None or not dc.is_constrained(req.seq_id):
+            return drafts
+        dc.begin(req.seq_id, history[len(history) - req.num_output_tokens:])
+        n = 0
+        while n < drafts.size and dc.advance(req.seq_id, int(drafts[n])):
+            n += 1
+        return drafts[:n]
+
     def close(self, seq_id: int) -> None:
         self._history.pop(seq_id, None)
+        if self.draft_constraints is not None:
+            self.draft_constraints.close(seq_id)

@@ -130,7 +130,7 @@ class _DrafterStream:
         self._call = stub.DraftSteps(iter(self._requests.get, None))
         self._reader = threading.Thread(target=self._read, name=f"drafter-{address}", daemon=True)
         self._reader.start()
-        self.pending_open: dict[int, SamplingParams] = {}
+        self.pending_open: dict[int, tuple[SamplingParams, object]] = {}  # seq -> (params, grammar)
         self.pending_close: list[int] = []
         self.next_step_id = 0
         self.error: DrafterError | None = None  # set once: the stream is dead after it
@@ -179,6 +179,8 @@ class RemoteProposer:
     time here and last_draft_seconds the slowest drafter's model time (the rest is transport).
     """
 
+    draft_constraints = None  # remote drafters mask drafts themselves
+
     def __init__(self, addresses: list[str], *, deadline_s: float = 10.0,
                  connect_timeout_s: float = 10.0, hidden_dtype: torch.dtype | None = None) -> None:
         if not addresses:
@@ -219,11 +221,11 @@ class RemoteProposer:
         return owner.address if owner is not None else self._ring.lookup(seq_id)
 
     # ---- the Proposer protocol --------------------------------------------------------------
-    def open(self, seq_id: int, params: SamplingParams) -> None:
+    def open(self, seq_id: int, params: SamplingParams, grammar=None) -> None:
         if seq_id in self._owner:
             raise ValueError(f"seq {seq_id}: already open")
         drafter = self._drafters[self._ring.lookup(seq_id)]
-        drafter.pending_open[seq_id] = params
+        drafter.pending_open[seq_id] = (params, grammar)
         self._owner[seq_id] = drafter
 
     def close(self, seq_id: int) -> None:
@@ -288,12 +290,15 @@ class RemoteProposer:
     def _send(self, drafter: _DrafterStream, requests: list[DraftRequest]) -> int:
         """Build and queue one step message; returns its step id."""
         message = drafter_pb2.DraftStepRequest(close=drafter.pending_close)
-        for seq_id, params in drafter.pending_open.items():
-            message.open.add(seq_id=seq_id, params=sampling_params_to_pb(params))
+        for seq_id, (params, grammar) in drafter.pending_open.items():
+            message.open.add(seq_id=seq_id, params=sampling_params_to_pb(params),
+                             grammar_kind=grammar.kind if grammar else "",
+                             grammar_source=grammar.source if grammar else "")
         drafter.pending_open, drafter.pending_close = {}, []
         for r in requests:
             item = message.sequences.add(seq_id=r.seq_id, new_token_ids=r.new_token_ids,
-                                         num_draft_tokens=r.num_draft_tokens)
+                                         num_draft_tokens=r.num_draft_tokens,
+                                         num_output_tokens=r.num_output_tokens)
             if r.new_hidden_states is not None and self.hidden_kind != "none":
                 hidden = r.new_hidden_states  # [n, H*]
                 assert hidden.ndim == 2, f"new_hidden_states must be [n, H*], got {tuple(hidden.shape)}"

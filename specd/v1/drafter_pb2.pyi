@@ -50,24 +50,30 @@ class DraftStepRequest(_message.Message):
     def __init__(self, step_id: _Optional[int] = ..., open: _Optional[_Iterable[_Union[OpenSequence, _Mapping]]] = ..., sequences: _Optional[_Iterable[_Union[SequenceDraftInput, _Mapping]]] = ..., close: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class OpenSequence(_message.Message):
-    __slots__ = ("seq_id", "params")
+    __slots__ = ("seq_id", "params", "grammar_kind", "grammar_source")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_KIND_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_SOURCE_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     params: _common_pb2.SamplingParameters
-    def __init__(self, seq_id: _Optional[int] = ..., params: _Optional[_Union[_common_pb2.SamplingParameters, _Mapping]] = ...) -> None: ...
+    grammar_kind: str
+    grammar_source: str
+    def __init__(self, seq_id: _Optional[int] = ..., params: _Optional[_Union[_common_pb2.SamplingParameters, _Mapping]] = ..., grammar_kind: _Optional[str] = ..., grammar_source: _Optional[str] = ...) -> None: ...
 
 class SequenceDraftInput(_message.Message):
-    __slots__ = ("seq_id", "new_token_ids", "new_hidden_states", "num_draft_tokens")
+    __slots__ = ("seq_id", "new_token_ids", "new_hidden_states", "num_draft_tokens", "num_output_tokens")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NEW_HIDDEN_STATES_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     new_token_ids: _containers.RepeatedScalarFieldContainer[int]
     new_hidden_states: _common_pb2.Tensor
     num_draft_tokens: int
-    def __init__(self, seq_id: _Optional[int] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., new_hidden_states: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., num_draft_tokens: _Optional[int] = ...) -> None: ...
+    num_output_tokens: int
+    def __init__(self, seq_id: _Optional[int] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., new_hidden_states: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., num_draft_tokens: _Optional[int] = ..., num_output_tokens: _Optional[int] = ...) -> None: ...
 
 class DraftStepResponse(_message.Message):
     __slots__ = ("step_id", "sequences", "draft_time_us", "handle_time_us")

@@ -66,16 +66,18 @@ class MaskRequest(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., draft_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GrammarStepResponse(_message.Message):
-    __slots__ = ("step_id", "masks", "terminated", "mask_time_us")
+    __slots__ = ("step_id", "masks", "terminated", "mask_time_us", "handle_time_us")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     MASKS_FIELD_NUMBER: _ClassVar[int]
     TERMINATED_FIELD_NUMBER: _ClassVar[int]
     MASK_TIME_US_FIELD_NUMBER: _ClassVar[int]
+    HANDLE_TIME_US_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     masks: _containers.RepeatedCompositeFieldContainer[TokenMasks]
     terminated: _containers.RepeatedScalarFieldContainer[int]
     mask_time_us: int
-    def __init__(self, step_id: _Optional[int] = ..., masks: _Optional[_Iterable[_Union[TokenMasks, _Mapping]]] = ..., terminated: _Optional[_Iterable[int]] = ..., mask_time_us: _Optional[int] = ...) -> None: ...
+    handle_time_us: int
+    def __init__(self, step_id: _Optional[int] = ..., masks: _Optional[_Iterable[_Union[TokenMasks, _Mapping]]] = ..., terminated: _Optional[_Iterable[int]] = ..., mask_time_us: _Optional[int] = ..., handle_time_us: _Optional[int] = ...) -> None: ...
 
 class TokenMasks(_message.Message):
     __slots__ = ("seq_id", "bitmask", "num_valid_drafts")

@@ -73,9 +73,11 @@ class TeeProposer:
         self.aux_layer_ids = remote.aux_layer_ids
         self.num_steps_compared = 0
 
-    def open(self, seq_id, params):
-        self.remote.open(seq_id, params)
-        self.local.open(seq_id, params)
+    draft_constraints = None
+
+    def open(self, seq_id, params, grammar=None):
+        self.remote.open(seq_id, params, grammar=grammar)
+        self.local.open(seq_id, params, grammar=grammar)
 
     def close(self, seq_id):
         self.remote.close(seq_id)

@@ -1,0 +1,237 @@
+"""RemoteGrammarBackend: the GrammarBackend contract over the grammar service (services/grammar).
+
+One long-lived Steps stream per backend (sync gRPC: a request queue feeds the stream, a reader
+thread drains the responses so a step can wait with a deadline). open() and close() are buffered
+and ride along with the next step message, so an engine step costs exactly one round trip:
+close, open (with replay tokens), commit, masks, in that order, in one GrammarStepRequest.
+
+Failure and lost state. A service that does not answer within `deadline_s`, breaks its stream or
+refuses a step raises a GrammarServiceError (GrammarUnavailableError for transport failures and
+deadlines, GrammarRejectedError for a step the service refused). The service drops a stream's
+matchers when the stream ends, so every sequence open on this backend is lost
+(`err.lost_seq_ids`), and so is this step's commit for them (it may or may not have been applied).
+The backend forgets them and the next call starts a fresh stream: recovery is open(seq_id, spec,
+replay_token_ids=all accepted output tokens), which the engine holds, on this or another backend.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+
+import grpc
+
+from specd.grammar.backend import GrammarSpec, GrammarStep, MaskResult
+from specd.grammar.errors import GrammarCompileError, GrammarNotOpenError  # compiler.py's, without xgrammar
+from specd.transport.tensor_codec import TensorCodecError, tensor_from_pb
+from specd.v1 import grammar_pb2, grammar_pb2_grpc
+
+_REJECTED_CODES = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION,
+                   grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.INTERNAL)
+_MAX_MESSAGE_BYTES = 256 << 20
+_CHANNEL_OPTIONS = [("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
+                    ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES)]
+
+
+class GrammarServiceError(RuntimeError):
+    """The grammar service failed a call; the matchers of `lost_seq_ids` are gone (module doc)."""
+
+    def __init__(self, address: str, message: str, code: grpc.StatusCode | None = None) -> None:
+        super().__init__(f"grammar service {address}: {message}")
+        self.address = address
+        self.code = code
+        self.lost_seq_ids: list[int] = []
+
+
+class GrammarUnavailableError(GrammarServiceError):
+    """The service is unreachable, missed the deadline, or its stream broke."""
+
+
+class GrammarRejectedError(GrammarServiceError):
+    """The service refused a step (unknown sequence, a commit the grammar rejects, a grammar that
+    does not compile at open): a bug or a bad grammar on this side, not a transient failure."""
+
+
+def _error_from_rpc(address: str, err: grpc.RpcError) -> GrammarServiceError:
+    code, details = err.code(), err.details()
+    cls = GrammarRejectedError if code in _REJECTED_CODES else GrammarUnavailableError
+    return cls(address, f"{code.name}: {details}", code)
+
+
+def spec_to_pb(spec: GrammarSpec, model: str = "") -> grammar_pb2.GrammarSpec:
+    return grammar_pb2.GrammarSpec(kind=spec.kind, source=spec.source, model=model)
+
+
+class _StepStream:
+    """One Steps call: the request queue, the reader thread and the step id counter."""
+
+    def __init__(self, stub: grammar_pb2_grpc.GrammarStub, address: str) -> None:
+        self.address = address
+        self._requests: queue.SimpleQueue = queue.SimpleQueue()  # None half-closes the stream
+        self._responses: queue.SimpleQueue = queue.SimpleQueue()  # responses or an error
+        # wait_for_ready: a service still starting is waited for (the step deadline still applies).
+        self._call = stub.Steps(iter(self._requests.get, None), wait_for_ready=True)
+        self._reader = threading.Thread(target=self._read, name=f"grammar-{address}", daemon=True)
+        self._reader.start()
+        self.next_step_id = 0
+
+    def _read(self) -> None:
+        try:
+            for response in self._call:
+                self._responses.put(response)
+            self._responses.put(GrammarUnavailableError(self.address, "the service ended the stream"))
+        except grpc.RpcError as err:
+            self._responses.put(_error_from_rpc(self.address, err))
+
+    def exchange(self, message: grammar_pb2.GrammarStepRequest, deadline_s: float
+                 ) -> grammar_pb2.GrammarStepResponse:
+        """Send one step and wait for its answer; raises GrammarServiceError (the stream is dead)."""
+        step_id = message.step_id = self.next_step_id
+        self.next_step_id += 1
+        self._requests.put(message)
+        try:
+            item = self._responses.get(timeout=deadline_s)
+        except queue.Empty:
+            item = GrammarUnavailableError(self.address, f"no answer to step {step_id} within {deadline_s:g} s",
+                                           grpc.StatusCode.DEADLINE_EXCEEDED)
+        if not isinstance(item, GrammarServiceError) and item.step_id != step_id:
+            item = GrammarServiceError(self.address, f"answered step {item.step_id}, expected {step_id}")
+        if isinstance(item, GrammarServiceError):
+            self._call.cancel()
+            raise item
+        return item
+
+    def shutdown(self, timeout_s: float = 1.0) -> None:
+        """Half-close: the service drops this stream's matchers."""
+        self._requests.put(None)
+        self._reader.join(timeout_s)
+        self._call.cancel()
+
+
+class RemoteGrammarBackend:
+    """GrammarBackend whose matchers live on the grammar service at `address` ("host:port").
+
+    deadline_s bounds one step's round trip and one Validate. model is sent in every GrammarSpec
+    (informational). After each step, last_rpc_seconds is the step's wall time here,
+    last_mask_seconds the service's time in the matchers (the rest is transport and encoding).
+    """
+
+    def __init__(self, address: str, *, deadline_s: float = 10.0, model: str = "") -> None:
+        if deadline_s <= 0:
+            raise ValueError(f"deadline_s: must be > 0, got {deadline_s}")
+        self.address = address
+        self.deadline_s = deadline_s
+        self.model = model
+        self._channel = grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
+        self._stub = grammar_pb2_grpc.GrammarStub(self._channel)
+        self._stream: _StepStream | None = None  # started by the first step, again after a failure
+        self._open: set[int] = set()  # seq ids open (or about to be) on the service
+        self._pending_open: dict[int, tuple[GrammarSpec, list[int]]] = {}
+        self._pending_close: list[int] = []
+        self.last_rpc_seconds = 0.0
+        self.last_mask_seconds = 0.0
+        self.last_handle_seconds = 0.0  # the service's whole handling time, compiles included
+
+    def __len__(self) -> int:
+        return len(self._open)
+
+    def __contains__(self, seq_id: int) -> bool:
+        return seq_id in self._open
+
+    # ---- the GrammarBackend protocol ----------------------------------------------------------
+    def open(self, seq_id: int, spec: GrammarSpec, replay_token_ids: list[int] | None = None) -> None:
+        """Buffer a matcher for seq_id (replacing any); sent, and compiled, with the next step."""
+        if seq_id in self._open:
+            self.close(seq_id)
+        self._pending_open[seq_id] = (spec, [int(t) for t in replay_token_ids or []])
+        self._open.add(seq_id)
+
+    def step(self, step: GrammarStep) -> dict[int, MaskResult]:
+        """One round trip: buffered closes and opens, then step's commits and masks."""
+        t0 = time.perf_counter()
+        for seq_id in (*step.commits, *step.drafts):
+            if seq_id not in self._open:
+                raise GrammarNotOpenError(f"grammar: sequence {seq_id} has no open matcher")
+        message = grammar_pb2.GrammarStepRequest(close=self._pending_close)
+        for seq_id, (spec, replay) in self._pending_open.items():
+            message.open.add(seq_id=seq_id, spec=spec_to_pb(spec, self.model), replay_token_ids=replay)
+        self._pending_open, self._pending_close = {}, []
+        for seq_id, tokens in step.commits.items():
+            if tokens:
+                message.commit.add(seq_id=seq_id, token_ids=tokens)
+        for seq_id, drafts in step.drafts.items():
+            message.masks.add(seq_id=seq_id, draft_token_ids=drafts)
+        try:
+            if self._stream is None:
+                self._stream = _StepStream(self._stub, self.address)
+            response = self._stream.exchange(message, self.deadline_s)
+            results = self._results(response, step)
+        except GrammarServiceError as err:
+            raise self._lose_all(err) from None
+        self.last_mask_seconds = response.mask_time_us / 1e6
+        self.last_handle_seconds = response.handle_time_us / 1e6
+        self.last_rpc_seconds = time.perf_counter() - t0
+        return results
+
+    def close(self, seq_id: int) -> None:
+        """Drop seq_id's matcher with the next step (closing an unknown id is a no-op)."""
+        if seq_id not in self._open:
+            return
+        self._open.discard(seq_id)
+        if self._pending_open.pop(seq_id, None) is None:  # never sent: nothing to close remotely
+            self._pending_close.append(seq_id)
+
+    # ---- beyond the protocol ------------------------------------------------------------------
+    def validate(self, spec: GrammarSpec) -> None:
+        """GrammarCompileError with the service's message when spec does not compile."""
+        try:
+            reply = self._stub.Validate(spec_to_pb(spec, self.model), timeout=self.deadline_s,
+                                        wait_for_ready=True)
+        except grpc.RpcError as err:
+            raise GrammarUnavailableError(self.address, f"Validate failed: {err.code().name}: "
+                                                        f"{err.details()}", err.code()) from None
+        if not reply.ok:
+            raise GrammarCompileError(reply.error)
+
+    def flush(self) -> None:
+        """Send buffered opens and closes now (opens compile; an idle verifier frees matchers)."""
+        self.step(GrammarStep())
+
+    def shutdown(self) -> None:
+        """End the stream (the service drops this backend's matchers) and close the channel."""
+        if self._stream is not None:
+            self._stream.shutdown()
+            self._stream = None
+        self._open.clear()
+        self._pending_open, self._pending_close = {}, []
+        self._channel.close()
+
+    def __enter__(self) -> "RemoteGrammarBackend":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    # ---- helpers ------------------------------------------------------------------------------
+    def _results(self, response: grammar_pb2.GrammarStepResponse, step: GrammarStep) -> dict[int, MaskResult]:
+        if [m.seq_id for m in response.masks] != list(step.drafts):
+            raise GrammarServiceError(self.address, "answered for other sequences than asked")
+        terminated = set(response.terminated)
+        try:
+            return {m.seq_id: MaskResult(bitmask=tensor_from_pb(m.bitmask, copy=True),  # [n + 1, W] int32
+                                         num_valid_drafts=m.num_valid_drafts,
+                                         terminated=m.seq_id in terminated)
+                    for m in response.masks}
+        except TensorCodecError as err:
+            raise GrammarServiceError(self.address, f"bad bitmask: {err}") from None
+
+    def _lose_all(self, err: GrammarServiceError) -> GrammarServiceError:
+        """The stream is dead and with it every matcher: forget them, start afresh next call."""
+        if self._stream is not None:
+            self._stream.shutdown(timeout_s=0.1)
+            self._stream = None
+        err.lost_seq_ids = sorted(self._open)
+        self._open.clear()
+        self._pending_open, self._pending_close = {}, []
+        return err

@@ -1,0 +1,367 @@
+"""The grammar service and RemoteGrammarBackend over real gRPC on loopback.
+
+For the same opens, commits and drafts over several steps and sequences, the remote backend's
+masks equal a LocalGrammarBackend's byte for byte. Also: Validate, a matcher rebuilt from replay
+tokens on a restarted service, malformed steps ending only their stream, deadlines, health and
+reflection, per-step timing and the `specd grammar` command.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from services.grammar.server import load_grammar, start_server
+from specd.grammar.backend import GrammarSpec, GrammarStep, MaskResult
+from specd.grammar.errors import GrammarCompileError, GrammarNotOpenError
+from specd.grammar.local import LocalGrammarBackend
+from specd.grammar.remote import (GrammarRejectedError, GrammarUnavailableError, RemoteGrammarBackend,
+                                  spec_to_pb)
+from specd.v1 import grammar_pb2, grammar_pb2_grpc
+
+ROOT = Path(__file__).resolve().parents[2]
+SCHEMAS = Path("/work/shared/data/jsonschemabench")
+K = 3
+
+
+def _specs() -> list[GrammarSpec]:
+    """Real function-calling and GitHub schemas, plus the other kinds."""
+    files = sorted((SCHEMAS / "Glaiveai2K").glob("*.json"))[:4] + sorted((SCHEMAS / "Github_easy").glob("*.json"))[:2]
+    return [GrammarSpec("json_schema", f.read_text()) for f in files] + [
+        GrammarSpec("json_object"), GrammarSpec("regex", r"(yes|no)-[0-9]{2,6}")]
+
+
+@pytest.fixture(scope="module")
+def grammar_server(tiny_models):
+    server = start_server(load_grammar(tiny_models["target-llama"]), host="127.0.0.1")
+    yield server
+    server.stop(0)
+
+
+def _allowed(row: torch.Tensor, vocab_size: int) -> list[int]:
+    """Token ids a [W] int32 bitmask row allows."""
+    bits = (row.to(torch.int64).unsqueeze(-1) >> torch.arange(32)) & 1
+    return bits.flatten()[:vocab_size].nonzero().flatten().tolist()
+
+
+class Driver:
+    """Plays an engine against a reference LocalGrammarBackend: drafts that mostly follow the
+    grammar (sometimes not), commits of an accepted prefix plus one allowed token, closes of
+    terminated sequences. The same calls go to every backend under test."""
+
+    def __init__(self, local: LocalGrammarBackend, seed: int = 0, draft_lengths=(0, K, K, K)) -> None:
+        self.local = local
+        self.draft_lengths = draft_lengths
+        self.vocab_size = local.compiler_cache.vocab_size
+        self.eos = set(local.compiler_cache.eos_token_ids)
+        self.rng = random.Random(seed)
+        self.commits: dict[int, list[int]] = {}  # pending commits of the next step
+        self.history: dict[int, list[int]] = {}  # all committed tokens of each open seq
+        self.specs: dict[int, GrammarSpec] = {}  # each seq's grammar
+
+    def _pick(self, row: torch.Tensor) -> int:
+        allowed = _allowed(row, self.vocab_size)
+        non_stop = [t for t in allowed if t not in self.eos]
+        return self.rng.choice(non_stop if non_stop and self.rng.random() < 0.95 else allowed)
+
+    def drafts(self, seq_id: int) -> list[int]:
+        fork = self.local.get(seq_id).fork_drafts()
+        out = []
+        for _ in range(self.rng.choice(self.draft_lengths)):
+            token = self._pick(fork.next_mask()) if self.rng.random() < 0.85 else self.rng.randrange(self.vocab_size)
+            fork.advance(token)
+            out.append(token)
+        return out
+
+    def step(self, seq_ids: list[int]) -> GrammarStep:
+        step = GrammarStep(commits=dict(self.commits), drafts={s: self.drafts(s) for s in seq_ids})
+        self.commits = {}
+        return step
+
+    def after(self, step: GrammarStep, results: dict[int, MaskResult]) -> list[int]:
+        """Record the tokens committed by this step; returns the sequences that terminated."""
+        for seq_id, tokens in step.commits.items():
+            self.history[seq_id] += tokens
+        done = []
+        for seq_id, result in results.items():
+            if result.terminated:
+                done.append(seq_id)
+                continue
+            num_accepted = self.rng.randint(0, result.num_valid_drafts)
+            bonus = self._pick(result.bitmask[num_accepted])
+            self.commits[seq_id] = step.drafts[seq_id][:num_accepted] + [bonus]
+        return done
+
+
+def _assert_same(got: dict[int, MaskResult], want: dict[int, MaskResult]) -> None:
+    assert list(got) == list(want)
+    for seq_id in want:
+        g, w = got[seq_id], want[seq_id]
+        assert g.bitmask.dtype == torch.int32 and g.bitmask.shape == w.bitmask.shape, seq_id
+        assert g.bitmask.numpy().tobytes() == w.bitmask.contiguous().numpy().tobytes(), seq_id
+        assert (g.num_valid_drafts, g.terminated) == (w.num_valid_drafts, w.terminated), seq_id
+
+
+def _run_lockstep(backends, local: LocalGrammarBackend, driver: Driver, specs, num_steps: int) -> list[int]:
+    """Open len(specs) sequences on every backend, step them all, comparing every answer with the
+    local backend's; returns the sequences still open."""
+    for seq_id, spec in enumerate(specs):
+        for b in (local, *backends):
+            b.open(seq_id, spec)
+        driver.history[seq_id], driver.specs[seq_id] = [], spec
+    live, next_id = list(range(len(specs))), len(specs)
+    for i in range(num_steps):
+        step = driver.step(live)
+        want = local.step(step)
+        for b in backends:
+            _assert_same(b.step(step), want)
+        for seq_id in driver.after(step, want):
+            live.remove(seq_id)
+            for b in (local, *backends):
+                b.close(seq_id)
+        if i == 3:  # a sequence finishes mid-flight, another one arrives
+            gone = live.pop(0)
+            driver.commits.pop(gone, None)
+            for b in (local, *backends):
+                b.close(gone)
+        if i == 4:
+            for b in (local, *backends):
+                b.open(next_id, specs[1])
+            driver.history[next_id], driver.specs[next_id] = [], specs[1]
+            live.append(next_id)
+    return live
+
+
+def test_remote_masks_equal_local(grammar_server):
+    cache = grammar_server.servicer.compiler_cache
+    local = LocalGrammarBackend(cache)
+    with RemoteGrammarBackend(grammar_server.address) as remote:
+        assert _run_lockstep([remote], local, Driver(local, seed=1), _specs(), num_steps=12)
+        assert remote.last_rpc_seconds > 0 and remote.last_mask_seconds > 0
+        assert grammar_server.servicer.num_open_sequences == len(remote)
+    deadline = time.monotonic() + 5  # the stream's end drops its matchers
+    while grammar_server.servicer.num_streams and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert grammar_server.servicer.num_open_sequences == 0
+
+
+def test_seq_ids_are_scoped_per_stream(grammar_server):
+    """Two verifiers both use seq 0 with different grammars."""
+    cache = grammar_server.servicer.compiler_cache
+    specs = _specs()
+    with RemoteGrammarBackend(grammar_server.address) as a, RemoteGrammarBackend(grammar_server.address) as b:
+        for remote, spec in ((a, specs[0]), (b, specs[-1])):
+            local = LocalGrammarBackend(cache)
+            _run_lockstep([remote], local, Driver(local, seed=2), [spec], num_steps=4)
+
+
+def test_validate(grammar_server):
+    with RemoteGrammarBackend(grammar_server.address) as remote:
+        remote.validate(_specs()[0])
+        with pytest.raises(GrammarCompileError, match="not valid JSON"):
+            remote.validate(GrammarSpec("json_schema", "{not json"))
+        with pytest.raises(GrammarCompileError, match=r"invalid regex"):
+            remote.validate(GrammarSpec("regex", "(unclosed"))
+    with grpc.insecure_channel(grammar_server.address) as channel:
+        reply = grammar_pb2_grpc.GrammarStub(channel).Validate(
+            grammar_pb2.GrammarSpec(kind="json_schema", source='{"type": "nonsense"}'), timeout=10)
+        assert not reply.ok and "JSON schema" in reply.error
+        reply = grammar_pb2_grpc.GrammarStub(channel).Validate(grammar_pb2.GrammarSpec(kind="yaml"), timeout=10)
+        assert not reply.ok and "unknown grammar kind" in reply.error
+
+
+def test_rebuilt_matcher_equals_long_lived(grammar_server, tiny_models):
+    """A restarted service (fresh process state) rebuilds matchers from the accepted tokens."""
+    cache = grammar_server.servicer.compiler_cache
+    local = LocalGrammarBackend(cache)
+    driver = Driver(local, seed=3)
+    specs = _specs()[:4]
+    restarted = start_server(load_grammar(tiny_models["target-llama"]), host="127.0.0.1")
+    try:
+        with RemoteGrammarBackend(grammar_server.address) as long_lived, \
+                RemoteGrammarBackend(restarted.address) as rebuilt:
+            live = _run_lockstep([long_lived], local, driver, specs, num_steps=6)
+            for seq_id in live:  # the replay includes the commits not yet sent to long_lived
+                replay = driver.history[seq_id] + driver.commits.get(seq_id, [])
+                rebuilt.open(seq_id, driver.specs[seq_id], replay_token_ids=replay)
+            assert live
+            step = driver.step(live)
+            want = local.step(step)
+            _assert_same(long_lived.step(step), want)
+            _assert_same(rebuilt.step(GrammarStep(drafts=step.drafts)), want)
+    finally:
+        restarted.stop(0)
+
+
+def _raw_steps(address: str, *messages) -> list:
+    with grpc.insecure_channel(address) as channel:
+        return list(grammar_pb2_grpc.GrammarStub(channel).Steps(iter(messages), timeout=10))
+
+
+def _open(seq_id: int, spec: GrammarSpec, replay=()) -> grammar_pb2.OpenMatcher:
+    return grammar_pb2.OpenMatcher(seq_id=seq_id, spec=spec_to_pb(spec), replay_token_ids=list(replay))
+
+
+@pytest.mark.parametrize("case,code,text", [
+    ("unknown_seq_masks", "INVALID_ARGUMENT", "unknown seq id 7"),
+    ("unknown_seq_commit", "INVALID_ARGUMENT", "unknown seq id 7"),
+    ("rejected_commit", "FAILED_PRECONDITION", "not allowed"),
+    ("rejected_replay", "FAILED_PRECONDITION", "not allowed"),
+    ("bad_grammar", "INVALID_ARGUMENT", "invalid regex"),
+    ("duplicate_open", "FAILED_PRECONDITION", "already open"),
+    ("token_out_of_vocab", "INVALID_ARGUMENT", "outside [0, 512)"),
+])
+def test_malformed_step_ends_only_its_stream(grammar_server, case, code, text):
+    spec = GrammarSpec("regex", "(yes|no)-[0-9]{2,6}")
+    digit = 19  # "0": never allowed first by this regex
+    first = grammar_pb2.GrammarStepRequest(step_id=0, open=[_open(1, spec)],
+                                           masks=[grammar_pb2.MaskRequest(seq_id=1, draft_token_ids=[5])])
+    bad = {
+        "unknown_seq_masks": grammar_pb2.GrammarStepRequest(masks=[grammar_pb2.MaskRequest(seq_id=7)]),
+        "unknown_seq_commit": grammar_pb2.GrammarStepRequest(commit=[grammar_pb2.CommitTokens(seq_id=7, token_ids=[5])]),
+        "rejected_commit": grammar_pb2.GrammarStepRequest(commit=[grammar_pb2.CommitTokens(seq_id=1, token_ids=[digit])]),
+        "rejected_replay": grammar_pb2.GrammarStepRequest(open=[_open(2, spec, [digit])]),
+        "bad_grammar": grammar_pb2.GrammarStepRequest(open=[_open(2, GrammarSpec("regex", "(unclosed"))]),
+        "duplicate_open": grammar_pb2.GrammarStepRequest(open=[_open(1, spec)]),
+        "token_out_of_vocab": grammar_pb2.GrammarStepRequest(masks=[grammar_pb2.MaskRequest(seq_id=1, draft_token_ids=[512])]),
+    }[case]
+    bad.step_id = 1
+    with pytest.raises(grpc.RpcError) as info:
+        _raw_steps(grammar_server.address, first, bad)
+    assert info.value.code().name == code and text in info.value.details()
+    answers = _raw_steps(grammar_server.address, first)  # the server keeps serving
+    assert [a.step_id for a in answers] == [0] and answers[0].masks[0].num_valid_drafts == 0
+
+
+def test_client_errors_and_recovery(grammar_server):
+    spec = GrammarSpec("regex", "(yes|no)-[0-9]{2,6}")
+    with RemoteGrammarBackend(grammar_server.address) as remote:
+        remote.open(0, spec)
+        remote.open(1, spec)
+        with pytest.raises(GrammarNotOpenError):
+            remote.step(GrammarStep(drafts={5: []}))
+        y = remote.step(GrammarStep(drafts={0: [], 1: []}))[0].bitmask[0]
+        first = _allowed(y, 512)
+        with pytest.raises(GrammarRejectedError) as info:
+            remote.step(GrammarStep(commits={0: [19]}, drafts={0: []}))
+        assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION and info.value.lost_seq_ids == [0, 1]
+        assert len(remote) == 0
+        remote.open(0, spec, replay_token_ids=[first[0]])  # recovery: a fresh stream
+        assert remote.step(GrammarStep(drafts={0: []}))[0].bitmask.shape == (1, 16)
+
+
+def test_unreachable_and_deadline_raise_unavailable():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()  # accepts TCP but never speaks HTTP/2: every call hits the deadline
+        address = f"127.0.0.1:{s.getsockname()[1]}"
+        with RemoteGrammarBackend(address, deadline_s=0.5) as remote:
+            remote.open(0, GrammarSpec("json_object"))
+            t0 = time.monotonic()
+            with pytest.raises(GrammarUnavailableError, match="within") as info:
+                remote.step(GrammarStep(drafts={0: []}))
+            assert time.monotonic() - t0 < 3 and info.value.lost_seq_ids == [0]
+            with pytest.raises(GrammarUnavailableError, match="Validate"):
+                remote.validate(GrammarSpec("json_object"))
+
+
+def test_health_and_reflection(grammar_server):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    with grpc.insecure_channel(grammar_server.address) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        for service in ("", "specd.v1.Grammar"):
+            status = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status
+            assert status == health_pb2.HealthCheckResponse.SERVING
+        stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+        answers = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
+        names = {s.name for s in next(answers).list_services_response.service}
+        assert {"specd.v1.Grammar", "grpc.health.v1.Health"} <= names
+
+
+def test_step_timing_8_sequences_k3(grammar_server):
+    cache = grammar_server.servicer.compiler_cache
+    specs = (_specs()[:4] * 2)[:8]
+    local = LocalGrammarBackend(cache)
+    driver = Driver(local, seed=4, draft_lengths=(K,))
+    rpc, mask = [], []
+    with RemoteGrammarBackend(grammar_server.address) as remote:
+        for seq_id, spec in enumerate(specs):
+            remote.open(seq_id, spec)
+            local.open(seq_id, spec)
+            driver.history[seq_id] = []
+        remote.flush()
+        live = list(range(8))
+        for _ in range(20):
+            step = driver.step(live)
+            want = local.step(step)
+            _assert_same(remote.step(step), want)
+            rpc.append(remote.last_rpc_seconds)
+            mask.append(remote.last_mask_seconds)
+            for seq_id in driver.after(step, want):
+                live.remove(seq_id)
+    rpc_ms, mask_ms = statistics.median(rpc) * 1e3, statistics.median(mask) * 1e3
+    print(f"\ngrammar step, 8 sequences x k={K}: median rpc {rpc_ms:.2f} ms, of which matchers {mask_ms:.2f} ms")
+    assert rpc_ms < 100
+
+
+def test_cli_help_parses(capsys):
+    from specd.cli import build_parser
+
+    with pytest.raises(SystemExit) as done:
+        build_parser().parse_args(["grammar", "--help"])
+    assert done.value.code == 0 and "--cache-entries" in capsys.readouterr().out
+    args = build_parser().parse_args(["grammar", "m"])
+    assert (args.model, args.host, args.port, args.cache_entries, args.max_workers, args.log_level) == (
+        "m", "0.0.0.0", 50081, 256, 32, "info")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["grammar", "m", "--cache-entries", "0"])
+    light = subprocess.run([sys.executable, "-c", "import sys, services.grammar.cli; "
+                            "print(sorted({'torch', 'grpc', 'xgrammar'} & set(sys.modules)))"],
+                           cwd=ROOT, capture_output=True, text=True, check=True)
+    assert light.stdout.strip() == "[]"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_grammar_process_serves_and_stops_on_sigterm(tiny_models):
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "specd.cli", "grammar", str(tiny_models["target-llama"]),
+                             "--host", "127.0.0.1", "--port", str(port), "--cache-entries", "8"],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    log: list[str] = []
+    reader = threading.Thread(target=lambda: log.extend(proc.stdout), daemon=True)
+    reader.start()
+    try:
+        with RemoteGrammarBackend(f"127.0.0.1:{port}", deadline_s=60) as remote:
+            remote.validate(GrammarSpec("json_object"))
+            remote.open(0, GrammarSpec("regex", "ab"))
+            out = remote.step(GrammarStep(drafts={0: [69]}))  # id 69 is "b", not the "a" the regex wants
+            assert out[0].num_valid_drafts == 0 and out[0].bitmask.shape == (1, 16)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    reader.join(5)
+    text = "".join(log)
+    assert "event=grammar_serving" in text and "event=stream_open" in text
+    assert "event=stream_close" in text and "event=grammar_stopped" in text
