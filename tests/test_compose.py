@@ -30,9 +30,9 @@ def rendered(files: list[str]) -> dict:
 def test_compose_config_validates_and_commands_parse(files):
     config = rendered(files)
     services = config["services"]
-    assert {"redis", "models", "gateway", "verifier", "drafter"} <= set(services)
+    assert {"redis", "models", "gateway", "verifier", "drafter", "grammar"} <= set(services)
     parser = build_parser()
-    for name in ("gateway", "verifier", "drafter"):
+    for name in ("gateway", "verifier", "drafter", "grammar"):
         command = services[name]["command"]
         args = parser.parse_args(command)  # raises SystemExit on an unknown flag
         assert args.command == name
@@ -50,7 +50,21 @@ def test_compose_config_validates_and_commands_parse(files):
 def test_healthcheck_commands_parse():
     config = rendered(COMPOSE_SETS[0])
     parser = build_parser()
-    for name in ("gateway", "verifier", "drafter"):
+    for name in ("gateway", "verifier", "drafter", "grammar"):
         test = config["services"][name]["healthcheck"]["test"]
         assert test[:2] == ["CMD", "specd"]
         assert parser.parse_args(test[2:]).command == "healthcheck"
+
+
+@pytest.mark.parametrize("files", COMPOSE_SETS, ids=["cpu", "gpu"])
+def test_service_addresses_point_at_listening_ports(files):
+    """--drafter / --grammar addresses name a compose service whose command listens on that port."""
+    services = rendered(files)["services"]
+    parser = build_parser()
+    ports = {name: parser.parse_args(services[name]["command"]).port for name in ("drafter", "grammar")}
+    for name in ("verifier", "gateway"):
+        args = parser.parse_args(services[name]["command"])
+        addresses = [a for a in [getattr(args, "drafter", ""), args.grammar] if a]
+        for address in ",".join(addresses).split(","):
+            host, port = address.rsplit(":", 1)
+            assert host in ports and int(port) == ports[host], f"{name}: {address}"

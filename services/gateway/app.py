@@ -60,6 +60,7 @@ class GatewayConfig:
     request_timeout: float = 600.0  # seconds from receipt to the final token; then 504
     enable_metrics: bool = False
     max_model_len: int | None = None  # None: config.json's max_position_embeddings
+    grammar: str = ""  # grammar service host:port validating response_format; "": compile here
 
     def __post_init__(self) -> None:
         if self.max_queue_depth < 0:
@@ -149,9 +150,35 @@ class Gateway:
     def new_request_id() -> str:
         return uuid.uuid4().hex
 
+    async def check_response_format(self, response_format: dict | None) -> None:
+        """400 for a malformed response_format or a grammar that does not compile, before queueing."""
+        from specd.grammar.errors import GrammarCompileError
+        from specd.grammar.response_format import parse_response_format
+
+        try:
+            spec = parse_response_format(response_format)
+            if spec is not None:
+                await asyncio.to_thread(self._grammar_validator().validate, spec)
+        except (ConfigError, GrammarCompileError) as e:
+            raise GatewayError(400, str(e), param="response_format") from None
+
+    def _grammar_validator(self):
+        """The grammar service's Validate RPC, or a local compile cache (made on first use)."""
+        if getattr(self, "_validator", None) is None:
+            if self.config.grammar:
+                from specd.grammar.remote import RemoteGrammarBackend
+
+                self._validator = RemoteGrammarBackend(self.config.grammar)
+            else:
+                from specd.grammar.compiler import GrammarCompilerCache
+
+                self._validator = GrammarCompilerCache.from_model_dir(self.config.model)
+        return self._validator
+
     # ---- the queue ----------------------------------------------------------------------------
     async def submit(self, queued: QueuedRequest, timings: RequestTimings) -> RequestStream:
         """XADD to the request stream (429 when full, 503 when Redis is down) and open its result stream."""
+        await self.check_response_format(queued.response_format)
         rid = queued.request_id
         queue = self.reader.subscribe(rid)
         fields = [x for kv in queued.to_fields().items() for x in kv]

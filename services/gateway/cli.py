@@ -22,6 +22,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="seconds from receipt to the last token before a 504")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="context length (default: config.json's max_position_embeddings)")
+    p.add_argument("--grammar", default="", help="grammar service host:port that validates response_format "
+                   "(default: compile in the gateway)")
     p.add_argument("--enable-metrics", action="store_true", help="serve Prometheus metrics on GET /metrics")
     p.add_argument("--shutdown-grace", type=float, default=10.0,
                    help="seconds requests in flight may take to finish after SIGTERM")
@@ -40,7 +42,7 @@ def _run(args: argparse.Namespace) -> int:
     config = GatewayConfig(model=args.model, served_model_name=args.served_model_name, redis_url=args.redis_url,
                            request_stream=args.request_stream, max_queue_depth=args.max_queue_depth,
                            request_timeout=args.request_timeout, enable_metrics=args.enable_metrics,
-                           max_model_len=args.max_model_len)
+                           max_model_len=args.max_model_len, grammar=args.grammar)
     run(config, host=args.host, port=args.port, grpc_port=args.grpc_port, grace_s=args.shutdown_grace,
         log_level=args.log_level)
     return 0

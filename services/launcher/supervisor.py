@@ -1,5 +1,5 @@
 """Run a whole specd stack on one machine: Redis (embedded unless a URL is given), drafter,
-verifier and gateway as separate OS processes, started in dependency order and stopped together.
+grammar service, verifier and gateway as separate OS processes, started in dependency order and stopped together.
 
 If any child exits, the others are stopped and the supervisor exits non-zero: a half-running
 stack would accept requests that nobody serves.
@@ -94,11 +94,17 @@ class Stack:
                 args += ["--speculative-draft-model", c.speculative_draft_model]
             self._spawn("drafter", args)
             drafter_addr = f"127.0.0.1:{port}"
+        grammar_addr = f"127.0.0.1:{_free_port()}"
+        self._spawn("grammar", ["grammar", c.model, "--host", "127.0.0.1", "--port", grammar_addr.split(":")[1]])
+        # Drafter and grammar service load side by side; the verifier needs both.
+        if drafter_addr:
             self._wait_grpc_health(drafter_addr, timeout)
+        self._wait_grpc_health(grammar_addr, timeout)
         admin_port = c.verifier_admin_port or _free_port()
         args = ["verifier", c.model, "--redis-url", self.redis_url, "--max-batch-size", str(c.max_batch_size),
                 "--device", c.device, "--admin-port", str(admin_port),
-                "--metrics-port", str(c.verifier_metrics_port if c.enable_metrics else 0)]
+                "--metrics-port", str(c.verifier_metrics_port if c.enable_metrics else 0),
+                "--grammar", grammar_addr]
         if c.session_len:
             args += ["--session-len", str(c.session_len)]
         if drafter_addr:
@@ -108,7 +114,7 @@ class Stack:
         self._wait_grpc_health(f"127.0.0.1:{admin_port}", timeout)
         args = ["gateway", c.model, "--host", c.server_name, "--port", str(c.server_port),
                 "--grpc-port", str(self.grpc_port), "--redis-url", self.redis_url,
-                "--max-queue-depth", str(c.max_queue_depth)]
+                "--max-queue-depth", str(c.max_queue_depth), "--grammar", grammar_addr]
         if c.served_model_name:
             args += ["--served-model-name", c.served_model_name]
         if c.enable_metrics:

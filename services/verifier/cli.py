@@ -16,6 +16,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--request-stream", default="specd:requests")
     p.add_argument("--consumer", default=None, help="name in the consumer group (default: hostname-pid)")
     p.add_argument("--drafter", default="", help="drafter service address(es), host:port[,host:port...]")
+    p.add_argument("--grammar", default="", help="grammar service address host:port (default: in-process)")
     p.add_argument("--speculative-algorithm", choices=SPECULATIVE_METHODS, default=None)
     p.add_argument("--speculative-draft-model", default=None,
                    help="draft checkpoint for in-process drafting (without --drafter)")
@@ -48,6 +49,7 @@ def run(args: argparse.Namespace) -> int:
         model=args.model, redis_url=args.redis_url, request_stream=args.request_stream,
         consumer=args.consumer or default_consumer_name(),
         drafters=[a.strip() for a in args.drafter.split(",") if a.strip()],
+        grammar=args.grammar,
         speculative_algorithm=args.speculative_algorithm, speculative_draft_model=args.speculative_draft_model,
         speculative_num_draft_tokens=args.speculative_num_draft_tokens, max_batch_size=args.max_batch_size,
         session_len=args.session_len, device=args.device, tp=args.tp, admin_host=args.admin_host,

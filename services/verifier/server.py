@@ -35,6 +35,7 @@ class VerifierConfig:
     request_stream: str = DEFAULT_REQUEST_STREAM
     consumer: str = field(default_factory=default_consumer_name)
     drafters: list[str] = field(default_factory=list)  # host:port of drafter services
+    grammar: str = ""  # host:port of the grammar service; empty: matchers run in-process
     speculative_algorithm: str | None = None
     speculative_draft_model: str | None = None  # in-process drafting when no drafter is given
     speculative_num_draft_tokens: int = 3
@@ -118,6 +119,29 @@ class _Shutdown:
             self.worker.stop()
 
 
+def build_grammar_backend(config):
+    """Matchers on the grammar service when --grammar is given, else in this process."""
+    if config.grammar:
+        from specd.grammar.remote import RemoteGrammarBackend
+
+        return RemoteGrammarBackend(config.grammar)
+    from specd.grammar.compiler import GrammarCompilerCache
+    from specd.grammar.local import LocalGrammarBackend
+
+    cache = GrammarCompilerCache.from_model_dir(config.model)
+    return LocalGrammarBackend(cache)
+
+
+def attach_draft_masking(engine, config) -> None:
+    """An in-process proposer (no --drafter) masks its drafts here; remote drafters do it themselves."""
+    if engine.proposer is None or config.drafters or not hasattr(engine.proposer, "draft_constraints"):
+        return
+    from specd.grammar.compiler import GrammarCompilerCache
+    from specd.proposers.draft_constraints import DraftConstraints
+
+    engine.proposer.draft_constraints = DraftConstraints(lambda: GrammarCompilerCache.from_model_dir(config.model))
+
+
 def build_proposer(config: VerifierConfig):
     """The remote drafter client when --drafter addresses are given; else None (in-process drafting)."""
     spec = config.speculative_config()
@@ -172,7 +196,9 @@ def serve(config: VerifierConfig) -> int:
         tokenizer = load_tokenizer(config.model)
         proposer = build_proposer(config)
         engine = build_engine(config.model, config.engine_config(), config.speculative_config(),
-                              tokenizer=tokenizer, proposer=proposer)
+                              tokenizer=tokenizer, proposer=proposer,
+                              grammar_backend=build_grammar_backend(config))
+        attach_draft_masking(engine, config)
         log.info("model loaded", extra={"model": config.model, "max_batch_size": engine.max_batch_size,
                                         "max_model_len": engine.max_model_len,
                                         "speculative_algorithm": config.speculative_algorithm,

@@ -28,6 +28,7 @@ from services.verifier.emitter import ResultEmitter
 from services.verifier.metrics import StepRecord, VerifierMetrics, add_spec_difference
 from specd.engine.engine import SpecEngine
 from specd.engine.sequence import Sequence
+from specd.grammar.response_format import parse_response_format
 from specd.messages import ConfigError, SpecStats
 from specd.transport.redis_streams import (CONSUMER_GROUP, DEFAULT_REQUEST_STREAM, RESULT_PREFIX,
                                            RESULT_TTL_SECONDS, QueuedRequest)
@@ -237,12 +238,13 @@ class VerifierWorker:
             self._reject(entry_id, request.request_id, DEADLINE_EXCEEDED,
                          "deadline exceeded before the request was admitted")
             return 0
-        if request.response_format and request.response_format.get("type", "text") != "text":
-            self._reject(entry_id, request.request_id, NOT_IMPLEMENTED,
-                         "response_format: structured output is not available on this verifier")
-            return 0
         try:
-            seq = self.engine.add_request(request.prompt_token_ids, request.params)
+            grammar = parse_response_format(request.response_format)
+            if grammar is not None and self.engine.constraints.backend is None:
+                self._reject(entry_id, request.request_id, NOT_IMPLEMENTED,
+                             "response_format: this verifier runs without a grammar backend")
+                return 0
+            seq = self.engine.add_request(request.prompt_token_ids, request.params, grammar)
         except ConfigError as e:
             self._reject(entry_id, request.request_id, BAD_REQUEST, str(e))
             return 0

@@ -124,3 +124,47 @@ def test_services_greedy_equals_in_process_target(tiny_models, shared_redis, met
         assert text == tokenizer.decode(tokens, skip_special_tokens=True), f"{method} {kind} request {i}"
         if ids is not None:
             assert ids == tokens, f"{method} {kind} request {i}: token ids differ"
+
+
+def test_response_format_through_the_openai_client(tiny_models, shared_redis):
+    """The seed's OpenAI example with response_format, against the whole stack with speculation;
+    the output equals in-process constrained target-only greedy decoding."""
+    import json
+
+    from specd.grammar.compiler import GrammarCompilerCache
+    from specd.grammar.local import LocalGrammarBackend
+    from specd.grammar.response_format import parse_response_format
+
+    model = tiny_models["target-llama"]
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                                "age": {"type": "integer"}}, "required": ["name", "age"]}
+    response_format = {"type": "json_schema", "json_schema": {"name": "person", "schema": schema}}
+    messages = [{"role": "user", "content": "Make up a person"}]
+    tokenizer = load_tokenizer(model)
+    rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    prompt_ids = tokenizer.encode(rendered, add_special_tokens=False)
+    engine = build_engine(model, PytorchEngineConfig(max_batch_size=1),
+                          grammar_backend=LocalGrammarBackend(GrammarCompilerCache.from_model_dir(model)))
+    want = engine.generate([prompt_ids], [SamplingParams(max_new_tokens=96)],
+                           [parse_response_format(response_format)])[0]
+    stack = start_stack(model, "draft_model", tiny_models["draft-llama-small"], shared_redis)
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{stack.config.server_port}/v1", api_key="x",
+                               max_retries=0, timeout=120)
+        model_name = client.models.list().data[0].id
+        reply = client.chat.completions.create(model=model_name, messages=messages, temperature=0,
+                                               max_tokens=96, response_format=response_format)
+        text = reply.choices[0].message.content
+        assert text == tokenizer.decode(want.output_token_ids, skip_special_tokens=True)
+        if reply.choices[0].finish_reason == "stop":
+            import jsonschema
+
+            jsonschema.validate(json.loads(text), schema)
+        bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object",
+                                                                              "properties": 5}}}
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(model=model_name, messages=messages, max_tokens=8,
+                                           response_format=bad)
+        assert "response_format" in str(err.value)
+    finally:
+        stack.stop()
