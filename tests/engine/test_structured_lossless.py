@@ -18,7 +18,7 @@ from specd.models.loader import load_tokenizer
 from specd.proposers.draft_constraints import DraftConstraints
 from specd.sampling_params import SamplingParams
 
-BENCH = Path(__file__).resolve().parents[3] / "shared" / "data" / "jsonschemabench"
+from tests.conftest import JSONSCHEMABENCH as BENCH  # noqa: E402
 SCHEMA_FILES = ["Github_trivial/o10298.json", "Github_easy/o10526.json", "Glaiveai2K/o1000.json"]
 METHODS = {
     "eagle3": ("target-llama", "draft-eagle3"),

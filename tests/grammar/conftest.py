@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-SCHEMA_ROOT = Path("/work/shared/data/jsonschemabench")
+from tests.conftest import JSONSCHEMABENCH as SCHEMA_ROOT  # noqa: E402
 EOS_IDS = [1, 3]  # the tiny checkpoints' eos_token_id (keep in step with the test modules)
 VOCAB = 512
 

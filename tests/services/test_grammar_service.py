@@ -32,7 +32,7 @@ from specd.grammar.remote import (GrammarRejectedError, GrammarUnavailableError,
 from specd.v1 import grammar_pb2, grammar_pb2_grpc
 
 ROOT = Path(__file__).resolve().parents[2]
-SCHEMAS = Path("/work/shared/data/jsonschemabench")
+from tests.conftest import JSONSCHEMABENCH as SCHEMAS  # noqa: E402
 K = 3
 
 
