@@ -12,6 +12,8 @@ import json
 import logging
 import os
 import re
+import sys
+import tempfile
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -85,14 +87,18 @@ def _xgrammar_detail(e: BaseException) -> str:
 class GrammarCompilerCache:
     """Compiles GrammarSpecs for one tokenizer + model vocabulary; keeps the last max_entries.
 
-    Thread-safe: the grammar service compiles from several RPC threads. Two threads compiling the
+    Thread-safe: the grammar service compiles from several RPC threads (JSON-schema compiles
+    serialise on reading xgrammar's warnings from fd 2). Two threads compiling the
     same new spec at once may both compile it (compiling under the lock would serialise all
     compiles behind a slow schema).
     """
 
     def __init__(self, tokenizer, vocab_size: int, *, eos_token_ids: Sequence[int] | int | None = None,
                  max_entries: int = 256, max_threads: int | None = None,
-                 max_schema_depth: int = 128) -> None:
+                 max_schema_depth: int = 128, reject_inexact: bool = True) -> None:
+        # reject_inexact: a schema xgrammar can only approximate (it ignores a keyword, or reads
+        # oneOf as anyOf) is refused, so every constrained response validates against its schema.
+        self.reject_inexact = reject_inexact
         if isinstance(eos_token_ids, int):
             eos_token_ids = [eos_token_ids]
         if eos_token_ids is None or len(eos_token_ids) == 0:
@@ -204,6 +210,8 @@ class GrammarCompilerCache:
         try:
             compiled = self._compile_with_xgrammar(spec)
             accepts_nothing = not self._first_mask_allows_a_token(compiled)
+        except GrammarCompileError:
+            raise
         # xgrammar reports a bad grammar as RuntimeError (InvalidJSONError is one), ValueError or
         # TypeError from its C++ checks; any of them is the user's grammar, never a server crash.
         except Exception as e:  # noqa: BLE001 - the one place xgrammar's errors are translated
@@ -215,8 +223,17 @@ class GrammarCompilerCache:
 
     def _compile_with_xgrammar(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
         if spec.kind == "json_schema":
-            # Compact separators: free whitespace lets weak models loop on spaces (xgrammar warns).
-            return self._compiler.compile_json_schema(spec.source, any_whitespace=False, strict_mode=True)
+            # Compact separators: free whitespace lets weak models loop on spaces.
+            compiled, warnings = _with_native_warnings(lambda: self._compiler.compile_json_schema(
+                spec.source, any_whitespace=False, strict_mode=True))
+            inexact = list(dict.fromkeys(w for w in warnings if any(m in w for m in _INEXACT_MARKERS)))
+            if inexact and self.reject_inexact:
+                more = f" (and {len(inexact) - 1} more)" if len(inexact) > 1 else ""
+                raise GrammarCompileError(f"response_format: the JSON schema uses a feature the grammar "
+                                          f"engine cannot enforce exactly: {inexact[0]}{more}")
+            for w in warnings:
+                logger.warning("xgrammar: %s", w)
+            return compiled
         if spec.kind == "json_object":
             return self._compiler.compile_json_schema(_JSON_OBJECT_SCHEMA, any_whitespace=False,
                                                       strict_mode=False)
@@ -231,3 +248,30 @@ class GrammarCompilerCache:
         if num_tail_bits:
             bitmask[0, -1] &= (1 << num_tail_bits) - 1
         return bool(bitmask.any())
+
+
+# xgrammar's words when it compiles a schema only approximately (it warns on stderr and goes on).
+_INEXACT_MARKERS = ("not supported", "ignoring", "ignored", "cannot be represented exactly",
+                    "still ongoing", "not yet supported")
+_STDERR_LOCK = threading.Lock()  # fd 2 is process-wide: one capture at a time
+
+
+def _with_native_warnings(compile_fn):
+    """Run compile_fn with the process's fd 2 captured; returns (result, xgrammar warning lines).
+
+    xgrammar reports unsupported schema keywords only as C++ log lines on stderr, so they are read
+    back from the file descriptor itself (Python's sys.stderr never sees them).
+    """
+    with _STDERR_LOCK, tempfile.TemporaryFile() as captured:
+        sys.stderr.flush()
+        saved = os.dup(2)
+        os.dup2(captured.fileno(), 2)
+        try:
+            result = compile_fn()
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+        captured.seek(0)
+        text = captured.read().decode(errors="replace")
+    lines = [re.sub(r"^\[[^\]]*\] \S+: (Warning: )?", "", line) for line in text.splitlines() if line.strip()]
+    return result, lines

@@ -37,7 +37,16 @@ def cache(tokenizer):
     """A compiler cache for the tiny target (vocab 512 = the tokenizer's size)."""
     from specd.grammar.compiler import GrammarCompilerCache
 
-    return GrammarCompilerCache(tokenizer, VOCAB, eos_token_ids=EOS_IDS)
+    # Mechanics tests use any real schema, also those xgrammar only approximates.
+    return GrammarCompilerCache(tokenizer, VOCAB, eos_token_ids=EOS_IDS, reject_inexact=False)
+
+
+@pytest.fixture(scope="session")
+def strict_cache(tokenizer):
+    """The serving default: schemas xgrammar cannot enforce exactly are refused."""
+    from specd.grammar.compiler import GrammarCompilerCache
+
+    return GrammarCompilerCache(tokenizer, VOCAB, eos_token_ids=EOS_IDS, max_entries=1024)
 
 
 @pytest.fixture(scope="session")

@@ -114,3 +114,17 @@ def test_json_object_is_an_object(cache, tokenizer, allowed_ids):
 def test_xgrammar_cache_is_off_ours_is_the_bound(cache):
     assert isinstance(cache.tokenizer_info, xgr.TokenizerInfo)
     assert cache._compiler.get_cache_size_bytes() == 0
+
+
+def test_schemas_xgrammar_only_approximates_are_refused(tokenizer):
+    """xgrammar ignores minLength next to a pattern (with a warning on fd 2): refused by default,
+    so no response can break the schema; reject_inexact=False keeps the approximation."""
+    schema = '{"type": "string", "pattern": "^a+$", "minLength": 3}'
+    strict = GrammarCompilerCache(tokenizer, VOCAB, eos_token_ids=EOS_IDS)
+    with pytest.raises(GrammarCompileError, match="cannot enforce exactly: pattern combined with minLength"):
+        strict.validate(GrammarSpec("json_schema", schema))
+    with pytest.raises(GrammarCompileError, match="oneOf"):
+        strict.validate(GrammarSpec("json_schema", '{"oneOf": [{"type": "integer"}, {"type": "number"}]}'))
+    loose = GrammarCompilerCache(tokenizer, VOCAB, eos_token_ids=EOS_IDS, reject_inexact=False)
+    loose.validate(GrammarSpec("json_schema", schema))
+    strict.validate(GrammarSpec("json_schema", '{"type": "string", "pattern": "^a+$"}'))  # exact: fine
