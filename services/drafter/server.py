@@ -9,18 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import signal
-import threading
 import time
-from concurrent import futures
-from dataclasses import dataclass
 from pathlib import Path
 
-import grpc
 import torch
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
+from services.common.grpc_server import RunningServer, serve_until_signal, start_grpc_server
 from services.drafter.servicer import DrafterServicer
 from specd.messages import PytorchEngineConfig, SpeculativeConfig
 from specd.models.hf_config import read_json
@@ -29,10 +23,7 @@ from specd.v1 import drafter_pb2, drafter_pb2_grpc
 logger = logging.getLogger(__name__)
 
 DEFAULT_PORT = 50061
-MAX_MESSAGE_BYTES = 256 << 20  # a step of EAGLE-3 hidden rows at a large batch is several MB
 DRAFTER_SERVICE = drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name
-GRPC_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
 
 
 def target_text_config(target_path: str | Path) -> dict:
@@ -84,46 +75,14 @@ def load_drafter(model_path: str | Path, spec: SpeculativeConfig, target_path: s
                            max_num_draft_tokens=max_num_draft_tokens)
 
 
-@dataclass
-class DrafterServer:
-    """A running drafter gRPC server (Drafter + grpc.health.v1 + reflection on one port)."""
-
-    server: grpc.Server
-    servicer: DrafterServicer
-    health: health.HealthServicer
-    port: int
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    def stop(self, grace_s: float | None = 5.0) -> None:
-        """Report NOT_SERVING, then let in-flight steps finish for up to grace_s seconds."""
-        self.health.enter_graceful_shutdown()
-        self.server.stop(grace_s).wait()
+DrafterServer = RunningServer  # the name tests and callers use
 
 
 def start_server(servicer: DrafterServicer, host: str = "0.0.0.0", port: int = 0,
-                 max_workers: int = 32) -> DrafterServer:
-    """Start serving `servicer` (port 0: any free port); health turns SERVING once started.
-
-    Sync gRPC holds one worker thread per open DraftSteps stream, so max_workers bounds the
-    number of verifiers served at once (plus a few for Info and health).
-    """
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="drafter"),
-                         options=GRPC_OPTIONS)
-    drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, server)
-    health_servicer = health.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection((DRAFTER_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME),
-                                        server)
-    bound = server.add_insecure_port(f"{host}:{port}")
-    if bound == 0:
-        raise OSError(f"drafter: cannot listen on {host}:{port}")
-    server.start()
-    for service in ("", DRAFTER_SERVICE):
-        health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
-    return DrafterServer(server, servicer, health_servicer, bound)
+                 max_workers: int = 32) -> RunningServer:
+    """Start serving `servicer` (port 0: any free port); health turns SERVING once started."""
+    return start_grpc_server(servicer, drafter_pb2_grpc.add_DrafterServicer_to_server, DRAFTER_SERVICE,
+                             host=host, port=port, max_workers=max_workers, name="drafter")
 
 
 def serve_drafter(model_path: str | Path, spec: SpeculativeConfig, target_path: str | Path | None = None,
@@ -137,18 +96,4 @@ def serve_drafter(model_path: str | Path, spec: SpeculativeConfig, target_path: 
     running = start_server(servicer, host, port, max_workers)
     logger.info("event=drafter_serving method=%s host=%s port=%d device=%s load_s=%.2f",
                 servicer.proposer.method, host, running.port, device, time.perf_counter() - t0)
-    stop = threading.Event()
-
-    def on_signal(signum, frame) -> None:
-        logger.info("event=drafter_stopping signal=%s", signal.Signals(signum).name)
-        stop.set()
-
-    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        while not stop.wait(0.5):
-            pass
-    finally:
-        running.stop(grace_s)
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-        logger.info("event=drafter_stopped port=%d", running.port)
+    serve_until_signal(running, logger, "drafter", grace_s)

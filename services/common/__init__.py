@@ -1,0 +1,1 @@
+"""Pieces every specd gRPC service shares."""
