@@ -9,7 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-SPECULATIVE_METHODS = ("eagle3", "deepseek_mtp", "qwen3_5_mtp", "draft_model", "ngram")
+SPECULATIVE_METHODS = ("eagle3", "deepseek_mtp", "qwen3_5_mtp", "draft_model", "ngram", "replay")
+# "replay" is bench-only (specd/proposers/replay.py): it drafts a precomputed greedy continuation.
 
 
 class ConfigError(ValueError):
@@ -26,7 +27,7 @@ class PytorchEngineConfig:
     """How the target model runs. Field names follow lmdeploy's PytorchEngineConfig."""
 
     dtype: str = "auto"  # auto | float32 | float16 | bfloat16 ("auto": bf16 on CUDA, fp32 on CPU)
-    tp: int = 1
+    tp: int = 1  # tensor-parallel ranks; > 1 needs a torch.distributed group of tp processes
     session_len: int | None = None  # max tokens per sequence; None: the model's context length
     max_batch_size: int = 128
     cache_max_entry_count: float = 0.8  # fraction of free GPU memory for the KV cache
@@ -35,7 +36,7 @@ class PytorchEngineConfig:
     num_cpu_blocks: int = 0
     max_prefill_token_num: int = 8192
     device_type: str = "auto"  # auto | cpu | cuda
-    eager_mode: bool = False
+    eager_mode: bool = False  # False: CUDA graphs for verify/decode steps on CUDA (CPU: always eager)
     enable_prefix_caching: bool = False
     runner: Literal["auto", "llama", "hf"] = "auto"  # "hf": transformers' AutoModelForCausalLM
     download_dir: str | None = None
@@ -45,8 +46,6 @@ class PytorchEngineConfig:
         _require(self.dtype in ("auto", "float32", "float16", "bfloat16"), "dtype",
                  f"expected auto, float32, float16 or bfloat16, got {self.dtype!r}")
         _require(isinstance(self.tp, int) and self.tp >= 1, "tp", f"must be >= 1, got {self.tp!r}")
-        _require(self.tp == 1, "tp",
-                 "tensor parallelism (tp > 1) is not available yet in specd; use tp=1")
         _require(self.max_batch_size >= 1, "max_batch_size", f"must be >= 1, got {self.max_batch_size}")
         _require(self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0, "block_size",
                  f"must be a power of two, got {self.block_size}")
@@ -75,6 +74,8 @@ class SpeculativeConfig:
     quant_policy: int = 0
     prompt_lookup_min: int = 1  # ngram: shortest suffix to match
     prompt_lookup_max: int = 4  # ngram: longest suffix to match
+    replay_references: str = ""  # replay (bench only): JSON-lines file of prompt -> greedy output
+    replay_corrupt_rate: float = 0.0  # replay: probability that a draft is corrupted
 
     def __post_init__(self) -> None:
         _require(self.method in SPECULATIVE_METHODS, "method",
@@ -83,6 +84,8 @@ class SpeculativeConfig:
                  "num_speculative_tokens", f"must be an integer in [0, 32], got {self.num_speculative_tokens!r}")
         _require(self.method not in ("eagle3", "draft_model") or bool(self.model), "model",
                  f"method {self.method!r} needs a draft model path")
+        _require(0.0 <= self.replay_corrupt_rate <= 1.0, "replay_corrupt_rate",
+                 f"must be in [0, 1], got {self.replay_corrupt_rate}")
         _require(1 <= self.prompt_lookup_min <= self.prompt_lookup_max, "prompt_lookup_min",
                  f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
                  f"{self.prompt_lookup_min}, {self.prompt_lookup_max}")

@@ -14,7 +14,7 @@ from specd.sampling_params import SamplingParams
     (lambda: GenerationConfig(top_p=0.0), "top_p"),
     (lambda: GenerationConfig(temperature=-1.0), "temperature"),
     (lambda: PytorchEngineConfig(block_size=48), "block_size"),
-    (lambda: PytorchEngineConfig(tp=2), "tp"),
+    (lambda: PytorchEngineConfig(tp=0), "tp"),
     (lambda: PytorchEngineConfig(dtype="int4"), "dtype"),
 ])
 def test_bad_values_name_their_field(make, field):

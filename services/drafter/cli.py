@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import os
 import re
 
-METHODS = ("eagle3", "deepseek_mtp", "qwen3_5_mtp", "draft_model", "ngram")
+from services.common.tls import TLSConfig, add_tls_arguments  # no grpc import: cheap
+
+METHODS = ("eagle3", "deepseek_mtp", "qwen3_5_mtp", "draft_model", "ngram", "replay")  # replay: bench only
 
 
 def _device(value: str) -> str:
@@ -33,9 +36,17 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="draft_model: sequences its KV cache is sized for (all verifiers together)")
     p.add_argument("--prompt-lookup-min", type=int, default=1, help="ngram: shortest suffix to match")
     p.add_argument("--prompt-lookup-max", type=int, default=4, help="ngram: longest suffix to match")
+    # Bench only (specd/proposers/replay.py); the environment variables let bench/ set them through
+    # the launcher, which knows nothing of replay.
+    p.add_argument("--replay-references", default=os.environ.get("SPECD_REPLAY_REFERENCES", ""),
+                   help="replay (bench only): JSON-lines file of prompt -> greedy output")
+    p.add_argument("--replay-corrupt-rate", type=float,
+                   default=float(os.environ.get("SPECD_REPLAY_CORRUPT_RATE", "0")),
+                   help="replay (bench only): probability that a draft token is corrupted")
     p.add_argument("--max-workers", type=int, default=32,
                    help="gRPC threads; each open verifier stream holds one")
     p.add_argument("--log-level", default="INFO")
+    add_tls_arguments(p, client=False)
     p.set_defaults(func=_run)
     return p
 
@@ -52,9 +63,11 @@ def _run(args: argparse.Namespace) -> int:
                              num_speculative_tokens=min(args.max_num_draft_tokens, 32),
                              model=args.speculative_draft_model or "",
                              prompt_lookup_min=args.prompt_lookup_min,
-                             prompt_lookup_max=args.prompt_lookup_max)
+                             prompt_lookup_max=args.prompt_lookup_max,
+                             replay_references=args.replay_references,
+                             replay_corrupt_rate=args.replay_corrupt_rate)
     serve_drafter(args.speculative_draft_model or args.model, spec, target_path=args.model,
                   host=args.host, port=args.port, device=args.device, dtype=args.dtype,
                   max_num_draft_tokens=args.max_num_draft_tokens, max_batch_size=args.max_batch_size,
-                  max_workers=args.max_workers)
+                  max_workers=args.max_workers, tls=TLSConfig.from_args(args))
     return 0

@@ -19,68 +19,86 @@ def pad_drafts(proposals: list[DraftProposal], vocab_size: int, device: torch.de
     """Stack per-request drafts.
 
     Returns draft_token_ids [B, K] (0-padded), draft_probs [B, K, V] or None when every draft is
-    one-hot, num_draft_tokens [B].
+    one-hot, num_draft_tokens [B]. Ids and counts are assembled on the host and copied once
+    (not one small copy per request).
     """
     num_drafts = [int(p.token_ids.numel()) for p in proposals]
     batch, max_k = len(proposals), max(num_drafts, default=0)
-    token_ids = torch.zeros(batch, max_k, dtype=torch.long, device=device)
+    host_ids = torch.zeros(batch, max_k, dtype=torch.long)
+    for i, (p, k) in enumerate(zip(proposals, num_drafts)):
+        if k:
+            host_ids[i, :k] = p.token_ids.cpu()
+    token_ids = host_ids.to(device, non_blocking=True)
     any_probs = any(p.probs is not None and p.token_ids.numel() for p in proposals)
     probs = torch.zeros(batch, max_k, vocab_size, device=device) if any_probs else None
-    for i, (p, k) in enumerate(zip(proposals, num_drafts)):
-        if k == 0:
-            continue
-        token_ids[i, :k] = p.token_ids.to(device)
-        if probs is not None:
+    if probs is not None:
+        for i, (p, k) in enumerate(zip(proposals, num_drafts)):
+            if k == 0:
+                continue
             if p.probs is None:  # one-hot draft next to sampled drafts of other requests
                 probs[i, torch.arange(k, device=device), token_ids[i, :k]] = 1.0
             else:
                 assert p.probs.shape == (k, vocab_size), f"draft probs {tuple(p.probs.shape)} != {(k, vocab_size)}"
                 probs[i, :k] = p.probs.to(device=device, dtype=torch.float32)
-    return token_ids, probs, torch.tensor(num_drafts, dtype=torch.long, device=device)
+    return token_ids, probs, torch.tensor(num_drafts, dtype=torch.long).to(device, non_blocking=True)
+
+
+def greedy_probs(logits: torch.Tensor) -> torch.Tensor:
+    """[N, V] -> one-hot at argmax, [N, V] float32: processed_probs' greedy rows, without its sort."""
+    return torch.zeros(logits.shape, device=logits.device).scatter_(
+        1, logits.float().argmax(dim=-1, keepdim=True), 1.0)
 
 
 def verify_target_probs(out: ForwardOutput, num_drafts: list[int], st: SamplingTensors,
-                        prev_token_ids: list[list[int]] | None, draft_token_ids: torch.Tensor,
+                        prev_token_ids: list[list[int]] | None, draft_token_ids: list[list[int]],
                         suppress: list[tuple[int, list[int]]] | None = None,
-                        masks: list | None = None) -> torch.Tensor:
+                        masks: list | None = None, all_greedy: bool = False) -> torch.Tensor:
     """The processed target distribution at each verified position, [B, K+1, V].
 
     Row j of request i is the distribution after its committed tokens and drafts 0..j-1.
+    draft_token_ids: the drafts per request on the host (for the repetition-penalty histories).
     prev_token_ids (for repetition penalty) are the committed tokens per request. suppress[i] =
     (num_rows, token_ids): those ids are masked out of request i's first num_rows rows, which is
     how min_new_tokens keeps EOS and stop tokens from ending a sequence too early. masks[i] (a
     grammar MaskResult or None) restricts request i's rows serially along its drafts.
+    all_greedy: every request is greedy (known on the host), so the filters' vocabulary sort is
+    skipped; the result is the same one-hot rows processed_probs would give.
+
+    Index tensors are built on the host and copied without a sync; nothing here reads the device.
     """
     batch, max_k = len(num_drafts), max(num_drafts, default=0)
-    vocab = out.logits.shape[-1]
+    device = out.logits.device
     rows = torch.cat([torch.arange(out.offsets[i], out.offsets[i] + k + 1) for i, k in enumerate(num_drafts)])
-    logits = out.logits[rows.to(out.logits.device)]  # [sum(k_i + 1), V]
-    counts = torch.tensor([k + 1 for k in num_drafts], device=logits.device)
-    row_st = st.repeat_interleave(counts)
+    logits = out.logits[rows.to(device, non_blocking=True)]  # [sum(k_i + 1), V]
+    num_rows = int(rows.numel())
+    counts = torch.tensor([k + 1 for k in num_drafts])
     if prev_token_ids is not None:
+        row_st = st.repeat_interleave(counts, output_size=num_rows)
         histories = []
         for i, k in enumerate(num_drafts):
-            drafted = draft_token_ids[i, :k].tolist()
+            drafted = list(draft_token_ids[i][:k])
             histories += [torch.tensor(prev_token_ids[i] + drafted[:j], dtype=torch.long) for j in range(k + 1)]
         logits = apply_repetition_penalty(logits, histories, row_st.repetition_penalty)
     if suppress is not None:
         logits = logits.clone()
         r = 0
         for i, k in enumerate(num_drafts):
-            num_rows, token_ids = suppress[i]
-            if num_rows > 0 and token_ids:
-                logits[r:r + min(num_rows, k + 1), token_ids] = float("-inf")
+            n_rows, token_ids = suppress[i]
+            if n_rows > 0 and token_ids:
+                logits[r:r + min(n_rows, k + 1), token_ids] = float("-inf")
             r += k + 1
     if masks is not None:
         starts = [0]
         for k in num_drafts[:-1]:
             starts.append(starts[-1] + k + 1)
         logits = mask_rows(logits, starts, masks)
-    probs = processed_probs(logits, row_st)  # [sum(k_i + 1), V]
-    padded = torch.empty(batch, max_k + 1, vocab, device=probs.device)
-    r = 0
-    for i, k in enumerate(num_drafts):
-        padded[i, :k + 1] = probs[r:r + k + 1]
-        padded[i, k + 1:] = probs[r + k]  # padding rows are never read; keep them valid
-        r += k + 1
-    return padded
+    if all_greedy:
+        probs = greedy_probs(logits)  # [sum(k_i + 1), V]
+    else:
+        probs = processed_probs(logits, st.repeat_interleave(counts, output_size=num_rows))
+    # Pad to [B, K + 1] with one gather: padding rows repeat the request's last row (never read,
+    # kept valid).
+    starts = torch.cumsum(counts, 0) - counts  # [B]
+    j = torch.arange(max_k + 1)[None, :]  # [1, K + 1]
+    index = starts[:, None] + torch.minimum(j, counts[:, None] - 1)  # [B, K + 1]
+    return probs[index.view(-1).to(device, non_blocking=True)].view(batch, max_k + 1, -1)

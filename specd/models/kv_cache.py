@@ -6,6 +6,10 @@ A sequence owns a list of block ids (its block table); token t of the sequence l
 demand; rolling back rejected draft tokens (`truncate`) only shortens the sequence's length and
 returns whole blocks past the new end to the free list: no K/V data is copied or cleared, since
 slots past a sequence's length are never read and are overwritten by the next append.
+
+One extra physical block past the allocator's range, `scratch_block`, is never handed out: the
+static (CUDA-graph) batch layout points its padding rows and padding batch slots there, so writes
+of tokens that belong to no sequence can never land in a real sequence's cache.
 """
 
 from __future__ import annotations
@@ -67,7 +71,8 @@ class PagedKVCache:
         self.block_size = block_size
         self.device = torch.device(device)
         self.allocator = BlockAllocator(num_blocks)
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        self.scratch_block = num_blocks  # the extra block (see the module doc)
+        shape = (num_blocks + 1, block_size, num_kv_heads, head_dim)
         self.k_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self._seqs: dict[int, SequenceBlocks] = {}

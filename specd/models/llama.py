@@ -18,7 +18,21 @@ from torch import nn
 from specd.models.attention import AttentionMetadata, paged_attention, write_kv
 from specd.models.hf_config import LlamaArchConfig
 from specd.models.kv_cache import PagedKVCache
+from specd.models.static_attention import StaticAttentionMetadata, static_paged_attention
 from specd.models.weights import iter_tensors
+
+
+def row_parallel(linear: nn.Linear, x: torch.Tensor, group) -> torch.Tensor:
+    """linear(x), where under tensor parallelism each rank holds a slice of the input features.
+
+    The partial products are summed over the group and the bias (replicated) is added once,
+    after the sum. group None: the plain, unsharded linear.
+    """
+    if group is None:
+        return linear(x)
+    out = F.linear(x, linear.weight)
+    torch.distributed.all_reduce(out, group=group)
+    return out if linear.bias is None else out + linear.bias
 
 
 class RMSNorm(nn.Module):
@@ -100,6 +114,7 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(d, config.rms_norm_eps, dtype)
         else:
             self.q_norm = self.k_norm = None
+        self.tp_group = None  # set by tensor_parallel.shard_llama_: o_proj is then row-parallel
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
                 cache_k: torch.Tensor, cache_v: torch.Tensor) -> torch.Tensor:
@@ -111,8 +126,10 @@ class LlamaAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         write_kv(cache_k, cache_v, k, v, meta.slot_mapping)
-        out = paged_attention(q, cache_k, cache_v, meta, self.scale, self.sliding_window)  # [T, Hq, D]
-        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+        # The fixed (CUDA-graph) layout or the varlen one; both take and return [T, Hq, D].
+        attend = static_paged_attention if isinstance(meta, StaticAttentionMetadata) else paged_attention
+        out = attend(q, cache_k, cache_v, meta, self.scale, self.sliding_window)
+        return row_parallel(self.o_proj, out.reshape(t, self.num_heads * self.head_dim), self.tp_group)
 
 
 class LlamaMLP(nn.Module):
@@ -125,8 +142,10 @@ class LlamaMLP(nn.Module):
         self.up_proj = nn.Linear(h, i, bias=bias, dtype=dtype)
         self.down_proj = nn.Linear(i, h, bias=bias, dtype=dtype)
 
+        self.tp_group = None  # set by tensor_parallel.shard_llama_: down_proj is then row-parallel
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return row_parallel(self.down_proj, F.silu(self.gate_proj(x)) * self.up_proj(x), self.tp_group)
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -3,6 +3,11 @@
 One `forward` runs every chunk of the batch (a 50-token prefill next to a 5-token verify chunk of
 another sequence) as ONE model call over the flattened tokens; rollback of rejected drafts is a
 block-table truncation (kv_cache.py), so nothing is recomputed or copied.
+
+Verify and decode batches (every chunk at most `max_query_len` tokens, the batch within the
+largest bucket) run through `StaticForward` (cuda_graphs.py): captured CUDA graphs on CUDA unless
+`eager_mode`, and the same static-buffer code without capture when a test asks for it on CPU.
+With `tp > 1` the model is sharded over the torch.distributed group (tensor_parallel.py).
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import torch
 from specd.messages import PytorchEngineConfig
 from specd.models.attention import AttentionMetadata
 from specd.models.base import check_chunks, ForwardOutput, ModelInfo, SequenceChunk
+from specd.models.cuda_graphs import StaticForward
 from specd.models.hf_config import LlamaArchConfig
 from specd.models.kv_cache import CacheFullError, PagedKVCache
 from specd.models.llama import LlamaForCausalLM, load_llama
@@ -42,13 +48,14 @@ def default_aux_layer_ids(num_layers: int) -> list[int]:
 
 
 def num_cache_blocks(engine_config: PytorchEngineConfig, config: LlamaArchConfig, session_len: int,
-                     dtype: torch.dtype, device: torch.device) -> int:
+                     dtype: torch.dtype, device: torch.device, num_kv_heads: int | None = None) -> int:
     """Blocks to allocate: num_gpu_blocks when set, else what memory allows (see module doc)."""
     if engine_config.num_gpu_blocks > 0:
         return engine_config.num_gpu_blocks
     block_size = engine_config.block_size
     per_block = PagedKVCache.bytes_per_block(config.num_hidden_layers, block_size,
-                                             config.num_key_value_heads, config.head_dim, dtype)
+                                             num_kv_heads or config.num_key_value_heads,
+                                             config.head_dim, dtype)
     blocks_per_seq = -(-session_len // block_size)
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
@@ -62,26 +69,61 @@ def num_cache_blocks(engine_config: PytorchEngineConfig, config: LlamaArchConfig
 class LlamaRunner:
     """TargetRunner for LlamaForCausalLM / Qwen2 / Qwen3 / Mistral checkpoints."""
 
-    def __init__(self, model_dir: str | Path, engine_config: PytorchEngineConfig | None = None) -> None:
+    def __init__(self, model_dir: str | Path, engine_config: PytorchEngineConfig | None = None, *,
+                 model: LlamaForCausalLM | None = None, config: LlamaArchConfig | None = None,
+                 use_static_path: bool | None = None) -> None:
+        """model/config: an already built model (the bench's random weights) instead of loading.
+
+        use_static_path: None follows the config (static path with CUDA graphs on CUDA unless
+        eager_mode; CPU eager); True on CPU runs the static-buffer path without capture (tests).
+        """
         engine_config = engine_config or PytorchEngineConfig()
         self.model_dir = Path(model_dir)
         self.engine_config = engine_config
-        self.config = LlamaArchConfig.from_model_dir(self.model_dir)
+        self.config = config or LlamaArchConfig.from_model_dir(self.model_dir)
+        self.parallel = None
+        if engine_config.tp > 1:
+            from specd.models.tensor_parallel import ParallelConfig, check_divisible
+
+            check_divisible(self.config, engine_config.tp)
+            self.parallel = ParallelConfig.from_default_group(engine_config.tp)
         self.device = select_device(engine_config)
+        if self.device.type == "cuda" and self.parallel is not None:
+            self.device = torch.device("cuda", self.parallel.rank % torch.cuda.device_count())
+            torch.cuda.set_device(self.device)
         self.dtype = select_dtype(engine_config, self.device)
-        self.model: LlamaForCausalLM = load_llama(self.model_dir, self.config, self.dtype, self.device)
+        if model is None:
+            model = load_llama(self.model_dir, self.config, self.dtype, self.device)
+        self.model: LlamaForCausalLM = model
+        if self.parallel is not None:
+            from specd.models.tensor_parallel import shard_llama_
+
+            shard_llama_(self.model, self.parallel)
+        tp = engine_config.tp
         self.session_len = engine_config.session_len or self.config.max_position_embeddings
         self.block_size = engine_config.block_size
+        num_blocks = num_cache_blocks(engine_config, self.config, self.session_len, self.dtype,
+                                      self.device, self.config.num_key_value_heads // tp)
+        if self.parallel is not None:  # every rank must hold the same block ids: take the least
+            count = torch.tensor([num_blocks], device=self.device)
+            torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MIN, group=self.parallel.group)
+            num_blocks = int(count.item())
         self.kv_cache = PagedKVCache(
             num_layers=self.config.num_hidden_layers,
-            num_blocks=num_cache_blocks(engine_config, self.config, self.session_len, self.dtype,
-                                        self.device),
+            num_blocks=num_blocks,
             block_size=self.block_size,
-            num_kv_heads=self.config.num_key_value_heads,
+            num_kv_heads=self.config.num_key_value_heads // tp,
             head_dim=self.config.head_dim,
             dtype=self.dtype,
             device=self.device,
         )
+        if use_static_path is None:
+            use_static_path = self.device.type == "cuda" and not engine_config.eager_mode
+        self.static: StaticForward | None = None
+        if use_static_path:
+            self.static = StaticForward(self.model, self.kv_cache,
+                                        max_batch_size=engine_config.max_batch_size,
+                                        use_cuda_graphs=not engine_config.eager_mode)
         self.info = ModelInfo(
             vocab_size=self.config.vocab_size,
             hidden_size=self.config.hidden_size,
@@ -139,6 +181,8 @@ class LlamaRunner:
         for c, n in zip(chunks, query_lens):
             slots.extend(self.kv_cache.append_slots(c.seq_id, n))
         try:
+            if self.static is not None and self.static.applies(query_lens, starts):
+                return self._static_forward(chunks, starts, slots, want_hidden, want_aux_hidden)
             meta = AttentionMetadata.build(
                 query_lens=query_lens,
                 seq_lens=[s + n for s, n in zip(starts, query_lens)],
@@ -162,6 +206,20 @@ class LlamaRunner:
         return ForwardOutput(logits=logits, offsets=offsets,
                              hidden_states=hidden if want_hidden else None,
                              aux_hidden_states=aux)
+
+    def _static_forward(self, chunks: list[SequenceChunk], starts: list[int], slots: list[int],
+                        want_hidden: bool, want_aux_hidden: bool) -> ForwardOutput:
+        """The verify / decode batch through the static buffers (slots already reserved)."""
+        per_chunk, offsets = [], [0]
+        for c in chunks:
+            per_chunk.append(slots[offsets[-1]:offsets[-1] + len(c.token_ids)])
+            offsets.append(offsets[-1] + len(c.token_ids))
+        tables = [self.kv_cache.block_table(c.seq_id) for c in chunks]
+        logits, hidden, aux = self.static.forward(
+            [c.token_ids for c in chunks], starts, per_chunk, tables,
+            tuple(self.aux_layer_ids) if want_aux_hidden else ())
+        return ForwardOutput(logits=logits, offsets=offsets,
+                             hidden_states=hidden if want_hidden else None, aux_hidden_states=aux)
 
     def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
         """[n] -> [n, hidden] in the model dtype."""

@@ -19,6 +19,13 @@ def build_proposer(spec: SpeculativeConfig, target_path: Path, target_vocab_size
         from specd.proposers.ngram import NgramProposer
 
         return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+    if spec.method == "replay":  # bench only: drafts a precomputed greedy continuation
+        from specd.proposers.replay import ReplayProposer, load_references
+
+        if not spec.replay_references:
+            raise ValueError("replay_references: method 'replay' needs a references file (bench only)")
+        return ReplayProposer(load_references(spec.replay_references), target_vocab_size,
+                              spec.replay_corrupt_rate)
     draft_path = resolve_model_path(spec.model) if spec.model else target_path
     if spec.method == "draft_model":
         from specd.models.loader import load_target_runner
@@ -32,7 +39,7 @@ def build_proposer(spec: SpeculativeConfig, target_path: Path, target_vocab_size
     if spec.method == "deepseek_mtp":
         from specd.proposers.deepseek_mtp import DeepseekMTPProposer
 
-        return DeepseekMTPProposer(draft_path, device=device, dtype=dtype)
+        return DeepseekMTPProposer(draft_path, device=device, dtype=dtype, target_path=target_path)
     if spec.method == "qwen3_5_mtp":
         from specd.proposers.qwen3_5_mtp import Qwen35MTPProposer
 

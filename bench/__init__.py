@@ -1,0 +1,1 @@
+"""specd benchmarks: `python -m bench` (see bench/__main__.py)."""

@@ -1,0 +1,133 @@
+"""`python -m bench {step,e2e,all} --out DIR`: the GPU fast-path benchmarks, one process, one run.
+
+    python -m bench all --out results/h200          # 8B shape on CUDA (bench/gpu_suite.sh)
+    python -m bench all --small --out /tmp/bench    # toy sizes on CPU, seconds (tests/bench)
+
+Results land in DIR as step.md / step.json and e2e.md / e2e.json (rewritten after every method,
+so a run cut short keeps what it measured), and summary.md (both tables).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def _prepare_e2e_models(args, work: Path) -> tuple[Path, dict, int]:
+    """(target, drafts by method, vocab to draw prompts from) for the chosen size."""
+    from bench.e2e import DRAFT_NAMES
+
+    if args.small:
+        tiny = Path(os.environ.get("SPECD_TINY_MODELS") or work / "tiny")
+        if not (tiny / "target-llama" / "config.json").exists():
+            from specd.tiny_models.make import make_tiny_models
+
+            make_tiny_models(tiny)
+        return tiny / "target-llama", {m: tiny / n for m, n in DRAFT_NAMES.items()}, 500
+    from bench.step import SHAPES
+    from bench.synthetic import write_synthetic_llama
+
+    target = work / "target-8b"
+    if not (target / "config.json").exists():
+        t0 = time.perf_counter()
+        write_synthetic_llama(target, SHAPES["8b"], device="cuda")
+        print(f"wrote the synthetic 8B target in {time.perf_counter() - t0:.1f} s", flush=True)
+
+    def draft_model() -> Path:
+        path = work / "draft-llama-1024"
+        if not (path / "config.json").exists():
+            small = dict(SHAPES["8b"], hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
+                         num_attention_heads=8, num_key_value_heads=8, head_dim=128)
+            write_synthetic_llama(path, small, device="cuda", seed=1)
+        return path
+
+    def eagle3() -> Path:
+        from specd.tiny_models.eagle3 import write_tiny_eagle3
+
+        path = work / "draft-eagle3-8b"
+        if not (path / "config.json").exists():
+            write_tiny_eagle3(path, target, seed=2, init_std=0.02)
+        return path
+
+    # Written only when their method's turn comes: off and replay never wait for them.
+    drafts = {"draft_model": draft_model, "eagle3": eagle3}
+    return target, drafts, 500
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("what", choices=["step", "e2e", "all"])
+    ap.add_argument("--out", type=Path, required=True, help="results directory")
+    ap.add_argument("--small", action="store_true", help="toy sizes on CPU (the CPU test)")
+    ap.add_argument("--work-dir", type=Path, default=None, help="synthetic checkpoints (default: OUT/work)")
+    ap.add_argument("--step-batches", type=_ints, default=None, help="default 1,8,32,64,128 (small: 1,4)")
+    ap.add_argument("--context", type=int, default=None, help="cached tokens per sequence (default 1024; small 32)")
+    ap.add_argument("--k", type=int, default=3, help="draft tokens per step (verify q = k + 1)")
+    ap.add_argument("--bandwidth-tbs", type=float, default=4.8, help="for the weight-read floor")
+    ap.add_argument("--no-transformers", action="store_true")
+    ap.add_argument("--e2e-batches", type=_ints, default=None, help="default 1,8,64,128 (small: 1,4)")
+    ap.add_argument("--methods", type=lambda s: s.split(","), default=None,
+                    help="default off,replay,ngram,eagle3,draft_model")
+    ap.add_argument("--max-tokens", type=int, default=None, help="per request (default 128; small 12)")
+    ap.add_argument("--replay-acceptance", type=float, default=3.0,
+                    help="replay drafter's expected acceptance length (tokens per step)")
+    ap.add_argument("--device", default=None, help="default cuda when available, else cpu")
+    args = ap.parse_args(argv)
+
+    import torch
+
+    device = args.device or ("cuda" if torch.cuda.is_available() and not args.small else "cpu")
+    args.methods = args.methods or ["off", "replay", "ngram", "eagle3", "draft_model"]
+    out = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    work = args.work_dir or out / "work"
+    work.mkdir(parents=True, exist_ok=True)
+    sections = []
+    t_start = time.perf_counter()
+    if args.what in ("step", "all"):
+        from bench.step import run_step_bench, write_step_results
+
+        rows, info = run_step_bench(
+            shape="small" if args.small else "8b",
+            batches=args.step_batches or ([1, 4] if args.small else [1, 8, 32, 64, 128]),
+            qs=(1, args.k + 1), context=args.context or (32 if args.small else 1024), device=device,
+            bandwidth_tbs=args.bandwidth_tbs, with_transformers=not args.no_transformers,
+            warmup=1 if args.small else 3, iters=3 if args.small else 10,
+            block_size=8 if args.small else 64)
+        sections.append(write_step_results(rows, info, out))
+        print(sections[-1], flush=True)
+        print(f"step bench done at {time.perf_counter() - t_start:.0f} s", flush=True)
+        del rows
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    if args.what in ("e2e", "all"):
+        from bench.e2e import run_e2e_bench, write_e2e_results
+
+        target, drafts, vocab = _prepare_e2e_models(args, work)
+        rows, info = run_e2e_bench(
+            target, drafts, args.methods,
+            batches=args.e2e_batches or ([1, 4] if args.small else [1, 8, 64, 128]),
+            max_tokens=args.max_tokens or (12 if args.small else 128), k=args.k, device=device,
+            replay_acceptance=args.replay_acceptance, work_dir=work, vocab_for_prompts=vocab,
+            on_row=lambda r, i: write_e2e_results(r, i, out))
+        sections.append(write_e2e_results(rows, info, out))
+        print(sections[-1], flush=True)
+    (out / "summary.md").write_text("\n".join(sections))
+    print(f"bench done in {time.perf_counter() - t_start:.0f} s; results in {out}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,158 @@
+"""Output tokens/s and time per output token through the full services, speculation off vs on.
+
+One stack (embedded Redis, drafter, grammar, verifier, gateway: services/launcher) per method;
+within it, each batch size B sends B greedy requests at once over the gRPC Generate API (token-id
+prompts, ignore_eos, max_tokens each) after an identical warm-up round (CUDA graphs get captured
+there, not in the timed round). "off" runs first: its outputs are the target's greedy
+continuations, written as the replay drafter's references; "replay" then drafts them corrupted at
+the rate whose expected acceptance length is `--replay-acceptance` (bench only, see
+specd/proposers/replay.py). Ratios are against "off" at the same batch size, in the same run.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+DRAFT_NAMES = {"eagle3": "draft-eagle3", "draft_model": "draft-llama-small"}
+
+
+@dataclass
+class E2ERow:
+    method: str
+    batch: int
+    output_tokens: int
+    wall_s: float
+    tokens_per_s: float
+    tpot_ms: float  # mean over requests of (latency - time to first token) / (tokens - 1)
+    acceptance_length: float  # measured: tokens per verify step with drafts (1.0 when off)
+    expected_acceptance_length: float | None = None  # replay only
+    speedup_vs_off: float | None = None
+
+
+def make_prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(4, vocab) for _ in range(rng.randint(16, 48))] for _ in range(n)]
+
+
+def _generate_all(port: int, prompts: list[list[int]], max_tokens: int) -> tuple[float, list]:
+    import grpc
+
+    from specd.v1 import common_pb2, generate_pb2, generate_pb2_grpc
+
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = generate_pb2_grpc.GenerateStub(channel)
+
+        def one(prompt):
+            return stub.Generate(generate_pb2.GenerateRequest(
+                token_ids=generate_pb2.TokenIds(ids=prompt), max_tokens=max_tokens, ignore_eos=True,
+                sampling=common_pb2.SamplingParameters(temperature=0.0), has_seed=True), timeout=900)
+
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(max(1, len(prompts))) as pool:
+            replies = list(pool.map(one, prompts))
+        return time.perf_counter() - t0, replies
+
+
+def _row(method: str, batch: int, wall: float, replies) -> E2ERow:
+    tokens = sum(len(r.token_ids) for r in replies)
+    tpots = [(r.usage.latency_us - r.usage.time_to_first_token_us) / 1e3 / max(1, len(r.token_ids) - 1)
+             for r in replies]
+    drafts = sum(r.spec_stats.num_drafts for r in replies)
+    accepted = sum(r.spec_stats.num_accepted_tokens for r in replies)
+    return E2ERow(method, batch, tokens, wall, tokens / wall, sum(tpots) / len(tpots),
+                  1.0 + accepted / drafts if drafts else 1.0)
+
+
+def run_method(method: str, target: Path, draft: Path | None, batches: list[int], prompts, max_tokens: int,
+               k: int, device: str, extra_env: dict | None = None, log_level: str = "warning") -> tuple[list[E2ERow], dict]:
+    from services.launcher.supervisor import Stack, StackConfig
+    from specd.transport.embedded_redis import free_port
+
+    spec = None if method == "off" else method
+    config = StackConfig(model=str(target), server_name="127.0.0.1", server_port=free_port(),
+                         grpc_port=free_port(), speculative_algorithm=spec,
+                         speculative_draft_model=str(draft) if draft else None,
+                         speculative_num_draft_tokens=k, max_batch_size=max(batches), device=device,
+                         log_level=log_level, extra_env=dict(extra_env or {}))
+    stack = Stack(config)
+    t0 = time.perf_counter()
+    stack.start(timeout=600)
+    start_s = time.perf_counter() - t0
+    rows, outputs = [], {}
+    try:
+        for batch in batches:
+            _generate_all(stack.grpc_port, prompts[:batch], max_tokens)  # warm-up: graph captures
+            wall, replies = _generate_all(stack.grpc_port, prompts[:batch], max_tokens)
+            rows.append(_row(method, batch, wall, replies))
+            for p, r in zip(prompts[:batch], replies):
+                outputs[tuple(p)] = list(r.token_ids)
+            print(format_row(rows[-1]), flush=True)
+    finally:
+        stack.stop()
+    return rows, {"stack_start_s": round(start_s, 1), "outputs": outputs}
+
+
+HEADER = ("| method | batch | output tokens | wall s | tokens/s | TPOT ms | acceptance length "
+          "(expected) | tokens/s vs off |")
+
+
+def format_row(r: E2ERow) -> str:
+    expected = f" ({r.expected_acceptance_length:.2f})" if r.expected_acceptance_length is not None else ""
+    speedup = f"{r.speedup_vs_off:.2f}x" if r.speedup_vs_off is not None else "-"
+    return (f"| {r.method} | {r.batch} | {r.output_tokens} | {r.wall_s:.2f} | {r.tokens_per_s:.1f} | "
+            f"{r.tpot_ms:.2f} | {r.acceptance_length:.2f}{expected} | {speedup} |")
+
+
+def run_e2e_bench(target: Path, drafts: dict, methods: list[str], batches: list[int],
+                  max_tokens: int, k: int, device: str, replay_acceptance: float, work_dir: Path,
+                  vocab_for_prompts: int, on_row=None) -> tuple[list[E2ERow], dict]:
+    """Every method over every batch size; "off" always runs first (references, baseline)."""
+    from specd.proposers.replay import corrupt_rate_for, write_references
+
+    methods = ["off"] + [m for m in methods if m != "off"]
+    prompts = make_prompts(max(batches), vocab_for_prompts)
+    rows: list[E2ERow] = []
+    info: dict = {"k": k, "max_tokens": max_tokens, "device": device, "stack_start_s": {}}
+    off: dict[int, E2ERow] = {}
+    for method in methods:
+        env, expected = {}, None
+        if method == "replay":
+            refs = work_dir / "replay_references.jsonl"
+            write_references(refs, [(list(p), out) for p, out in info["off_outputs"].items()])
+            rate = corrupt_rate_for(replay_acceptance, k)
+            env = {"SPECD_REPLAY_REFERENCES": str(refs), "SPECD_REPLAY_CORRUPT_RATE": repr(rate)}
+            expected = replay_acceptance
+            info["replay_corrupt_rate"] = rate
+        draft = drafts.get(method)
+        draft = draft() if callable(draft) else draft  # written on first use (the 8B suite's heads)
+        method_rows, extra = run_method(method, target, draft, batches, prompts, max_tokens, k, device, env)
+        info["stack_start_s"][method] = extra["stack_start_s"]
+        if method == "off":
+            info["off_outputs"] = extra["outputs"]
+        for r in method_rows:
+            if method == "off":
+                off[r.batch] = r
+            r.expected_acceptance_length = expected
+            r.speedup_vs_off = r.tokens_per_s / off[r.batch].tokens_per_s if r.batch in off else None
+            rows.append(r)
+        if on_row is not None:
+            on_row(rows, info)
+    return rows, info
+
+
+def write_e2e_results(rows: list[E2ERow], info: dict, out_dir: Path) -> str:
+    lines = [f"end to end through the services, k = {info['k']}, {info['max_tokens']} output tokens per "
+             f"request (greedy, ignore_eos), device {info['device']}; stack start s: {info['stack_start_s']}",
+             "", HEADER, "|---|---|---|---|---|---|---|---|"]
+    lines += [format_row(r) for r in rows]
+    table = "\n".join(lines) + "\n"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "e2e.md").write_text(table)
+    public = {k: v for k, v in info.items() if k != "off_outputs"}
+    (out_dir / "e2e.json").write_text(json.dumps({"info": public, "rows": [asdict(r) for r in rows]}, indent=1))
+    return table

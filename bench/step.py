@@ -1,0 +1,223 @@
+"""Verify-step time of an 8B-shaped Llama: specd (CUDA graphs, eager) vs transformers, vs the floor.
+
+The target forward of one engine step (all layers + lm_head, logits for every new token) over a
+batch whose sequences each hold `context` cached tokens, appending q tokens per sequence (q = 1:
+plain decode; q = k + 1: verification of k drafts). Random bf16 weights are drawn directly on
+the device (no checkpoint); transformers' LlamaForCausalLM uses the very same tensors (no copy)
+with its own DynamicCache at the same context and sdpa attention. The floor is reading every
+weight once at the GPU's memory bandwidth (default 4.8 TB/s, the H200).
+
+    python -m bench step --out results/            # 8B shape on CUDA
+    python -m bench step --small --out /tmp/x      # toy shape, CPU, seconds (the CPU test)
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from specd.messages import PytorchEngineConfig
+from specd.models.base import SequenceChunk
+from specd.models.hf_config import LlamaArchConfig
+from specd.models.llama import LlamaForCausalLM
+from specd.models.llama_runner import LlamaRunner
+
+SHAPES = {
+    "8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+               num_attention_heads=32, num_key_value_heads=8, head_dim=128),
+    "small": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16),
+}
+
+
+@dataclass
+class StepRow:
+    """One (batch, q) measurement; milliseconds per forward (median)."""
+
+    batch: int
+    q: int
+    specd_graphs_ms: float
+    specd_eager_ms: float
+    transformers_ms: float | None
+    floor_ms: float
+
+    @property
+    def graphs_over_floor(self) -> float:
+        return self.specd_graphs_ms / self.floor_ms
+
+    @property
+    def transformers_over_graphs(self) -> float | None:
+        return None if self.transformers_ms is None else self.transformers_ms / self.specd_graphs_ms
+
+
+def arch_config(shape: str) -> LlamaArchConfig:
+    return LlamaArchConfig(architecture="LlamaForCausalLM", rope_theta=500000.0, rms_norm_eps=1e-5,
+                           max_position_embeddings=8192, **SHAPES[shape])
+
+
+def random_model(config: LlamaArchConfig, dtype: torch.dtype, device: torch.device, seed: int = 0
+                 ) -> LlamaForCausalLM:
+    """Our model with N(0, 0.02) weights drawn on the device (norm gains 1)."""
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config, dtype)
+    model.to_empty(device=device)
+    model.model.rotary_emb.reset_inv_freq()
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 1:
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02, generator=gen)
+    return model.eval()
+
+
+def transformers_twin(model: LlamaForCausalLM, config: LlamaArchConfig, device: torch.device):
+    """transformers' LlamaForCausalLM whose parameters ARE our model's tensors (shared, no copy)."""
+    import transformers
+
+    hf_config = transformers.LlamaConfig(
+        vocab_size=config.vocab_size, hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size, num_hidden_layers=config.num_hidden_layers,
+        num_attention_heads=config.num_attention_heads, num_key_value_heads=config.num_key_value_heads,
+        head_dim=config.head_dim, rms_norm_eps=config.rms_norm_eps,
+        max_position_embeddings=config.max_position_embeddings, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": config.rope_theta})
+    hf_config._attn_implementation = "sdpa"
+    with torch.device("meta"):
+        hf = transformers.LlamaForCausalLM(hf_config)
+    hf.load_state_dict(model.state_dict(), assign=True, strict=False)
+    # The rotary buffer is not a parameter: rebuild it on the device.
+    with torch.device(device):
+        hf.model.rotary_emb = type(hf.model.rotary_emb)(config=hf_config)
+    leftover = [n for n, t in list(hf.named_parameters()) + list(hf.named_buffers()) if t.is_meta]
+    assert not leftover, f"transformers twin: tensors left on meta: {leftover[:4]}"
+    return hf.eval()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _median_ms(fn, device: torch.device, warmup: int, iters: int) -> float:
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append((time.perf_counter() - t0) * 1e3)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def time_specd(runner: LlamaRunner, batch: int, q: int, context: int, warmup: int, iters: int) -> float:
+    """Forward of `batch` sequences holding `context` tokens, q new tokens each (rolled back after)."""
+    ids = list(range(batch))
+    for s in ids:
+        runner.add_sequence(s)
+        runner.kv_cache.append_slots(s, context)  # cached context: slots reserved, values irrelevant
+    vocab = runner.config.vocab_size
+    chunks = [SequenceChunk(s, [(7 * s + j) % vocab for j in range(q)]) for s in ids]
+
+    def step():
+        runner.forward(chunks)
+        for s in ids:
+            runner.truncate(s, context)
+
+    try:
+        return _median_ms(step, runner.device, warmup, iters)
+    finally:
+        for s in ids:
+            runner.free(s)
+
+
+def time_transformers(hf, config: LlamaArchConfig, batch: int, q: int, context: int, device, dtype,
+                      warmup: int, iters: int) -> float:
+    """transformers' forward with a DynamicCache of `context` tokens, cropped back after each step."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=hf.config)
+    shape = (batch, config.num_key_value_heads, context, config.head_dim)
+    for layer in range(config.num_hidden_layers):
+        cache.update(torch.zeros(shape, dtype=dtype, device=device),
+                     torch.zeros(shape, dtype=dtype, device=device), layer)
+    input_ids = torch.arange(batch * q, device=device).view(batch, q) % config.vocab_size
+    positions = torch.arange(context, context + q, device=device)[None].expand(batch, q)
+
+    def step():
+        with torch.no_grad():
+            hf(input_ids=input_ids, past_key_values=cache, position_ids=positions, use_cache=True,
+               cache_position=positions[0])
+        cache.crop(-q)  # negative: remove the q new tokens (old and new transformers agree)
+
+    return _median_ms(step, device, warmup, iters)
+
+
+def run_step_bench(shape: str = "8b", batches=(1, 8, 32, 64, 128), qs=(1, 4), context: int = 1024,
+                   device: str | None = None, bandwidth_tbs: float = 4.8, warmup: int = 3, iters: int = 10,
+                   with_transformers: bool = True, block_size: int = 64) -> tuple[list[StepRow], dict]:
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    config = arch_config(shape)
+    t0 = time.perf_counter()
+    model = random_model(config, dtype, dev)
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    floor_ms = weight_bytes / (bandwidth_tbs * 1e12) * 1e3
+    blocks = max(batches) * -(-(context + max(qs)) // block_size)
+    engine_config = PytorchEngineConfig(max_batch_size=max(batches), block_size=block_size,
+                                        num_gpu_blocks=blocks, session_len=context + max(qs),
+                                        device_type=dev.type,
+                                        dtype="bfloat16" if dtype == torch.bfloat16 else "float32")
+    # Graphs on CUDA; on CPU the static-buffer path without capture (same code, no graph).
+    graphs = LlamaRunner(".", engine_config, model=model, config=config, use_static_path=True)
+    eager = LlamaRunner(".", engine_config, model=model, config=config, use_static_path=False)
+    hf = transformers_twin(model, config, dev) if with_transformers else None
+    init_s = time.perf_counter() - t0
+    rows = []
+    for batch in batches:
+        for q in qs:
+            g = time_specd(graphs, batch, q, context, warmup, iters)
+            e = time_specd(eager, batch, q, context, warmup, iters)
+            h = (time_transformers(hf, config, batch, q, context, dev, dtype, warmup, iters)
+                 if hf is not None else None)
+            rows.append(StepRow(batch, q, g, e, h, floor_ms))
+            print(format_row(rows[-1]), flush=True)
+    info = {"shape": shape, "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+            "dtype": str(dtype), "context": context, "weight_bytes": weight_bytes,
+            "bandwidth_tbs": bandwidth_tbs, "init_s": round(init_s, 2),
+            "graph_captures": graphs.static.num_captures, "torch": torch.__version__}
+    return rows, info
+
+
+HEADER = ("| batch | q | specd graphs ms | specd eager ms | transformers ms | floor ms "
+          "| graphs / floor | transformers / graphs |")
+
+
+def format_row(r: StepRow) -> str:
+    hf = f"{r.transformers_ms:.2f}" if r.transformers_ms is not None else "-"
+    ratio = f"{r.transformers_over_graphs:.1f}x" if r.transformers_over_graphs is not None else "-"
+    return (f"| {r.batch} | {r.q} | {r.specd_graphs_ms:.2f} | {r.specd_eager_ms:.2f} | {hf} | "
+            f"{r.floor_ms:.2f} | {r.graphs_over_floor:.2f}x | {ratio} |")
+
+
+def write_step_results(rows: list[StepRow], info: dict, out_dir: Path) -> str:
+    lines = [f"verify-step forward, {info['shape']} shape, {info['dtype']}, context {info['context']}, "
+             f"{info['device']}; floor = {info['weight_bytes'] / 1e9:.2f} GB of weights at "
+             f"{info['bandwidth_tbs']} TB/s", "", HEADER, "|---|---|---|---|---|---|---|---|"]
+    lines += [format_row(r) for r in rows]
+    table = "\n".join(lines) + "\n"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "step.md").write_text(table)
+    (out_dir / "step.json").write_text(json.dumps(
+        {"info": info, "rows": [asdict(r) | {"graphs_over_floor": r.graphs_over_floor,
+                                              "transformers_over_graphs": r.transformers_over_graphs}
+                                for r in rows]}, indent=1))
+    return table

@@ -1,0 +1,205 @@
+"""The verify / decode step through static buffers, replayed as CUDA graphs on CUDA.
+
+A verify step appends k+1 tokens per sequence (decode: 1) to caches of varying length. The eager
+path builds varlen metadata whose shapes depend on the batch; a CUDA graph needs the opposite.
+`StaticForward` maps such a batch onto a fixed layout (static_attention.py): the batch padded to a
+bucket size B (1, 2, 4, ..., max_batch_size), Q rows per sequence (the batch's longest chunk),
+block tables padded to a bucketed width NB. One packed int64 buffer holds every input (token ids,
+positions, slots, cached lengths, block tables) and is filled by ONE host-to-device copy per step.
+
+For each (B, Q, NB, aux layers) key, the first batch that needs it captures a graph (CUDA) or,
+on CPU and with graphs off, simply runs the same body eagerly: the CPU twin executes the very code
+that is captured, so tests on CPU prove the static path's logits equal the eager path's.
+
+Padding rows and padding slots write to the KV cache's scratch block, never to a real sequence.
+Prefill and mixed batches (a chunk longer than `max_query_len`), batches above the largest
+bucket and contexts above `max_context` take the eager path (`applies` says which).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from specd.models.kv_cache import PagedKVCache
+from specd.models.static_attention import StaticAttentionMetadata
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+DEFAULT_MAX_QUERY_LEN = 16  # k + 1 up to 15 drafts; longer chunks are prefill-like: eager
+DEFAULT_MAX_CONTEXT = 8192  # tokens gathered per slot; beyond, the eager path (no graph)
+
+
+def batch_buckets(max_batch_size: int, buckets: tuple[int, ...] = DEFAULT_BATCH_BUCKETS) -> tuple[int, ...]:
+    """The buckets up to max_batch_size, with max_batch_size itself as the last."""
+    out = [b for b in buckets if b < max_batch_size]
+    return tuple(out + [max_batch_size])
+
+
+def width_bucket(num_blocks: int) -> int:
+    """Round a block-table width up to 4 steps per power of two (1..4, 5, 6, 7, 8, 10, 12, ...).
+
+    Contexts grow by a few tokens per step; coarse buckets keep the number of graphs small, while
+    4 steps per octave keep the gathered (and masked-out) keys within 25% of the needed ones.
+    """
+    if num_blocks <= 4:
+        return max(1, num_blocks)
+    step = 1 << (num_blocks.bit_length() - 3)
+    return -(-num_blocks // step) * step
+
+
+@dataclass
+class _Entry:
+    """The static buffers (and, on CUDA, the graph) of one (B, Q, NB, aux) key."""
+
+    batch: int
+    qlen: int
+    width: int  # NB, blocks per slot
+    packed: torch.Tensor  # [3 * B * Q + B + B * NB] int64 on the device
+    hidden: torch.Tensor | None = None  # [B * Q, H] outputs of the last run / the capture
+    aux: torch.Tensor | None = None  # [B * Q, n_aux * H] or None
+    logits: torch.Tensor | None = None  # [B * Q, V] float32
+    graph: "torch.cuda.CUDAGraph | None" = None
+
+    def views(self) -> tuple[torch.Tensor, ...]:
+        """(input_ids [BQ], positions [BQ], slots [BQ], ctx_lens [B], block_tables [B, NB])."""
+        bq, b = self.batch * self.qlen, self.batch
+        p = self.packed
+        return (p[:bq], p[bq:2 * bq], p[2 * bq:3 * bq], p[3 * bq:3 * bq + b],
+                p[3 * bq + b:].view(b, self.width))
+
+
+class StaticForward:
+    """Fixed-shape forwards of a LlamaForCausalLM over a PagedKVCache (see the module doc)."""
+
+    def __init__(self, model, kv_cache: PagedKVCache, *, max_batch_size: int,
+                 use_cuda_graphs: bool, max_query_len: int = DEFAULT_MAX_QUERY_LEN,
+                 max_context: int = DEFAULT_MAX_CONTEXT) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.block_size = kv_cache.block_size
+        self.buckets = batch_buckets(max_batch_size)
+        self.max_query_len = max_query_len
+        self.max_context = max_context
+        self.device = kv_cache.device
+        self.use_cuda_graphs = use_cuda_graphs and self.device.type == "cuda"
+        self._entries: dict[tuple, _Entry] = {}
+        self._pool = None  # one memory pool shared by every graph (they never run concurrently)
+        self.num_static_forwards = 0  # counters the tests and the bench read
+        self.num_captures = 0
+
+    # ---- layout --------------------------------------------------------------------------------
+    def _bucket(self, batch: int) -> int | None:
+        return next((b for b in self.buckets if b >= batch), None)
+
+    def _width(self, ctx_lens: list[int], qlen: int) -> int:
+        # Keys up to ctx + Q - 1: padding rows reach past a short chunk's end (see static_attention).
+        return width_bucket(-(-(max(ctx_lens) + qlen) // self.block_size))
+
+    def applies(self, query_lens: list[int], ctx_lens: list[int]) -> bool:
+        """Whether this batch (tokens per chunk, cached tokens before it) fits the static path."""
+        qlen = max(query_lens)
+        return (qlen <= self.max_query_len and self._bucket(len(query_lens)) is not None
+                and self._width(ctx_lens, qlen) * self.block_size <= self.max_context)
+
+    def _fill(self, entry: _Entry, token_ids: list[list[int]], ctx_lens: list[int],
+              slots: list[list[int]], block_tables: list[list[int]]) -> np.ndarray:
+        """The packed host buffer of one batch; returns the flat row index of every real token."""
+        b, q, nb = entry.batch, entry.qlen, entry.width
+        scratch = self.kv_cache.scratch_block
+        bs = self.block_size
+        ids = np.zeros((b, q), dtype=np.int64)
+        ctx = np.zeros(b, dtype=np.int64)
+        # Padding rows: positions continue the sequence (ctx + i), slots are the scratch block's.
+        pos = np.arange(q, dtype=np.int64)[None, :].repeat(b, 0)
+        slot = np.full((b, q), scratch * bs, dtype=np.int64) + np.arange(q, dtype=np.int64)[None, :] % bs
+        tables = np.full((b, nb), scratch, dtype=np.int64)
+        real_rows = []
+        for i, (toks, c, s, t) in enumerate(zip(token_ids, ctx_lens, slots, block_tables)):
+            n = len(toks)
+            ids[i, :n] = toks
+            ctx[i] = c
+            pos[i] += c
+            slot[i, :n] = s
+            tables[i, :len(t)] = t
+            real_rows.append(np.arange(i * q, i * q + n))
+        packed = np.concatenate([ids.ravel(), pos.ravel(), slot.ravel(), ctx, tables.ravel()])
+        # One host-to-device copy; from pageable memory it is staged before returning, so the
+        # numpy buffer may be dropped right away and no device synchronisation happens.
+        entry.packed.copy_(torch.from_numpy(packed), non_blocking=True)
+        return np.concatenate(real_rows) if real_rows else np.zeros(0, dtype=np.int64)
+
+    def _padding_fill(self, entry: _Entry) -> None:
+        """Inputs of an all-padding batch: what warm-up and capture run on (writes scratch only)."""
+        self._fill(entry, [], [], [], [])
+
+    # ---- running -------------------------------------------------------------------------------
+    def _body(self, entry: _Entry, aux_layer_ids: tuple[int, ...]) -> None:
+        input_ids, positions, slots, ctx_lens, tables = entry.views()
+        meta = StaticAttentionMetadata(ctx_lens=ctx_lens, block_tables=tables, slot_mapping=slots,
+                                       query_len=entry.qlen, block_size=self.block_size)
+        hidden, aux = self.model(input_ids, positions, meta, self.kv_cache, aux_layer_ids)
+        entry.hidden, entry.aux = hidden, aux
+        entry.logits = self.model.compute_logits(hidden)  # [B * Q, V] float32
+
+    def _entry(self, batch: int, qlen: int, width: int, aux_layer_ids: tuple[int, ...]) -> _Entry:
+        key = (batch, qlen, width, aux_layer_ids)
+        entry = self._entries.get(key)
+        if entry is None:
+            size = 3 * batch * qlen + batch + batch * width
+            entry = _Entry(batch, qlen, width, torch.zeros(size, dtype=torch.int64, device=self.device))
+            if self.use_cuda_graphs:
+                self._capture(entry, aux_layer_ids)
+            self._entries[key] = entry
+        return entry
+
+    def _capture(self, entry: _Entry, aux_layer_ids: tuple[int, ...]) -> None:
+        """Warm up on a side stream (lazy kernel and cuBLAS init must not be captured), then capture."""
+        self._padding_fill(entry)
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream), torch.no_grad():
+            for _ in range(2):
+                self._body(entry, aux_layer_ids)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool), torch.no_grad():
+            self._body(entry, aux_layer_ids)
+        entry.graph = graph
+        self.num_captures += 1
+        logger.info("captured CUDA graph batch=%d q=%d blocks=%d aux=%s", entry.batch, entry.qlen,
+                    entry.width, list(aux_layer_ids))
+
+    def forward(self, token_ids: list[list[int]], ctx_lens: list[int], slots: list[list[int]],
+                block_tables: list[list[int]], aux_layer_ids: tuple[int, ...] = ()
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Run one batch (its slots already reserved in the cache); rows of the real tokens only.
+
+        token_ids[i], slots[i]: chunk i's new tokens and their cache slots; ctx_lens[i]: tokens
+        cached before them; block_tables[i]: the sequence's blocks (covering the new tokens).
+        Returns (logits [T, V] float32, hidden [T, H], aux [T, n_aux * H] or None), T = all new
+        tokens in chunk order: fresh tensors, not views of the static outputs.
+        """
+        query_lens = [len(t) for t in token_ids]
+        assert self.applies(query_lens, ctx_lens), "StaticForward.forward outside its buckets"
+        qlen = max(query_lens)
+        entry = self._entry(self._bucket(len(token_ids)), qlen, self._width(ctx_lens, qlen),
+                            tuple(aux_layer_ids))
+        rows = self._fill(entry, token_ids, ctx_lens, slots, block_tables)
+        if entry.graph is not None:
+            entry.graph.replay()
+        else:
+            with torch.no_grad():
+                self._body(entry, tuple(aux_layer_ids))
+        self.num_static_forwards += 1
+        index = torch.from_numpy(rows).to(self.device, non_blocking=True)
+        # index_select copies: the static outputs are overwritten by the next replay, while the
+        # engine keeps hidden rows across steps (drafter features).
+        aux = entry.aux.index_select(0, index) if entry.aux is not None else None
+        return entry.logits.index_select(0, index), entry.hidden.index_select(0, index), aux

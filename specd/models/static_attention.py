@@ -1,0 +1,107 @@
+"""Graph-safe paged attention over a fixed batch layout (the CUDA-graph verify / decode step).
+
+The layout: `batch` slots of exactly `query_len` (Q) rows each. Slot b holds a sequence whose
+cache held `ctx_lens[b]` tokens before this forward; its row i is the token at absolute position
+`ctx_lens[b] + i` and attends keys `0 .. ctx_lens[b] + i` (sliding window: only keys
+`> ctx_lens[b] + i - w`). A sequence with fewer than Q new tokens fills its first rows; its
+remaining rows, and whole padding slots (ctx 0, block table all scratch), write their K/V to the
+cache's scratch block and their outputs are discarded. Because every slot appends exactly Q rows,
+no shape depends on the batch's contents: block tables are padded to a fixed width (with the
+scratch block), keys are gathered over that whole width and masked by `ctx_lens`. Nothing reads a
+host value, so one capture replays for any batch of that (batch, Q, width) bucket.
+
+A padding row may attend keys past its sequence's end: stale or scratch K/V, always finite, and
+its output is thrown away. Real rows never see them (their keys end at ctx + i < ctx + q_len).
+
+Two implementations share that contract: flash-attn's `flash_attn_with_kvcache` (CUDA, fp16/bf16,
+flash-attn installed, block size a multiple of 256), and a PyTorch twin (gather through the block
+table, one `scaled_dot_product_attention` with a boolean mask) that runs everywhere, the CPU tests
+included.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from specd.models.attention import FLASH_PAGE_MULTIPLE
+
+try:  # optional; without it the PyTorch twin runs on CUDA too
+    from flash_attn import flash_attn_with_kvcache as _flash_attn_with_kvcache
+except Exception:  # ImportError, or a broken CUDA extension
+    _flash_attn_with_kvcache = None
+
+
+@dataclass
+class StaticAttentionMetadata:
+    """Device tensors of one fixed-layout forward (views into the static input buffer)."""
+
+    ctx_lens: torch.Tensor  # [B] int64, tokens cached before this forward
+    block_tables: torch.Tensor  # [B, NB] int64, padded with the scratch block
+    slot_mapping: torch.Tensor  # [B * Q] int64, flat cache slot of each row (scratch for padding)
+    query_len: int  # Q, rows per batch slot
+    block_size: int
+    # Masks built by the first layer of a forward, reused by the others.
+    _cache: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def batch(self) -> int:
+        return self.ctx_lens.shape[0]
+
+    @property
+    def width(self) -> int:
+        """Key positions gathered per slot: NB * block_size."""
+        return self.block_tables.shape[1] * self.block_size
+
+    def mask(self, sliding_window: int | None) -> torch.Tensor:
+        """[B, 1, Q, S] bool, True where row i of slot b may attend key column s."""
+        key = ("mask", sliding_window)
+        if key not in self._cache:
+            device = self.ctx_lens.device
+            rows = torch.arange(self.query_len, device=device)[None, :, None]  # [1, Q, 1]
+            cols = torch.arange(self.width, device=device)[None, None, :]  # [1, 1, S]
+            q_pos = self.ctx_lens[:, None, None] + rows  # [B, Q, 1]
+            allowed = cols <= q_pos
+            if sliding_window is not None:
+                allowed = allowed & (cols > q_pos - sliding_window)
+            self._cache[key] = allowed[:, None]
+        return self._cache[key]
+
+
+def flash_kvcache_applies(q: torch.Tensor, meta: StaticAttentionMetadata) -> bool:
+    return (_flash_attn_with_kvcache is not None and q.is_cuda
+            and q.dtype in (torch.float16, torch.bfloat16)
+            and meta.block_size % FLASH_PAGE_MULTIPLE == 0)
+
+
+def static_paged_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor,
+                           meta: StaticAttentionMetadata, scale: float,
+                           sliding_window: int | None = None) -> torch.Tensor:
+    """Attention of the fixed layout's rows over their caches (new K/V already written).
+
+    q: [B * Q, Hq, D]; cache_k/v: [num_blocks, block_size, Hkv, D]. Returns [B * Q, Hq, D].
+    """
+    assert q.ndim == 3 and cache_k.ndim == 4, (q.shape, cache_k.shape)
+    rows, num_heads, head_dim = q.shape
+    batch, qlen = meta.batch, meta.query_len
+    assert rows == batch * qlen, f"{rows} rows for {batch} slots of {qlen}"
+    q = q.view(batch, qlen, num_heads, head_dim)  # [B, Q, Hq, D]
+    if flash_kvcache_applies(q, meta):
+        # flash-attn aligns the causal mask bottom-right: Q rows ending at cache_seqlens, which
+        # is ctx + Q in our layout (rows i < q_len land exactly on ctx + i).
+        window = (sliding_window - 1, 0) if sliding_window is not None else (-1, -1)
+        out = _flash_attn_with_kvcache(
+            q, cache_k, cache_v, cache_seqlens=(meta.ctx_lens + qlen).to(torch.int32),
+            block_table=meta.block_tables.to(torch.int32), softmax_scale=scale, causal=True,
+            window_size=window)  # [B, Q, Hq, D]
+        return out.reshape(rows, num_heads, head_dim)
+    k = cache_k[meta.block_tables].flatten(1, 2)  # [B, S, Hkv, D]
+    v = cache_v[meta.block_tables].flatten(1, 2)
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype),
+        attn_mask=meta.mask(sliding_window), scale=scale,
+        enable_gqa=k.shape[2] != num_heads,
+    )  # [B, Hq, Q, D]
+    return out.transpose(1, 2).reshape(rows, num_heads, head_dim)

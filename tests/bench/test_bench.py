@@ -1,0 +1,84 @@
+"""`python -m bench all --small`: the GPU suite's code at toy size on CPU, every row present."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+METHODS = ["off", "replay", "ngram", "eagle3", "draft_model"]
+
+
+def test_transformers_twin_shares_weights_and_matches_our_logits():
+    from bench.step import arch_config, random_model, transformers_twin
+    from specd.messages import PytorchEngineConfig
+    from specd.models.base import SequenceChunk
+    from specd.models.llama_runner import LlamaRunner
+
+    config = arch_config("small")
+    model = random_model(config, torch.float32, torch.device("cpu"))
+    hf = transformers_twin(model, config, torch.device("cpu"))
+    assert hf.model.layers[1].mlp.up_proj.weight.data_ptr() == model.model.layers[1].mlp.up_proj.weight.data_ptr()
+    runner = LlamaRunner(".", PytorchEngineConfig(block_size=8, max_batch_size=2, session_len=64,
+                                                  device_type="cpu"), model=model, config=config)
+    tokens = [3, 17, 99, 4, 250, 11]
+    runner.add_sequence(0)
+    ours = runner.forward([SequenceChunk(0, tokens)]).logits
+    with torch.no_grad():
+        ref = hf(torch.tensor([tokens])).logits[0]
+    assert (ours - ref).abs().max().item() < 1e-4
+
+
+def test_small_suite_has_every_row(tmp_path, tiny_models):
+    out = tmp_path / "results"
+    env = {"SPECD_TINY_MODELS": str(Path(tiny_models["target-llama"]).parent)}
+    import os
+
+    proc = subprocess.run([sys.executable, "-m", "bench", "all", "--small", "--out", str(out),
+                           "--e2e-batches", "1,2", "--max-tokens", "10", "--methods", ",".join(METHODS)],
+                          cwd=ROOT, env={**os.environ, **env}, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    step = json.loads((out / "step.json").read_text())
+    assert {(r["batch"], r["q"]) for r in step["rows"]} == {(1, 1), (1, 4), (4, 1), (4, 4)}
+    for r in step["rows"]:
+        assert r["specd_graphs_ms"] > 0 and r["specd_eager_ms"] > 0 and r["transformers_ms"] > 0
+        assert r["floor_ms"] > 0
+    e2e = json.loads((out / "e2e.json").read_text())
+    rows = {(r["method"], r["batch"]): r for r in e2e["rows"]}
+    assert set(rows) == {(m, b) for m in METHODS for b in (1, 2)}
+    for (method, batch), r in rows.items():
+        assert r["output_tokens"] == 10 * batch  # ignore_eos: every request runs to max_tokens
+        assert r["tokens_per_s"] > 0 and r["speedup_vs_off"] > 0
+        if method == "off":
+            assert r["acceptance_length"] == 1.0
+    assert rows[("replay", 1)]["expected_acceptance_length"] == 3.0
+    assert rows[("replay", 1)]["acceptance_length"] > 1.5  # the replayed drafts are accepted
+    summary = (out / "summary.md").read_text()
+    assert "| replay | 2 |" in summary and "| 4 | 4 |" in summary
+
+
+def test_synthetic_target_loads_and_is_decisive(tmp_path):
+    """The e2e target (bench/synthetic.py) at toy size: loads through the runner; its greedy next
+    token depends on the current token only (so decode and verify kernels cannot disagree)."""
+    from bench.step import SHAPES
+    from bench.synthetic import write_synthetic_llama
+    from specd.messages import PytorchEngineConfig
+    from specd.models.base import SequenceChunk
+    from specd.models.llama_runner import LlamaRunner
+
+    shape = dict(SHAPES["small"], vocab_size=1024)
+    path = write_synthetic_llama(tmp_path / "t", shape, device="cpu", dtype=torch.float32, num_live_tokens=512)
+    runner = LlamaRunner(path, PytorchEngineConfig(block_size=8, max_batch_size=2, session_len=64, device_type="cpu"))
+    runner.add_sequence(0)
+    runner.add_sequence(1)
+    out = runner.forward([SequenceChunk(0, [5, 9, 77, 300]), SequenceChunk(1, [40, 2, 77])])
+    logits = out.logits
+    top2 = logits.topk(2, dim=-1).values
+    # margin ~ sqrt(hidden) - max noise: ~8 - 3 here, ~64 - 3 at hidden 4096
+    assert (top2[:, 0] - top2[:, 1]).min().item() > 2
+    assert logits.argmax(-1).max().item() < 512  # only tokenizer ids are produced
+    assert logits[2].argmax() == logits[6].argmax()  # token 77 -> the same next token in both

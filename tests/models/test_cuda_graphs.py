@@ -1,0 +1,149 @@
+"""The static-buffer (CUDA-graph) verify path against the eager varlen path, on CPU.
+
+On CPU the static path runs the exact body a CUDA graph captures, without capture; these tests
+prove its layout (padded batch buckets, ragged chunks padded to Q rows, fixed-width block tables,
+scratch writes) gives the eager path's logits and leaves every real cache entry as eager does.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specd.messages import PytorchEngineConfig
+from specd.models.base import SequenceChunk
+from specd.models.cuda_graphs import batch_buckets, width_bucket
+from specd.models.llama_runner import LlamaRunner
+
+TOL = 1e-5
+
+
+def make_runner(path, static: bool, **overrides) -> LlamaRunner:
+    config = dict(block_size=4, max_batch_size=8, session_len=256, device_type="cpu")
+    config.update(overrides)
+    return LlamaRunner(path, PytorchEngineConfig(**config), use_static_path=static)
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (n,), generator=g).tolist()
+
+
+def script(runner: LlamaRunner, want_aux: bool = False) -> list[torch.Tensor]:
+    """Prefills, ragged verify steps, rollbacks, a padded bucket; returns every forward's outputs."""
+    outs = []
+
+    def fwd(chunks):
+        out = runner.forward(chunks, want_hidden=True, want_aux_hidden=want_aux)
+        outs.append(out.logits)
+        outs.append(out.hidden_states)
+        if want_aux:
+            outs.append(out.aux_hidden_states)
+        return out
+
+    prompts = {0: tokens(13, 0), 1: tokens(3, 1), 2: tokens(22, 2), 3: tokens(1, 3), 4: tokens(7, 4)}
+    for s in prompts:
+        runner.add_sequence(s)
+    fwd([SequenceChunk(s, p) for s, p in prompts.items()])  # prefill: eager on both
+    # Ragged verify: q = 4, 1, 2, 4, 3 over contexts that end mid-block and on block edges.
+    fwd([SequenceChunk(0, tokens(4, 10)), SequenceChunk(1, tokens(1, 11)), SequenceChunk(2, tokens(2, 12)),
+         SequenceChunk(3, tokens(4, 13)), SequenceChunk(4, tokens(3, 14))])
+    # Rollback of rejected drafts, then verify again over the truncated caches.
+    runner.truncate(0, 14)
+    runner.truncate(2, 22)
+    runner.truncate(3, 5)
+    fwd([SequenceChunk(3, tokens(4, 20)), SequenceChunk(0, tokens(4, 21)), SequenceChunk(2, tokens(4, 22))])
+    # Three sequences: batch bucket 4 with one padding slot; then plain decode (q = 1).
+    fwd([SequenceChunk(1, tokens(2, 30)), SequenceChunk(4, tokens(4, 31)), SequenceChunk(0, tokens(1, 32))])
+    fwd([SequenceChunk(s, tokens(1, 40 + s)) for s in prompts])
+    runner.free(1)
+    fwd([SequenceChunk(2, tokens(4, 50))])  # batch 1
+    return outs
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "mistral"])
+def test_static_path_equals_eager(kind, checkpoint):
+    path = checkpoint(kind)
+    eager, static = make_runner(path, False), make_runner(path, True)
+    want, got = script(eager), script(static)
+    assert static.static.num_static_forwards == 5  # every non-prefill forward took the static path
+    assert eager.static is None
+    worst = max((a - b).abs().max().item() for a, b in zip(want, got))
+    print(f"{kind}: max |static - eager| = {worst:.3g}")
+    assert worst < TOL
+
+
+def test_static_path_aux_hidden_states(checkpoint):
+    path = checkpoint("llama")
+    eager, static = make_runner(path, False), make_runner(path, True)
+    for r in (eager, static):
+        r.set_aux_hidden_layers([0, 2, 3])
+    want, got = script(eager, want_aux=True), script(static, want_aux=True)
+    assert all(g is not None for g in got)
+    assert max((a - b).abs().max().item() for a, b in zip(want, got)) < TOL
+
+
+def test_padding_never_touches_real_caches(checkpoint):
+    """Every real cached K/V equals eager's; padding rows and slots landed in the scratch block."""
+    path = checkpoint("llama")
+    eager, static = make_runner(path, False), make_runner(path, True)
+    script(eager), script(static)
+    for seq in (0, 2, 3, 4):
+        n = eager.num_cached(seq)
+        assert static.num_cached(seq) == n
+        table = eager.kv_cache.block_table(seq)
+        assert static.kv_cache.block_table(seq) == table
+        bs = eager.block_size
+        slots = torch.tensor([table[t // bs] * bs + t % bs for t in range(n)])
+        for layer in range(eager.config.num_hidden_layers):
+            for a, b in ((eager.kv_cache.k_caches[layer], static.kv_cache.k_caches[layer]),
+                         (eager.kv_cache.v_caches[layer], static.kv_cache.v_caches[layer])):
+                flat_a, flat_b = a.flatten(0, 1)[slots], b.flatten(0, 1)[slots]
+                assert (flat_a - flat_b).abs().max().item() < TOL
+    scratch = static.kv_cache.k_caches[0][static.kv_cache.scratch_block]
+    assert scratch.abs().sum() > 0  # padding rows were written, and only there
+    assert eager.kv_cache.k_caches[0][eager.kv_cache.scratch_block].abs().sum() == 0
+
+
+def test_prefill_and_oversized_batches_fall_back_to_eager(checkpoint):
+    runner = make_runner(checkpoint("llama"), True, max_batch_size=2)
+    for s in range(3):
+        runner.add_sequence(s)
+    runner.forward([SequenceChunk(s, tokens(5, s)) for s in range(3)])  # prefill of 5 > ... eager
+    assert runner.static.num_static_forwards == 0
+    runner.forward([SequenceChunk(s, tokens(2, 10 + s)) for s in range(3)])  # 3 > largest bucket 2
+    assert runner.static.num_static_forwards == 0
+    runner.forward([SequenceChunk(s, tokens(17, 20 + s)) for s in range(2)])  # 17 > max_query_len
+    assert runner.static.num_static_forwards == 0
+    runner.forward([SequenceChunk(s, tokens(4, 30 + s)) for s in range(2)])
+    assert runner.static.num_static_forwards == 1
+
+
+def test_buckets():
+    assert batch_buckets(128) == (1, 2, 4, 8, 16, 32, 64, 128)
+    assert batch_buckets(48) == (1, 2, 4, 8, 16, 32, 48)
+    assert [width_bucket(n) for n in (1, 3, 4, 5, 8, 9, 17, 33)] == [1, 3, 4, 5, 8, 10, 20, 40]
+    for n in range(1, 300):
+        w = width_bucket(n)
+        assert n <= w < 1.25 * n + 1
+
+
+def test_engine_greedy_output_is_the_same_on_the_static_path(tiny_models):
+    """ngram k=3 with ragged draft counts: the static path's engine emits eager's tokens exactly."""
+    from specd.engine.engine import SpecEngine
+    from specd.proposers.ngram import NgramProposer
+    from specd.sampling_params import SamplingParams
+
+    target = tiny_models["target-llama"]
+    prompts = [(tokens(6, i) * 3)[:14 + i] for i in range(5)]
+    results = []
+    for static in (False, True):
+        runner = LlamaRunner(target, PytorchEngineConfig(block_size=8, max_batch_size=8, device_type="cpu"),
+                             use_static_path=static)
+        engine = SpecEngine(runner, NgramProposer(1, 3), 3, max_batch_size=8, max_model_len=256)
+        seqs = engine.generate(prompts, [SamplingParams(max_new_tokens=20 + i, ignore_eos=True)
+                                         for i in range(5)])
+        results.append([s.output_token_ids for s in seqs])
+        if static:
+            assert runner.static.num_static_forwards > 5
+    assert results[0] == results[1]
