@@ -4,7 +4,8 @@ The reader XREADs every active result stream in one call (BLOCK ~50 ms) and disp
 per-request asyncio queues. Positions make delivery exactly-once: tokens below what a request has
 already received are dropped, so duplicate deltas (a verifier that resumed a request, a retried
 write) never reach the client. A request's stream turns tokens into text incrementally and cuts it
-before the first stop string.
+before the first stop string. Cancelling a request (client gone) sets its cancel key, which the
+verifier running it looks up every step (services/verifier/cancel.py).
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ import redis.exceptions
 
 from specd.messages import SpecStats
 from specd.sampling_params import SamplingParams
-from specd.transport.redis_streams import RESULT_PREFIX, ResultEntry, result_key
+from specd.transport.redis_streams import (CANCEL_PREFIX, RESULT_PREFIX, RESULT_TTL_SECONDS, ResultEntry,
+                                           cancel_key, result_key)
 
 logger = logging.getLogger(__name__)
 
@@ -73,16 +75,21 @@ class ResultReader:
     """
 
     def __init__(self, client, *, prefix: str = RESULT_PREFIX, block_ms: int = 50,
-                 max_keys_per_call: int = 256, redis_grace_s: float = 2.0) -> None:
+                 max_keys_per_call: int = 256, redis_grace_s: float = 2.0,
+                 cancel_prefix: str = CANCEL_PREFIX, cancel_ttl_s: int = RESULT_TTL_SECONDS) -> None:
         self.client = client
         self.prefix = prefix
+        self.cancel_prefix = cancel_prefix
+        self.cancel_ttl_s = cancel_ttl_s  # as long as a request can wait in the queue and still run
         self.block_ms = block_ms
         self.max_keys_per_call = max_keys_per_call
         self.redis_grace_s = redis_grace_s  # how long Redis may fail before waiting requests fail
         self._subs: dict[str, _Subscription] = {}
         self._to_delete: list[str] = []
+        self._to_cancel: list[str] = []  # cancel keys to set
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task | None = None
+        self._stopping = False
         self._rotation = 0
 
     @property
@@ -101,11 +108,21 @@ class ResultReader:
             self._to_delete.append(key)
             self._wakeup.set()
 
+    def cancel(self, request_id: str) -> None:
+        """Stop reading a request and tell its verifier to abort it (sent by the reader's loop)."""
+        self.unsubscribe(request_id)
+        self._to_cancel.append(cancel_key(request_id, self.cancel_prefix))
+        self._wakeup.set()
+
     def start(self) -> None:
         if self._task is None:
             self._task = asyncio.create_task(self._run(), name="specd-result-reader")
 
     async def stop(self) -> None:
+        # The flag as well as the cancel: redis-py may turn a CancelledError that lands inside a
+        # command into a connection error, which the loop would survive and then wait forever.
+        self._stopping = True
+        self._wakeup.set()
         if self._task is not None:
             self._task.cancel()
             try:
@@ -117,8 +134,8 @@ class ResultReader:
 
     async def _run(self) -> None:
         failing_since: float | None = None
-        while True:
-            if not self._subs and not self._to_delete:
+        while not self._stopping:
+            if not self._subs and not self._to_delete and not self._to_cancel:
                 self._wakeup.clear()
                 await self._wakeup.wait()
             try:
@@ -178,12 +195,21 @@ class ResultReader:
             self._to_delete.append(sub.key)
 
     async def _delete_finished(self) -> None:
-        if self._to_delete:
-            keys, self._to_delete = self._to_delete, []
-            try:
-                await self.client.delete(*keys)
-            except REDIS_ERRORS:
-                logger.warning("could not delete %d finished result streams; they expire", len(keys))
+        """Finished requests' result streams deleted, cancelled ones' cancel keys set: one round trip."""
+        if not self._to_delete and not self._to_cancel:
+            return
+        keys, self._to_delete = self._to_delete, []
+        cancels, self._to_cancel = self._to_cancel, []
+        try:
+            async with self.client.pipeline(transaction=False) as pipe:
+                if keys:
+                    pipe.delete(*keys)
+                for key in cancels:
+                    pipe.set(key, 1, ex=self.cancel_ttl_s)
+                await pipe.execute()
+        except REDIS_ERRORS:
+            logger.warning("could not delete %d finished result streams (they expire) nor set %d cancel "
+                           "keys (those requests run to the end)", len(keys), len(cancels))
 
     def _fail_all(self, code: int, message: str) -> None:
         logger.error("%s; failing %d waiting requests", message, len(self._subs))

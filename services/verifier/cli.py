@@ -6,6 +6,7 @@ import argparse
 import os
 import sys
 
+from services.common.tls import TLSConfig, add_tls_arguments  # no grpc import: cheap
 from specd.messages import SPECULATIVE_METHODS  # dataclasses only: cheap to import
 
 
@@ -16,7 +17,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--request-stream", default="specd:requests")
     p.add_argument("--consumer", default=None, help="name in the consumer group (default: hostname-pid)")
     p.add_argument("--drafter", default="", help="drafter service address(es), host:port[,host:port...]")
-    p.add_argument("--grammar", default="", help="grammar service address host:port (default: in-process)")
+    p.add_argument("--grammar", default="", help="grammar service address(es) host:port[,host:port...], "
+                                                 "replicas tried in turn when one fails (default: in-process)")
     p.add_argument("--speculative-algorithm", choices=SPECULATIVE_METHODS, default=None)
     p.add_argument("--speculative-draft-model", default=None,
                    help="draft checkpoint for in-process drafting (without --drafter)")
@@ -29,8 +31,14 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--metrics-port", type=int, default=9101, help="Prometheus /metrics (0: off)")
     p.add_argument("--tp", type=int, default=1, help="tensor parallelism (only 1 for now)")
     p.add_argument("--block-size", type=int, default=64, help="tokens per KV-cache block")
+    p.add_argument("--reclaim-idle-ms", type=int, default=30_000,
+                   help="take over requests whose verifier has not heartbeaten for this long and resume "
+                        "them (0: never); keep it above the longest step")
+    p.add_argument("--drafter-deadline-ms", type=int, default=2_000,
+                   help="a drafter step slower than this falls back to target-only decoding for its requests")
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--log-interval", type=float, default=10.0, help="seconds between summary lines (0: off)")
+    add_tls_arguments(p, server=False)  # it connects to drafters and the grammar service
     p.set_defaults(func=run)
     return p
 
@@ -54,7 +62,8 @@ def run(args: argparse.Namespace) -> int:
         speculative_num_draft_tokens=args.speculative_num_draft_tokens, max_batch_size=args.max_batch_size,
         session_len=args.session_len, device=args.device, tp=args.tp, admin_host=args.admin_host,
         admin_port=args.admin_port, metrics_port=args.metrics_port, block_size=args.block_size,
-        log_interval_s=args.log_interval)
+        log_interval_s=args.log_interval, reclaim_idle_ms=args.reclaim_idle_ms,
+        drafter_deadline_ms=args.drafter_deadline_ms, tls=TLSConfig.from_args(args))
     try:
         return serve(config)
     except redis.RedisError as e:

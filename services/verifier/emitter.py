@@ -8,6 +8,11 @@ requests' entries, so a request leaves the queue (XLEN) only after its final ent
 A flush that fails (Redis unreachable) keeps its queue and sends it again, in order, with the next
 step's entries: positions make deltas idempotent, so a partly applied pipeline sent twice is
 harmless for readers.
+
+Riders are other per-step commands that travel in the same pipeline (the heartbeat of the
+running requests' entries, the cancellation poll): each queues its commands after the results
+and reads its own replies, so a step still costs one round trip. A rider's commands are not
+kept when the flush fails; it asks again next step.
 """
 
 from __future__ import annotations
@@ -15,12 +20,23 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import asdict
+from typing import Protocol
 
 from specd.messages import SpecStats
 from specd.transport.redis_streams import CONSUMER_GROUP, RESULT_PREFIX, RESULT_TTL_SECONDS, result_key
 
 # Field encodings are the ones ResultEntry.to_fields writes (kept inline: this is the hot path).
 _SEPARATORS = (",", ":")
+
+
+class PipelineRider(Protocol):
+    """Commands that share the result pipeline."""
+
+    def queue(self, pipe) -> int:
+        """Add commands to the pipeline; returns how many."""
+
+    def answer(self, replies: list) -> None:
+        """Their replies, in order (exceptions for refused commands)."""
 
 
 class ResultEmitter:
@@ -36,6 +52,7 @@ class ResultEmitter:
         self._entries: list[tuple[str, dict[str, str]]] = []  # (result key, fields) in write order
         self._keys: dict[str, None] = {}  # touched result streams, insertion-ordered
         self._finished_entry_ids: list[bytes | str] = []  # request-stream entries to XACK + XDEL
+        self._deleted_keys: list[str] = []  # result streams of cancelled requests
         self.num_flushes = 0
         self.num_entries_sent = 0
         self.last_flush_seconds = 0.0
@@ -43,12 +60,16 @@ class ResultEmitter:
 
     @property
     def has_pending(self) -> bool:
-        return bool(self._entries or self._finished_entry_ids)
+        return bool(self._entries or self._finished_entry_ids or self._deleted_keys)
 
     # ---- queueing (no I/O) ------------------------------------------------------------------
-    def delta(self, request_id: str, pos: int, token_ids: list[int]) -> None:
-        """Tokens output_token_ids[pos:pos + len(token_ids)] of a running request."""
-        self._add(request_id, {"kind": "delta", "pos": str(pos), "tokens": _tokens(token_ids)})
+    def delta(self, request_id: str, pos: int, token_ids: list[int], spec_stats: SpecStats | None = None) -> None:
+        """Tokens output_token_ids[pos:pos + len(token_ids)] of a running request, and the request's
+        speculation figures so far (what a verifier that resumes the request carries on from)."""
+        fields = {"kind": "delta", "pos": str(pos), "tokens": _tokens(token_ids)}
+        if spec_stats is not None:
+            fields["spec_stats"] = _stats(spec_stats)
+        self._add(request_id, fields)
 
     def final(self, request_id: str, pos: int, token_ids: list[int], finish_reason: str | None,
               spec_stats: SpecStats | None, prompt_tokens: int) -> None:
@@ -68,39 +89,59 @@ class ResultEmitter:
         """XACK + XDEL this request-stream entry after the results queued before it."""
         self._finished_entry_ids.append(entry_id)
 
+    def discard(self, request_id: str) -> None:
+        """Delete a request's result stream (cancelled: nobody reads it) after the writes queued."""
+        self._deleted_keys.append(result_key(request_id, self.result_prefix))
+
     def _add(self, request_id: str, fields: dict[str, str]) -> None:
         key = result_key(request_id, self.result_prefix)
         self._entries.append((key, fields))
         self._keys[key] = None
 
     # ---- the round trip ---------------------------------------------------------------------
-    def flush(self) -> int:
-        """Send everything queued in one pipeline; returns the number of result entries sent.
+    def flush(self, riders: list[PipelineRider] = ()) -> int:
+        """Send everything queued, and the riders' commands, in one pipeline; returns the number
+        of result entries sent.
 
         Raises redis.ConnectionError / TimeoutError when Redis is unreachable, keeping the queue
         for the next flush; replies Redis refused are left in `last_errors`.
         """
-        if not self.has_pending:
-            return 0
-        t0 = time.perf_counter()
         pipe = self.client.pipeline(transaction=False)
         for key, fields in self._entries:
             pipe.xadd(key, fields)
         for key in self._keys:
             pipe.expire(key, self.ttl_seconds)
+        if self._deleted_keys:
+            pipe.delete(*self._deleted_keys)
         if self._finished_entry_ids:
             pipe.xack(self.request_stream, self.group, *self._finished_entry_ids)
             pipe.xdel(self.request_stream, *self._finished_entry_ids)
+        num_own = len(pipe)
+        counts = [rider.queue(pipe) for rider in riders]
+        if len(pipe) == 0:
+            return 0
+        t0 = time.perf_counter()
         # A command Redis refuses (say, WRONGTYPE on a result key) is reported, not retried: the
         # pipeline ran, and sending it again would fail the same way.
         replies = pipe.execute(raise_on_error=False)
         sent = len(self._entries)
-        self._entries, self._keys, self._finished_entry_ids = [], {}, []
+        self._entries, self._keys, self._finished_entry_ids, self._deleted_keys = [], {}, [], []
         self.num_flushes += 1
         self.num_entries_sent += sent
         self.last_flush_seconds = time.perf_counter() - t0
-        self.last_errors = [r for r in replies if isinstance(r, Exception)]
+        self.last_errors = [r for r in replies[:num_own] if isinstance(r, Exception)]
+        start = num_own
+        for rider, n in zip(riders, counts):
+            rider.answer(replies[start:start + n])
+            start += n
         return sent
+
+
+def _stats(s: SpecStats) -> str:
+    """SpecStats as JSON without dataclasses.asdict's deep copy (once per request per step)."""
+    return json.dumps({"num_drafts": s.num_drafts, "num_draft_tokens": s.num_draft_tokens,
+                       "num_accepted_tokens": s.num_accepted_tokens,
+                       "accepted_per_position": s.accepted_per_position}, separators=_SEPARATORS)
 
 
 def _tokens(token_ids: list[int]) -> str:

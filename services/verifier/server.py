@@ -16,6 +16,8 @@ import socket
 import sys
 from dataclasses import dataclass, field
 
+from services.verifier.claims import ClaimConfig
+from services.common.tls import PLAINTEXT, TLSConfig, channel_credentials
 from specd.messages import SPECULATIVE_METHODS, ConfigError, PytorchEngineConfig, SpeculativeConfig
 from specd.transport.redis_streams import DEFAULT_REQUEST_STREAM
 
@@ -48,6 +50,9 @@ class VerifierConfig:
     metrics_port: int = 9101  # 0: no metrics endpoint
     block_size: int = 64
     log_interval_s: float = 10.0
+    reclaim_idle_ms: int = 30_000  # take over entries idle this long (their verifier died); 0: never
+    drafter_deadline_ms: int = 2_000  # a drafter step slower than this is decoded target-only
+    tls: TLSConfig = PLAINTEXT  # CA (and client certificate) for the drafter and grammar channels
 
     def __post_init__(self) -> None:
         if self.tp != 1:
@@ -62,6 +67,9 @@ class VerifierConfig:
                               f"got {self.speculative_algorithm!r}")
         if not (self.device in ("cpu", "cuda", "auto") or self.device.startswith("cuda:")):
             raise ConfigError(f"device: expected cpu, cuda, cuda:N or auto, got {self.device!r}")
+        if self.drafter_deadline_ms < 1:
+            raise ConfigError(f"drafter_deadline_ms: must be >= 1, got {self.drafter_deadline_ms}")
+        ClaimConfig(idle_ms=self.reclaim_idle_ms)  # validates the reclaim timing
         for name in ("admin_port", "metrics_port"):
             if not 0 <= getattr(self, name) < 65536:
                 raise ConfigError(f"{name}: must be in [0, 65535], got {getattr(self, name)}")
@@ -124,7 +132,7 @@ def build_grammar_backend(config):
     if config.grammar:
         from specd.grammar.remote import RemoteGrammarBackend
 
-        return RemoteGrammarBackend(config.grammar)
+        return RemoteGrammarBackend(config.grammar, credentials=channel_credentials(config.tls))
     from specd.grammar.compiler import GrammarCompilerCache
     from specd.grammar.local import LocalGrammarBackend
 
@@ -142,6 +150,29 @@ def attach_draft_masking(engine, config) -> None:
     engine.proposer.draft_constraints = DraftConstraints(lambda: GrammarCompilerCache.from_model_dir(config.model))
 
 
+def resolve_drafters(addresses: list[str]) -> list[str]:
+    """Expand each host:port whose name resolves to several IPv4 (else IPv6) addresses into one
+    address per IP, so that `drafter:50061` under compose `--scale drafter=N`, or a headless
+    Kubernetes Service, puts every replica on the hash ring (a gRPC channel to the name would
+    stream to just one of them). A name with one address, or none yet, is kept as given."""
+    resolved: list[str] = []
+    for address in addresses:
+        host, _, port = address.rpartition(":")
+        try:
+            infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+        except (socket.gaierror, ValueError):
+            infos = []
+        ips = {family: sorted({info[4][0] for info in infos if info[0] == family})
+               for family in (socket.AF_INET, socket.AF_INET6)}
+        ips = ips[socket.AF_INET] or ips[socket.AF_INET6]
+        if len(ips) < 2:
+            resolved.append(address)
+            continue
+        resolved += [f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}" for ip in ips]
+        log.info("drafters resolved", extra={"drafter": address, "addresses": ",".join(resolved[-len(ips):])})
+    return list(dict.fromkeys(resolved))
+
+
 def build_proposer(config: VerifierConfig):
     """The remote drafter client when --drafter addresses are given; else None (in-process drafting)."""
     spec = config.speculative_config()
@@ -151,7 +182,8 @@ def build_proposer(config: VerifierConfig):
         from specd.proposers.remote import RemoteProposer
     except ImportError as e:
         raise ConfigError(f"drafter: the remote proposer is unavailable ({e})") from e
-    proposer = RemoteProposer(list(config.drafters))
+    proposer = RemoteProposer(resolve_drafters(config.drafters), deadline_s=config.drafter_deadline_ms / 1000,
+                              credentials=channel_credentials(config.tls))
     max_k = getattr(proposer, "max_num_draft_tokens", 0) or spec.num_speculative_tokens
     problem = None
     if proposer.method != spec.method:
@@ -180,7 +212,8 @@ def serve(config: VerifierConfig) -> int:
     signal.signal(signal.SIGTERM, shutdown.handle)
     signal.signal(signal.SIGINT, shutdown.handle)
     worker_config = WorkerConfig(consumer=config.consumer, request_stream=config.request_stream,
-                                 log_interval_s=config.log_interval_s)
+                                 log_interval_s=config.log_interval_s,
+                                 claims=ClaimConfig(idle_ms=config.reclaim_idle_ms))
     admin = AdminServer(config.admin_host, config.admin_port).start()
     log.info("admin port open", extra={"port": admin.port, "consumer": config.consumer})
     metrics = VerifierMetrics()
@@ -203,9 +236,15 @@ def serve(config: VerifierConfig) -> int:
                                         "max_model_len": engine.max_model_len,
                                         "speculative_algorithm": config.speculative_algorithm,
                                         "num_speculative_tokens": engine.num_speculative_tokens})
-        client = redis.Redis.from_url(config.redis_url, socket_connect_timeout=5, socket_keepalive=True)
+        # A read timeout bounds a hung Redis (above the XREADGROUP block); errors are retried by the
+        # loop with backoff, so Redis may be down at start and come and go while serving.
+        client = redis.Redis.from_url(config.redis_url, socket_connect_timeout=5, socket_timeout=10,
+                                      socket_keepalive=True)
         worker = VerifierWorker(engine, client, worker_config, metrics)
-        worker.ensure_group()
+        try:
+            worker.ensure_group()
+        except (redis.ConnectionError, redis.TimeoutError) as e:
+            log.error("redis unavailable at start; retrying while serving", extra={"error": str(e)})
         shutdown.worker = worker
         if shutdown.num_signals:
             return 0  # told to stop while loading: nothing admitted yet

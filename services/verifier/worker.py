@@ -6,17 +6,22 @@
     step   engine.step(): draft, verify, commit for the whole batch (synchronous torch work).
     emit   for every request with tokens committed since the last emit, one delta (with its pos);
            for finished requests the final entry; then XACK + XDEL of their stream entries — all
-           in one pipelined Redis round trip per step (services/verifier/emitter.py).
+           in one pipelined Redis round trip per step (services/verifier/emitter.py), which also
+           carries the cancellation poll (services/verifier/cancel.py) and, when due, the
+           heartbeat of the running requests' entries (services/verifier/claims.py).
     log    a periodic summary line; request-level events are logged where they happen.
 
 Redis is touched at most twice per iteration (the read, when the batch has room, and the result
-pipeline), never once per request. Engine sequence ids map to request ids through `active`.
-Requests leave the request stream only once answered, so XLEN is the queue depth; entries read
-by a verifier that dies stay pending in the group (not yet reclaimed by the others: see README).
+pipeline), never once per request; every `scan_ms` a verifier with room also looks for entries
+idle past `--reclaim-idle-ms` (their verifier died) and resumes them from their result streams.
+Engine sequence ids map to request ids through `active`. Requests leave the request stream only
+once answered, so XLEN is the queue depth. Redis unreachable is never fatal: the loop backs off
+while idle, keeps computing while busy, and queued results go out when Redis answers again.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import threading
 import time
@@ -24,19 +29,23 @@ from dataclasses import dataclass, field
 
 import redis
 
+from services.verifier.cancel import CancelPoll
+from services.verifier.claims import ClaimConfig, ClaimedEntry, Claims
 from services.verifier.emitter import ResultEmitter
 from services.verifier.metrics import StepRecord, VerifierMetrics, add_spec_difference
 from specd.engine.engine import SpecEngine
 from specd.engine.sequence import Sequence
 from specd.grammar.response_format import parse_response_format
 from specd.messages import ConfigError, SpecStats
-from specd.transport.redis_streams import (CONSUMER_GROUP, DEFAULT_REQUEST_STREAM, RESULT_PREFIX,
+from specd.transport.redis_streams import (CANCEL_PREFIX, CONSUMER_GROUP, DEFAULT_REQUEST_STREAM, RESULT_PREFIX,
                                            RESULT_TTL_SECONDS, QueuedRequest)
+from specd.transport.resume import ResumePoint
 
 log = logging.getLogger("specd.verifier")
 
 # Error codes written to result streams (HTTP-like, the gateway maps them to its protocols).
 BAD_REQUEST = 400
+CLIENT_CLOSED = 499  # cancelled by the client (nginx's code; the gateway counts it the same)
 INTERNAL_ERROR = 500
 NOT_IMPLEMENTED = 501
 DEADLINE_EXCEEDED = 504
@@ -53,6 +62,8 @@ class WorkerConfig:
     result_ttl_seconds: int = RESULT_TTL_SECONDS
     block_ms: int = 100  # XREADGROUP BLOCK while the engine is idle
     log_interval_s: float = 10.0  # summary line period; 0 disables
+    claims: ClaimConfig = field(default_factory=ClaimConfig)  # heartbeats and reclaiming dead verifiers'
+    cancel_prefix: str = CANCEL_PREFIX
 
     def __post_init__(self) -> None:
         if not self.consumer:
@@ -108,10 +119,15 @@ class VerifierWorker:
         self.clock = clock
         self.emitter = ResultEmitter(client, config.request_stream, config.group, config.result_prefix,
                                      config.result_ttl_seconds)
+        self.claims = Claims(client, config.request_stream, config.group, config.consumer, config.claims,
+                             config.result_prefix)
         self.active: dict[int, ActiveRequest] = {}  # engine seq id -> request
         self._request_ids: set[str] = set()
         self.num_finished = 0
         self.num_errors = 0
+        self.num_reclaimed = 0  # requests resumed from a dead verifier
+        self.num_cancelled = 0  # requests the client gave up on
+        self.num_lost = 0  # requests another verifier reclaimed from us (we had stalled)
         self.other_seconds = 0.0
         self.finished_spec = SpecStats()  # totals over finished requests
         self.draining = False
@@ -197,9 +213,19 @@ class VerifierWorker:
         if free <= 0:
             return 0
         idle = not self.engine.has_unfinished() and not self.emitter.has_pending
+        admitted = 0
+        now = self.clock()
         try:
             if not self._group_ready:
                 self.ensure_group()
+            if self.claims.scan_due(time.monotonic()):  # the oldest requests first
+                for claimed in self.claims.reclaim(free, time.monotonic()):
+                    admitted += self._admit_claimed(claimed, now)
+                free = self.engine.max_batch_size - len(self.engine.running) - len(self.engine.waiting)
+                if free <= 0:
+                    self._redis_failures = 0
+                    return admitted
+                idle = idle and not admitted and not self.emitter.has_pending
             reply = self.client.xreadgroup(self.config.group, self.config.consumer,
                                            {self.config.request_stream: ">"}, count=free,
                                            block=self.config.block_ms if idle else None)
@@ -207,20 +233,53 @@ class VerifierWorker:
             if "NOGROUP" not in str(e):
                 raise
             self._group_ready = False  # the stream was deleted under us: create it again next time
-            return 0
+            return admitted
         except (redis.ConnectionError, redis.TimeoutError) as e:
             self._on_redis_error("admit", e, idle)
-            return 0
+            return admitted
         self._redis_failures = 0
-        admitted = 0
-        now = self.clock()
         for _stream, entries in reply or []:
             for entry_id, fields in entries:
                 admitted += self._admit_entry(entry_id, fields or {}, now)
         return admitted
 
-    def _admit_entry(self, entry_id, fields: dict, now: float) -> int:
-        """Decode one entry and add it to the engine, or answer it with an error; never raises."""
+    def _admit_claimed(self, claimed: ClaimedEntry, now: float) -> int:
+        """An entry taken over from a verifier that stopped heartbeating: resume, ack or fail it."""
+        entry_id, fields, resume = claimed.entry_id, claimed.fields, claimed.resume
+        if fields is None:  # deleted while pending: it was answered, only the XACK was lost
+            self.emitter.finish_entry(entry_id)
+            return 0
+        raw_id = fields.get(b"id", fields.get("id"))
+        request_id = raw_id.decode(errors="replace") if isinstance(raw_id, bytes) else raw_id
+        mine = next((ar for ar in self.active.values() if ar.request_id == request_id), None)
+        if mine is not None:  # our own, stale after a long stall: it stays ours
+            if _sid(mine.entry_id) != _sid(entry_id):
+                self.emitter.finish_entry(entry_id)  # a second entry for the request: the first answers
+            return 0
+        if resume is not None and resume.is_answered:
+            self.emitter.finish_entry(entry_id)
+            return 0
+        if resume is None:
+            self._reject(entry_id, request_id, INTERNAL_ERROR,
+                         "the request's result stream has a gap; it cannot be resumed")
+            return 0
+        if claimed.num_deliveries > self.config.claims.max_deliveries:
+            self._reject(entry_id, request_id, INTERNAL_ERROR,
+                         f"the request was claimed {claimed.num_deliveries} times: its verifiers keep "
+                         "dying on it", resume.num_output_tokens)
+            return 0
+        log.warning("reclaimed a request from a dead verifier", extra={
+            "request_id": request_id, "resume_at": resume.num_output_tokens,
+            "deliveries": claimed.num_deliveries})
+        admitted = self._admit_entry(entry_id, fields, now, resume)
+        self.num_reclaimed += admitted
+        return admitted
+
+    def _admit_entry(self, entry_id, fields: dict, now: float, resume: ResumePoint | None = None) -> int:
+        """Decode one entry and add it to the engine, or answer it with an error; never raises.
+
+        With `resume` (a reclaimed entry) the request continues after the tokens already written.
+        """
         try:
             request = QueuedRequest.from_fields(fields)
             deadline = None if request.deadline is None else float(request.deadline)
@@ -244,12 +303,17 @@ class VerifierWorker:
                 self._reject(entry_id, request.request_id, NOT_IMPLEMENTED,
                              "response_format: this verifier runs without a grammar backend")
                 return 0
-            seq = self.engine.add_request(request.prompt_token_ids, request.params, grammar)
+            seq = self.engine.add_request(
+                request.prompt_token_ids, request.params, grammar,
+                output_token_ids=resume.output_token_ids if resume else None,
+                spec_stats=resume.spec_stats if resume else None)
         except ConfigError as e:
-            self._reject(entry_id, request.request_id, BAD_REQUEST, str(e))
+            self._reject(entry_id, request.request_id, BAD_REQUEST, str(e), resume.num_output_tokens if resume else 0)
             return 0
         self.active[seq.seq_id] = ActiveRequest(request.request_id, entry_id, seq, deadline,
-                                                request.arrival_time, now)
+                                                request.arrival_time, now,
+                                                num_emitted=seq.num_output_tokens,
+                                                spec_seen=copy.deepcopy(seq.stats))
         self._request_ids.add(request.request_id)
         self.metrics.observe_admitted(len(request.prompt_token_ids))
         log.debug("admitted", extra={"request_id": request.request_id, "seq_id": seq.seq_id,
@@ -322,20 +386,62 @@ class VerifierWorker:
             add_spec_difference(spec, seq.stats, ar.spec_seen)
             n = len(seq.output_token_ids)
             if n > ar.num_emitted and not seq.is_finished:
-                self.emitter.delta(ar.request_id, ar.num_emitted, seq.output_token_ids[ar.num_emitted:n])
+                self.emitter.delta(ar.request_id, ar.num_emitted, seq.output_token_ids[ar.num_emitted:n],
+                                   seq.stats)
                 ar.num_emitted = n
         for seq in finished:
             self._finish(self.active.pop(seq.seq_id))
         record.num_finished = len(finished)
+        riders, cancel, heartbeat = [], None, None
+        if self.active:
+            cancel = CancelPoll([ar.request_id for ar in self.active.values()], self.config.cancel_prefix)
+            riders.append(cancel)
+            beat_at = time.monotonic()
+            if self.claims.heartbeat_due(beat_at):
+                heartbeat = self.claims.heartbeat([ar.entry_id for ar in self.active.values()])
+                riders.append(heartbeat)
         try:
-            self.emitter.flush()
+            self.emitter.flush(riders)
             self._redis_failures = 0
         except (redis.ConnectionError, redis.TimeoutError) as e:
             self._on_redis_error("emit", e, idle=not self.engine.has_unfinished())
+        if heartbeat is not None and heartbeat.answered:
+            self.claims.heartbeat_sent(beat_at)
+            self._drop_lost(heartbeat.lost)
+        if cancel is not None and cancel.cancelled:
+            self._cancel(cancel.cancelled)
         for e in self.emitter.last_errors:
             log.error("redis refused a result write: %s", e)
         self.emitter.last_errors = []
         record.emit_seconds = time.perf_counter() - t0
+
+    def _drop_lost(self, entry_ids: list) -> None:
+        """Entries another verifier reclaimed while we stalled: theirs now, stop running them."""
+        lost = {_sid(e) for e in entry_ids}
+        for seq_id, ar in list(self.active.items()):
+            if _sid(ar.entry_id) in lost:
+                self.engine.abort(ar.seq, reason="reclaimed")
+                del self.active[seq_id]
+                self._request_ids.discard(ar.request_id)
+                self.num_lost += 1
+                log.warning("request reclaimed by another verifier; dropped here",
+                            extra={"request_id": ar.request_id, "output_tokens": ar.seq.num_output_tokens})
+
+    def _cancel(self, request_ids: list[str]) -> None:
+        """The client went away: abort (frees the KV blocks), acknowledge, delete the results."""
+        cancelled = set(request_ids)
+        for seq_id, ar in list(self.active.items()):
+            if ar.request_id not in cancelled:
+                continue
+            self.engine.abort(ar.seq, reason="cancelled")
+            del self.active[seq_id]
+            self._request_ids.discard(ar.request_id)
+            self.emitter.finish_entry(ar.entry_id)
+            self.emitter.discard(ar.request_id)
+            self.num_cancelled += 1
+            self.metrics.observe_error(CLIENT_CLOSED)
+            log.info("cancelled by the client", extra={"request_id": ar.request_id,
+                                                      "output_tokens": ar.seq.num_output_tokens})
 
     def _finish(self, ar: ActiveRequest) -> None:
         seq = ar.seq
@@ -397,3 +503,8 @@ class VerifierWorker:
                                                   "error": str(error)})
         if idle:
             self._stop.wait(min(1.0, 0.05 * self._redis_failures))
+
+
+def _sid(entry_id) -> str:
+    """Stream ids as text (redis-py hands back bytes unless decode_responses is set)."""
+    return entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)

@@ -7,6 +7,7 @@ sampled output follows the target distribution exactly (see specd/rejection.py).
 
 from __future__ import annotations
 
+import copy
 import itertools
 import time
 from collections import deque
@@ -19,7 +20,7 @@ from specd.engine.sequence import Sequence, SequenceStatus
 from specd.engine.stop import StopChecker
 from specd.engine.verify import pad_drafts, verify_target_probs
 from specd.grammar.backend import GrammarSpec
-from specd.messages import ConfigError
+from specd.messages import ConfigError, SpecStats
 from specd.models.base import SequenceChunk, TargetRunner
 from specd.proposers.base import DraftProposal, DraftRequest, Proposer
 from specd.random import SALT_SAMPLE
@@ -69,7 +70,14 @@ class SpecEngine:
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
-                    grammar: GrammarSpec | None = None) -> Sequence:
+                    grammar: GrammarSpec | None = None, *, output_token_ids: list[int] | None = None,
+                    spec_stats: SpecStats | None = None) -> Sequence:
+        """Queue a request; with output_token_ids, resume one another engine already started.
+
+        A resumed request is admitted like a preempted one: prompt + output re-prefilled, its next
+        token sampled at the same position (hence the same noise), its grammar matcher rebuilt
+        by replaying the output; spec_stats carries on counting from the given figures.
+        """
         if not prompt_token_ids:
             raise ConfigError("prompt: must contain at least one token")
         if len(prompt_token_ids) >= self.max_model_len:
@@ -80,7 +88,14 @@ class SpecEngine:
             raise ConfigError(f"prompt: token ids must be in [0, {vocab})")
         if grammar is not None and self.constraints.backend is None:
             raise ConfigError("response_format: structured output needs a grammar backend")
-        seq = Sequence(next(self._ids), list(prompt_token_ids), params, grammar=grammar)
+        output = list(output_token_ids or [])
+        if output:
+            if len(output) >= params.max_new_tokens or len(prompt_token_ids) + len(output) >= self.max_model_len:
+                raise ConfigError(f"output_token_ids: {len(output)} tokens already reach the request's limit")
+            if min(output) < 0 or max(output) >= vocab:
+                raise ConfigError(f"output_token_ids: token ids must be in [0, {vocab})")
+        seq = Sequence(next(self._ids), list(prompt_token_ids), params, output_token_ids=output, grammar=grammar,
+                       stats=copy.deepcopy(spec_stats) if spec_stats is not None else SpecStats())
         self.waiting.append(seq)
         return seq
 
@@ -121,6 +136,7 @@ class SpecEngine:
         finished = self.admit()
         t1 = time.perf_counter()
         self._preempt_if_full()
+        self._resync_drafts()
         batch = [s for s in self.running if not s.is_finished]
         proposals = self.draft(batch)
         t2 = time.perf_counter()
@@ -222,19 +238,24 @@ class SpecEngine:
         vocab = self.runner.info.vocab_size
         draft_ids, draft_probs, num_drafts_t = pad_drafts(proposals, vocab, device)
         num_drafts = [int(p.token_ids.numel()) for p in proposals]
-        chunks = [SequenceChunk(s.seq_id, [s.last_token_id] + draft_ids[i, :num_drafts[i]].tolist())
-                  for i, s in enumerate(batch)]
+        # Host copies of the drafts come from the proposals (CPU), never from the device tensors:
+        # no device-to-host sync before the forward. The step's only sync is commit's.
+        host_drafts = [p.token_ids.tolist() for p in proposals]
+        chunks = [SequenceChunk(s.seq_id, [s.last_token_id] + host_drafts[i]) for i, s in enumerate(batch)]
+        # Host-to-device inputs of sampling go first: the copies may synchronise the stream, which
+        # is free while the device is idle and would stall behind the forward if issued after it.
+        st = SamplingTensors.from_params([s.params for s in batch], device)
+        positions = torch.tensor([s.num_tokens for s in batch], device=device)
         out = self.runner.forward(chunks, want_hidden=self._hidden_kind == "final",
                                   want_aux_hidden=self._hidden_kind == "aux")
-        st = SamplingTensors.from_params([s.params for s in batch], device)
         history = ([s.prompt_token_ids + s.output_token_ids for s in batch]
                    if any(s.params.repetition_penalty != 1.0 for s in batch) else None)
         suppress = [(s.params.min_new_tokens - s.num_output_tokens, sorted(self.stop.stop_token_ids(s)))
                     for s in batch]
-        masks = self.constraints.masks(batch, [draft_ids[i, :k].tolist() for i, k in enumerate(num_drafts)])
-        target_probs = verify_target_probs(out, num_drafts, st, history, draft_ids,
-                                           suppress if any(n > 0 for n, _ in suppress) else None, masks)
-        positions = torch.tensor([s.num_tokens for s in batch], device=device)
+        masks = self.constraints.masks(batch, host_drafts)
+        target_probs = verify_target_probs(out, num_drafts, st, history, host_drafts,
+                                           suppress if any(n > 0 for n, _ in suppress) else None, masks,
+                                           all_greedy=all(s.params.is_greedy for s in batch))
         result = rejection_sample(target_probs, draft_ids, draft_probs, num_drafts_t, st.seeds, positions)
         return out, result
 
@@ -243,8 +264,10 @@ class SpecEngine:
         if not batch:
             return []
         out, result = verdict
-        num_accepted = result.num_accepted.tolist()
-        emitted = result.output_token_ids.tolist()
+        # The step's one device-to-host transfer: accepted counts and emitted tokens together.
+        host = torch.cat([result.num_accepted[:, None], result.output_token_ids], dim=1).tolist()
+        num_accepted = [row[0] for row in host]
+        emitted = [row[1:] for row in host]
         finished = []
         for i, seq in enumerate(batch):
             k, m = int(proposals[i].token_ids.numel()), num_accepted[i]
@@ -284,14 +307,42 @@ class SpecEngine:
                 return
             if len(self.running) == 1:
                 raise RuntimeError("the KV cache cannot hold a single request; raise num_gpu_blocks")
-            victim = self.running.pop()  # the most recently admitted
-            self.runner.free(victim.seq_id)
-            self.constraints.close(victim)
-            if self.proposer is not None:
-                self.proposer.close(victim.seq_id)
-            victim.status = SequenceStatus.WAITING
-            victim.undrafted_token_ids, victim.undrafted_hidden = [], []
-            self.waiting.appendleft(victim)
+            self._preempt(self.running.pop())  # the most recently admitted
+
+    def _resync_drafts(self) -> None:
+        """Give sequences whose draft state was lost (a drafter died) a fresh start on a live one.
+
+        The proposer names them once a drafter can take them (RemoteProposer.take_resync); until
+        then they decode target-only. Drafters that need no hidden states get the whole token
+        history in the next draft call; the others need the target's hidden rows of the history,
+        which only a re-prefill yields, so those sequences are preempted (their tokens are kept).
+        """
+        take = getattr(self.proposer, "take_resync", None)
+        lost = set(take()) if take is not None else set()
+        if not lost:
+            return
+        for seq in [s for s in self.running if s.seq_id in lost]:
+            self.proposer.close(seq.seq_id)
+            if self._hidden_kind == "none":
+                if seq.grammar is None:
+                    self.proposer.open(seq.seq_id, seq.params)
+                else:
+                    self.proposer.open(seq.seq_id, seq.params, grammar=seq.grammar)
+                seq.undrafted_token_ids = seq.prompt_token_ids + seq.output_token_ids
+                seq.undrafted_hidden = []
+            else:
+                self.running = [s for s in self.running if s is not seq]
+                self._preempt(seq)
+
+    def _preempt(self, victim: Sequence) -> None:
+        """Free a running sequence's cache and queue it first for a re-prefill (tokens kept)."""
+        self.runner.free(victim.seq_id)
+        self.constraints.close(victim)
+        if self.proposer is not None:
+            self.proposer.close(victim.seq_id)
+        victim.status = SequenceStatus.WAITING
+        victim.undrafted_token_ids, victim.undrafted_hidden = [], []
+        self.waiting.appendleft(victim)
 
     def _num_drafts(self, seq: Sequence) -> int:
         """k for this sequence: never past max_new_tokens or the context (the bonus token counts)."""

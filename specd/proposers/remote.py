@@ -1,30 +1,25 @@
 """RemoteProposer: the Proposer protocol over one or more drafter services (services/drafter).
 
-Each drafter gets one long-lived DraftSteps stream (sync gRPC: a request queue feeds the stream,
-a reader thread drains the responses so a step can wait with a deadline). open() and close() are
-buffered and ride along with the next step message. propose() splits the batch by drafter with a
-consistent-hash ring over the drafter addresses, sends one message to each drafter at once (the
-streams' own threads send them in parallel), waits for all answers and puts the drafts back in
-request order.
+Each drafter gets one long-lived DraftSteps stream (specd/proposers/drafter_stream.py). open()
+and close() are buffered and ride along with the next step message. propose() splits the batch by
+drafter with a consistent-hash ring over the live drafters, sends one message to each at once (the
+streams' own threads send them in parallel), waits for all answers up to `deadline_s` and puts the
+drafts back in request order.
 
-Failure and lost state. A drafter that does not answer within `deadline_s`, breaks its stream or
-refuses a step raises DrafterError (DrafterUnavailableError for transport failures). propose()
-runs in the engine's draft verb, before verify and commit, so the engine's hard state (tokens,
-target KV cache) is untouched; what is lost is soft state:
-  - the failed drafter's draft state for all of its sequences (`lost_seq_ids`): the drafter
-    closes a stream's sequences when the stream ends, and this proposer treats that drafter as
-    dead from then on (its sequences raise again on the next propose);
-  - the committed tokens and hidden rows of this step for those sequences, which the engine has
-    already handed over (Sequence.take_undrafted). Recovery reopens the sequences elsewhere with
-    their full token history, which the engine holds.
-Sequences on healthy drafters stay consistent: their message was answered, so their drafters
-ingested the new tokens, and their (unused) drafts are speculative state rolled back next step.
+Failure is a loss of speed, never of output. A drafter that breaks its stream or misses the step
+deadline is dropped from the ring; its sequences are *parked*: they get no drafts (target-only
+decoding, which emits exactly what speculation would for greedy requests and the target
+distribution for sampled ones) and their draft state is gone, including the tokens of the failed
+step (already taken from the Sequence). A background thread per dead drafter reconnects with
+backoff and puts it back on the ring. Parked sequences resume speculation once any drafter is
+live: `take_resync()` names them and the engine reopens them with their whole history (see
+SpecEngine._resync_drafts). Only a step the drafter refuses as malformed (DrafterRejectedError, a
+bug on this side) still raises.
 """
 
 from __future__ import annotations
 
-import bisect
-import hashlib
+import logging
 import queue
 import threading
 import time
@@ -33,203 +28,123 @@ import grpc
 import torch
 
 from specd.proposers.base import DraftProposal, DraftRequest, HiddenKind
+from specd.proposers.drafter_stream import (DrafterError, DrafterRejectedError, DrafterStream,
+                                            DrafterUnavailableError, HashRing, sampling_params_to_pb)
 from specd.sampling_params import SamplingParams
 from specd.transport.tensor_codec import tensor_from_pb, tensor_to_pb
-from specd.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
+from specd.v1 import drafter_pb2
+
+__all__ = ["DrafterError", "DrafterRejectedError", "DrafterUnavailableError", "HashRing",
+           "RemoteProposer", "sampling_params_to_pb"]
+
+log = logging.getLogger("specd.proposers.remote")
 
 HIDDEN_KIND_FROM_PB: dict[int, HiddenKind] = {drafter_pb2.HIDDEN_KIND_NONE: "none",
                                                drafter_pb2.HIDDEN_KIND_FINAL: "final",
                                                drafter_pb2.HIDDEN_KIND_AUX: "aux"}
-_REJECTED_CODES = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION,
-                   grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.INTERNAL)
-_MAX_MESSAGE_BYTES = 256 << 20
-_CHANNEL_OPTIONS = [("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
-                    ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES)]
 
 
-class DrafterError(RuntimeError):
-    """A drafter failed a step; its draft state for `lost_seq_ids` is gone (see the module doc)."""
-
-    def __init__(self, address: str, message: str, code: grpc.StatusCode | None = None) -> None:
-        super().__init__(f"drafter {address}: {message}")
-        self.address = address
-        self.code = code
-        self.lost_seq_ids: list[int] = []
-
-
-class DrafterUnavailableError(DrafterError):
-    """The drafter is unreachable, missed the step deadline, or its stream broke."""
-
-
-class DrafterRejectedError(DrafterError):
-    """The drafter refused a step as malformed (a bug on this side, not a transient failure)."""
-
-
-def _error_from_rpc(address: str, err: grpc.RpcError) -> DrafterError:
-    code, details = err.code(), err.details()
-    cls = DrafterRejectedError if code in _REJECTED_CODES else DrafterUnavailableError
-    return cls(address, f"{code.name}: {details}", code)
-
-
-def sampling_params_to_pb(params: SamplingParams) -> common_pb2.SamplingParameters:
-    return common_pb2.SamplingParameters(
-        temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, min_p=params.min_p,
-        repetition_penalty=params.repetition_penalty, seed=params.seed)
-
-
-class HashRing:
-    """Consistent hashing of integer keys onto nodes: adding or removing a node moves only the
-    keys of the arcs it gains or loses (about 1/N of them), `replicas` virtual points per node."""
-
-    def __init__(self, nodes: list[str] = (), replicas: int = 64) -> None:
-        self.replicas = replicas
-        self._points: list[tuple[int, str]] = []  # sorted (hash, node)
-        for node in nodes:
-            self.add(node)
-
-    @staticmethod
-    def _hash(text: str) -> int:
-        return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
-
-    @property
-    def nodes(self) -> list[str]:
-        return sorted({node for _, node in self._points})
-
-    def add(self, node: str) -> None:
-        if node in self.nodes:
-            raise ValueError(f"drafter {node} is already on the ring")
-        for i in range(self.replicas):
-            bisect.insort(self._points, (self._hash(f"{node}#{i}"), node))
-
-    def remove(self, node: str) -> None:
-        self._points = [p for p in self._points if p[1] != node]
-
-    def lookup(self, key: int) -> str:
-        if not self._points:
-            raise LookupError("the hash ring has no drafters")
-        i = bisect.bisect(self._points, (self._hash(str(key)), "")) % len(self._points)
-        return self._points[i][1]
-
-
-class _DrafterStream:
-    """One drafter: channel, Info, the DraftSteps stream and the open/close ops not yet sent."""
-
-    def __init__(self, address: str, connect_timeout_s: float) -> None:
-        self.address = address
-        self.channel = grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
-        stub = drafter_pb2_grpc.DrafterStub(self.channel)
-        try:  # wait_for_ready: a drafter still starting up is waited for, up to the timeout
-            self.info = stub.Info(drafter_pb2.DrafterInfoRequest(), timeout=connect_timeout_s,
-                                  wait_for_ready=True)
-        except grpc.RpcError as err:
-            self.channel.close()
-            raise DrafterUnavailableError(address, f"Info failed: {err.code().name}: {err.details()}",
-                                          err.code()) from None
-        self._requests: queue.SimpleQueue = queue.SimpleQueue()  # None half-closes the stream
-        self._responses: queue.SimpleQueue = queue.SimpleQueue()  # responses or a DrafterError
-        self._call = stub.DraftSteps(iter(self._requests.get, None))
-        self._reader = threading.Thread(target=self._read, name=f"drafter-{address}", daemon=True)
-        self._reader.start()
-        self.pending_open: dict[int, tuple[SamplingParams, object]] = {}  # seq -> (params, grammar)
-        self.pending_close: list[int] = []
-        self.next_step_id = 0
-        self.error: DrafterError | None = None  # set once: the stream is dead after it
-
-    def _read(self) -> None:
-        try:
-            for response in self._call:
-                self._responses.put(response)
-            self._responses.put(DrafterUnavailableError(self.address, "the drafter ended the stream"))
-        except grpc.RpcError as err:
-            self._responses.put(_error_from_rpc(self.address, err))
-
-    def send(self, message: drafter_pb2.DraftStepRequest) -> None:
-        message.step_id = self.next_step_id
-        self.next_step_id += 1
-        self._requests.put(message)
-
-    def receive(self, step_id: int, deadline: float) -> drafter_pb2.DraftStepResponse:
-        """The answer to step_id, by `deadline` (time.monotonic()); marks the stream dead on failure."""
-        try:
-            item = self._responses.get(timeout=max(0.0, deadline - time.monotonic()))
-        except queue.Empty:
-            self._call.cancel()
-            item = DrafterUnavailableError(self.address, f"no answer to step {step_id} within the deadline",
-                                           grpc.StatusCode.DEADLINE_EXCEEDED)
-        if not isinstance(item, DrafterError) and item.step_id != step_id:
-            self._call.cancel()
-            item = DrafterError(self.address, f"answered step {item.step_id}, expected {step_id}")
-        if isinstance(item, DrafterError):
-            self.error = item
-            raise item
-        return item
-
-    def shutdown(self, timeout_s: float = 1.0) -> None:
-        """Half-close (the drafter drops this stream's sequences), then close the channel."""
-        self._requests.put(None)
-        self._reader.join(timeout_s)
-        self.channel.close()
+def _contract(info) -> tuple:
+    """What every drafter of one proposer must agree on."""
+    return info.method, info.hidden_kind, list(info.aux_layer_ids), info.vocab_size
 
 
 class RemoteProposer:
     """Proposer whose draft state lives on drafter services at `addresses` ("host:port").
 
-    deadline_s bounds one step's round trip; hidden_dtype casts hidden rows before sending
-    (None: as the target produced them). After each propose, last_rpc_seconds is the step's wall
-    time here and last_draft_seconds the slowest drafter's model time (the rest is transport).
+    deadline_s bounds one step's round trip (past it the step goes on without that drafter's
+    drafts); connect_timeout_s bounds the first Info, reconnect_timeout_s each later attempt,
+    retried every reconnect_backoff_s doubling up to reconnect_max_backoff_s. hidden_dtype casts
+    hidden rows before sending (None: as the target produced them). After each propose,
+    last_rpc_seconds is the step's wall time here and last_draft_seconds the slowest drafter's
+    model time (the rest is transport).
     """
 
     draft_constraints = None  # remote drafters mask drafts themselves
 
-    def __init__(self, addresses: list[str], *, deadline_s: float = 10.0,
-                 connect_timeout_s: float = 10.0, hidden_dtype: torch.dtype | None = None) -> None:
+    def __init__(self, addresses: list[str], *, deadline_s: float = 10.0, connect_timeout_s: float = 10.0,
+                 hidden_dtype: torch.dtype | None = None, reconnect_timeout_s: float = 1.0,
+                 reconnect_backoff_s: float = 0.1, reconnect_max_backoff_s: float = 2.0,
+                 credentials: grpc.ChannelCredentials | None = None) -> None:
         if not addresses:
             raise ValueError("addresses: need at least one drafter address")
+        if deadline_s <= 0 or reconnect_timeout_s <= 0 or not 0 < reconnect_backoff_s <= reconnect_max_backoff_s:
+            raise ValueError("deadline_s, reconnect_timeout_s: must be > 0; need 0 < reconnect_backoff_s "
+                             "<= reconnect_max_backoff_s")
         self.deadline_s = deadline_s
         self.hidden_dtype = hidden_dtype
-        self._drafters: dict[str, _DrafterStream] = {}
-        self._owner: dict[int, _DrafterStream] = {}  # open seq id -> its drafter
-        try:
-            for address in dict.fromkeys(addresses):
-                self._drafters[address] = _DrafterStream(address, connect_timeout_s)
-        except DrafterError:
-            self.shutdown()
-            raise
+        self.credentials = credentials  # TLS for the drafter channels; None: plaintext
+        self.reconnect_timeout_s = reconnect_timeout_s
+        self.reconnect_backoff_s = reconnect_backoff_s
+        self.reconnect_max_backoff_s = reconnect_max_backoff_s
+        self._all_addresses = list(dict.fromkeys(addresses))
+        self._drafters: dict[str, DrafterStream] = {}  # live ones
+        self._owner: dict[int, DrafterStream | None] = {}  # open seq id -> its drafter (None: parked)
+        self._parked: set[int] = set()  # open, without draft state: waiting for a live drafter
+        self._revived: queue.SimpleQueue = queue.SimpleQueue()  # DrafterStreams from reconnect threads
+        self._reconnecting: set[str] = set()
+        self._closed = threading.Event()
+        self.num_failovers = 0  # drafters lost over the proposer's life (tests, logs)
+        self.num_reconnects = 0
+        failures: list[DrafterError] = []
+        for address in self._all_addresses:
+            try:
+                self._drafters[address] = DrafterStream(address, connect_timeout_s, self.credentials)
+            except DrafterError as err:
+                failures.append(err)
+        if not self._drafters:
+            raise failures[0]
         infos = {a: d.info for a, d in self._drafters.items()}
         first = next(iter(infos.values()))
-        contract = lambda i: (i.method, i.hidden_kind, list(i.aux_layer_ids), i.vocab_size)  # noqa: E731
-        if any(contract(i) != contract(first) for i in infos.values()):
+        if any(_contract(i) != _contract(first) for i in infos.values()):
             self.shutdown()
             raise ValueError("addresses: the drafters disagree on method / hidden states / vocab: "
-                             + "; ".join(f"{a}: {contract(i)}" for a, i in infos.items()))
+                             + "; ".join(f"{a}: {_contract(i)}" for a, i in infos.items()))
+        self._contract = _contract(first)
         self.method: str = first.method
         self.hidden_kind: HiddenKind = HIDDEN_KIND_FROM_PB[first.hidden_kind]
         self.aux_layer_ids: list[int] = list(first.aux_layer_ids)  # build_engine sets the runner's
         self.vocab_size = int(first.vocab_size)
         self.max_num_draft_tokens = min(i.max_num_draft_tokens for i in infos.values())
         self._ring = HashRing(list(self._drafters))
+        for err in failures:  # unreachable at start: joins the ring once it answers
+            log.warning("drafter unreachable at start, reconnecting in the background: %s", err)
+            self._start_reconnect(err.address)
         self.last_rpc_seconds = 0.0
         self.last_draft_seconds = 0.0
 
     @property
     def addresses(self) -> list[str]:
+        """The live drafters."""
         return list(self._drafters)
 
-    def drafter_of(self, seq_id: int) -> str:
-        """The address that holds (or would hold) the sequence's draft state."""
-        owner = self._owner.get(seq_id)
-        return owner.address if owner is not None else self._ring.lookup(seq_id)
+    @property
+    def num_parked(self) -> int:
+        return len(self._parked)
+
+    def drafter_of(self, seq_id: int) -> str | None:
+        """The address that holds (or would hold) the sequence's draft state; None while parked."""
+        if seq_id in self._owner:
+            owner = self._owner[seq_id]
+            return owner.address if owner is not None else None
+        return self._ring.lookup(seq_id) if self._drafters else None
 
     # ---- the Proposer protocol --------------------------------------------------------------
     def open(self, seq_id: int, params: SamplingParams, grammar=None) -> None:
         if seq_id in self._owner:
             raise ValueError(f"seq {seq_id}: already open")
+        self._absorb_revived()
+        if not self._drafters:  # no drafter at all: decode target-only until one is back
+            self._owner[seq_id] = None
+            self._parked.add(seq_id)
+            return
         drafter = self._drafters[self._ring.lookup(seq_id)]
         drafter.pending_open[seq_id] = (params, grammar)
         self._owner[seq_id] = drafter
 
     def close(self, seq_id: int) -> None:
         drafter = self._owner.pop(seq_id, None)
+        self._parked.discard(seq_id)
         if drafter is None or drafter.error is not None:
             return
         if drafter.pending_open.pop(seq_id, None) is None:  # never sent: nothing to close remotely
@@ -237,31 +152,34 @@ class RemoteProposer:
 
     def propose(self, requests: list[DraftRequest]) -> list[DraftProposal]:
         t0 = time.perf_counter()
-        groups: dict[str, list[int]] = {}  # address -> indices into requests
+        self._absorb_revived()
+        groups: dict[str, list[int]] = {}  # live drafter address -> indices into requests
         for i, r in enumerate(requests):
             if r.seq_id not in self._owner:
                 raise ValueError(f"seq {r.seq_id}: propose before open")
-            groups.setdefault(self._owner[r.seq_id].address, []).append(i)
-        for address in groups:
-            self._raise_if_dead(self._drafters[address])
-        targets = [d for a, d in self._drafters.items()
-                   if d.error is None and (a in groups or d.pending_open or d.pending_close)]
+            owner = self._owner[r.seq_id]
+            if owner is not None:  # parked sequences: no drafts, their tokens are not needed
+                groups.setdefault(owner.address, []).append(i)
+        targets = [d for a, d in self._drafters.items() if a in groups or d.pending_open or d.pending_close]
         sent = {d.address: self._send(d, [requests[i] for i in groups.get(d.address, [])]) for d in targets}
         deadline = time.monotonic() + self.deadline_s
-        responses, failure = {}, None
-        for d in targets:  # every healthy stream is drained, so step ids stay in sync
+        responses = {}
+        for d in targets:  # every stream is drained, so step ids stay in sync
             try:
                 responses[d.address] = d.receive(sent[d.address], deadline)
+            except DrafterRejectedError as err:
+                err.lost_seq_ids = self._lose(d, err)
+                raise
             except DrafterError as err:
-                failure = failure or err
-        if failure is not None:
-            self._raise_if_dead(self._drafters[failure.address])
-        out: list[DraftProposal | None] = [None] * len(requests)
+                self._lose(d, err)
+        out = [DraftProposal(torch.empty(0, dtype=torch.long)) for _ in requests]
         for address, indices in groups.items():
-            answer = responses[address]
+            answer = responses.get(address)
+            if answer is None:
+                continue  # lost this step: target-only for its sequences
             if [s.seq_id for s in answer.sequences] != [requests[i].seq_id for i in indices]:
-                self._drafters[address].error = DrafterError(address, "answered for other sequences")
-                self._raise_if_dead(self._drafters[address])
+                self._lose(self._drafters[address], DrafterError(address, "answered for other sequences"))
+                continue
             for i, seq in zip(indices, answer.sequences):
                 probs = tensor_from_pb(seq.probs) if seq.HasField("probs") else None
                 out[i] = DraftProposal(torch.tensor(seq.token_ids, dtype=torch.long), probs)
@@ -270,15 +188,29 @@ class RemoteProposer:
         return out
 
     # ---- beyond the protocol ----------------------------------------------------------------
+    def take_resync(self) -> list[int]:
+        """Parked sequences a live drafter can take now; the caller closes and reopens each with
+        its whole history (their draft state is gone). Empty while no drafter is live."""
+        self._absorb_revived()
+        if not self._drafters or not self._parked:
+            return []
+        seq_ids, self._parked = sorted(self._parked), set()
+        return seq_ids
+
     def flush(self) -> None:
         """Send buffered opens and closes now (an idle verifier frees its drafters' state)."""
         self.propose([])
 
     def shutdown(self) -> None:
         """End every stream (each drafter drops this proposer's sequences) and close channels."""
+        self._closed.set()
         for drafter in self._drafters.values():
             drafter.shutdown()
+        self._drafters.clear()
+        while not self._revived.empty():
+            self._revived.get().shutdown()
         self._owner.clear()
+        self._parked.clear()
 
     def __enter__(self) -> "RemoteProposer":
         return self
@@ -286,8 +218,62 @@ class RemoteProposer:
     def __exit__(self, *exc) -> None:
         self.shutdown()
 
+    # ---- failure and recovery ---------------------------------------------------------------
+    def _lose(self, drafter: DrafterStream, err: DrafterError) -> list[int]:
+        """Drop a failed drafter: park its sequences, reconnect in the background; returns them."""
+        lost = sorted(s for s, d in self._owner.items() if d is drafter)
+        for seq_id in lost:
+            self._owner[seq_id] = None
+        self._parked.update(lost)
+        self._drafters.pop(drafter.address, None)
+        self._ring.remove(drafter.address)
+        drafter.error = drafter.error or err
+        drafter.shutdown(timeout_s=0.1)
+        self.num_failovers += 1
+        log.warning("drafter lost, %d sequences decode target-only until resynced: %s", len(lost), err)
+        self._start_reconnect(drafter.address)
+        return lost
+
+    def _start_reconnect(self, address: str) -> None:
+        if address in self._reconnecting or self._closed.is_set():
+            return
+        self._reconnecting.add(address)
+        threading.Thread(target=self._reconnect, args=(address,), name=f"drafter-reconnect-{address}",
+                         daemon=True).start()
+
+    def _reconnect(self, address: str) -> None:
+        """Runs in its own thread: Info with backoff until the drafter answers with our contract."""
+        delay = self.reconnect_backoff_s
+        while not self._closed.wait(delay):
+            delay = min(delay * 2, self.reconnect_max_backoff_s)
+            try:
+                stream = DrafterStream(address, self.reconnect_timeout_s, self.credentials)
+            except DrafterError:
+                continue
+            if _contract(stream.info) != self._contract:
+                log.error("drafter %s came back running %s, expected %s; not used", address,
+                          _contract(stream.info), self._contract)
+                stream.shutdown()
+                continue
+            self._revived.put(stream)  # handed to the engine thread, which owns the ring
+            return
+
+    def _absorb_revived(self) -> None:
+        """Put reconnected drafters back on the ring (engine thread only: no lock on the ring)."""
+        while not self._revived.empty():
+            stream = self._revived.get()
+            self._reconnecting.discard(stream.address)
+            if self._closed.is_set():
+                stream.shutdown()
+                continue
+            self._drafters[stream.address] = stream
+            self._ring.add(stream.address)
+            self.num_reconnects += 1
+            log.info("drafter back on the ring: %s (%d parked sequences to resync)", stream.address,
+                     len(self._parked))
+
     # ---- helpers -----------------------------------------------------------------------------
-    def _send(self, drafter: _DrafterStream, requests: list[DraftRequest]) -> int:
+    def _send(self, drafter: DrafterStream, requests: list[DraftRequest]) -> int:
         """Build and queue one step message; returns its step id."""
         message = drafter_pb2.DraftStepRequest(close=drafter.pending_close)
         for seq_id, (params, grammar) in drafter.pending_open.items():
@@ -301,14 +287,9 @@ class RemoteProposer:
                                          num_output_tokens=r.num_output_tokens)
             if r.new_hidden_states is not None and self.hidden_kind != "none":
                 hidden = r.new_hidden_states  # [n, H*]
-                assert hidden.ndim == 2, f"new_hidden_states must be [n, H*], got {tuple(hidden.shape)}"
+                assert hidden.ndim == 2, f"new_hidden_states: must be [n, H*], got {tuple(hidden.shape)}"
                 tensor_to_pb(hidden if self.hidden_dtype is None else hidden.to(self.hidden_dtype),
                              item.new_hidden_states)
         step_id = drafter.next_step_id
         drafter.send(message)
         return step_id
-
-    def _raise_if_dead(self, drafter: _DrafterStream) -> None:
-        if drafter.error is not None:
-            drafter.error.lost_seq_ids = sorted(s for s, d in self._owner.items() if d is drafter)
-            raise drafter.error

@@ -7,10 +7,16 @@ Request stream (one per deployment, default `specd:requests`), consumer group `v
     it works on Redis 6.2, which has no consumer-group lag).
 Result stream (one per request, `specd:results:<id>`), written by the verifier, read by the gateway:
     kind=delta  pos=<output index of the first token>  tokens=<JSON list of token ids>
+                spec_stats=<JSON SpecStats so far> (lets a verifier that resumes the request carry on
+                counting where the dead one stopped)
     kind=final  pos, tokens (possibly empty), finish_reason, spec_stats (JSON), prompt_tokens
     kind=error  code (HTTP-like status), message
     Every write refreshes a TTL so abandoned results expire. Positions make deltas idempotent: a
     reader drops tokens below the position it already has (exactly-once across verifier restarts).
+    The result stream is also the resume point: a verifier that reclaims the entry of a dead one
+    replays it (specd/transport/resume.py) and continues from the tokens already written.
+Cancel key (one per cancelled request, `specd:cancel:<id>`, with a TTL), set by the gateway when the
+    client goes away; verifiers look up the keys of their running requests once per step.
 Everything on the wire is JSON or integers: nothing is unpickled.
 """
 
@@ -28,9 +34,14 @@ DEFAULT_REQUEST_STREAM = "specd:requests"
 CONSUMER_GROUP = "verifiers"
 RESULT_PREFIX = "specd:results:"
 RESULT_TTL_SECONDS = 600
+CANCEL_PREFIX = "specd:cancel:"
 
 
 def result_key(request_id: str, prefix: str = RESULT_PREFIX) -> str:
+    return f"{prefix}{request_id}"
+
+
+def cancel_key(request_id: str, prefix: str = CANCEL_PREFIX) -> str:
     return f"{prefix}{request_id}"
 
 
@@ -70,13 +81,15 @@ class ResultEntry:
     pos: int = 0
     tokens: list[int] = field(default_factory=list)
     finish_reason: str | None = None
-    spec_stats: SpecStats | None = None
+    spec_stats: SpecStats | None = None  # final: the request's; delta: so far (optional)
     prompt_tokens: int = 0
     code: int = 0
     message: str = ""
 
     def to_fields(self) -> dict[str, str]:
         fields: dict[str, Any] = {"kind": self.kind, "pos": self.pos, "tokens": json.dumps(self.tokens)}
+        if self.kind == "delta" and self.spec_stats is not None:
+            fields["spec_stats"] = json.dumps(asdict(self.spec_stats))
         if self.kind == "final":
             fields.update(finish_reason=self.finish_reason or "",
                           spec_stats=json.dumps(asdict(self.spec_stats or SpecStats())),
@@ -89,6 +102,8 @@ class ResultEntry:
     def from_fields(cls, fields: dict[bytes | str, bytes | str]) -> "ResultEntry":
         f = {_s(k): _s(v) for k, v in fields.items()}
         entry = cls(kind=f["kind"], pos=int(f.get("pos", 0)), tokens=json.loads(f.get("tokens", "[]")))
+        if entry.kind == "delta" and "spec_stats" in f:
+            entry.spec_stats = SpecStats(**json.loads(f["spec_stats"]))
         if entry.kind == "final":
             entry.finish_reason = f.get("finish_reason") or None
             entry.spec_stats = SpecStats(**json.loads(f.get("spec_stats", "{}")))

@@ -267,7 +267,7 @@ def test_unreachable_and_deadline_raise_unavailable():
         s.bind(("127.0.0.1", 0))
         s.listen()  # accepts TCP but never speaks HTTP/2: every call hits the deadline
         address = f"127.0.0.1:{s.getsockname()[1]}"
-        with RemoteGrammarBackend(address, deadline_s=0.5) as remote:
+        with RemoteGrammarBackend(address, deadline_s=0.5, recover_timeout_s=0) as remote:
             remote.open(0, GrammarSpec("json_object"))
             t0 = time.monotonic()
             with pytest.raises(GrammarUnavailableError, match="within") as info:

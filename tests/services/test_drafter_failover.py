@@ -1,0 +1,119 @@
+"""Drafter death with real gRPC servers: the engine keeps decoding target-only for the requests of a
+drafter that went away (greedy output unchanged), resyncs them on the surviving drafter, and puts
+a restarted drafter back on the ring; a drafter past the step deadline costs one deadline."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from services.drafter.server import load_drafter, start_server
+from services.drafter.servicer import DrafterServicer
+from specd.engine.builder import build_engine
+from specd.messages import PytorchEngineConfig, SpeculativeConfig
+from specd.proposers.remote import RemoteProposer
+from specd.sampling_params import SamplingParams
+from specd.transport.embedded_redis import free_port
+from tests.services.test_drafter import SlowProposer, make_requests, target_greedy
+
+ENGINE_CONFIG = PytorchEngineConfig(max_batch_size=8, block_size=8)
+DRAFTS = {"ngram": None, "eagle3": "draft-eagle3"}
+
+
+def spec(tiny_models, method):
+    draft = DRAFTS[method]
+    return SpeculativeConfig(method=method, num_speculative_tokens=3, model=str(tiny_models[draft]) if draft else "")
+
+
+def serve(tiny_models, method, port=0):
+    servicer = load_drafter(tiny_models["target-llama"], spec(tiny_models, method), tiny_models["target-llama"])
+    return start_server(servicer, "127.0.0.1", port, max_workers=8)
+
+
+def drafted(seqs) -> int:
+    return sum(s.stats.num_draft_tokens for s in seqs)
+
+
+@pytest.mark.parametrize("method", ["ngram", "eagle3"])
+def test_killed_drafter_falls_back_then_resyncs_on_the_survivor(tiny_models, method):
+    servers = [serve(tiny_models, method), serve(tiny_models, method)]
+    prompts, params = make_requests(8)
+    want = target_greedy(tiny_models, "target-llama", prompts, params)
+    try:
+        with RemoteProposer([s.address for s in servers], deadline_s=2.0) as remote:
+            engine = build_engine(tiny_models["target-llama"], ENGINE_CONFIG, spec(tiny_models, method),
+                                  proposer=remote)
+            seqs = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+            for _ in range(3):
+                engine.step()
+            victim, survivor = servers
+            on_victim = [s for s in seqs if remote.drafter_of(s.seq_id) == victim.address and not s.is_finished]
+            assert on_victim, "the ring should give the first drafter some of the batch"
+            opened_before = survivor.servicer.num_sequences_opened
+            victim.stop(0)  # the drafter dies mid-generation
+            t0 = time.perf_counter()
+            engine.step()  # its requests go target-only in this step, at once
+            assert time.perf_counter() - t0 < 2.0 and remote.num_failovers == 1
+            assert remote.addresses == [survivor.address]
+            before = drafted(on_victim)
+            while engine.has_unfinished():
+                engine.step()
+            # Resynced on the survivor with their whole history: speculation resumed.
+            assert survivor.servicer.num_sequences_opened >= opened_before + len(on_victim)
+            assert drafted(on_victim) > before
+    finally:
+        for s in servers:
+            s.stop(0)
+    assert [s.output_token_ids for s in seqs] == want
+
+
+def test_restarted_drafter_rejoins_and_speculation_resumes(tiny_models):
+    port = free_port()
+    server = serve(tiny_models, "ngram", port)
+    prompts, _ = make_requests(8)
+    params = [SamplingParams(max_new_tokens=48, ignore_eos=True)] * len(prompts)
+    want = [s.output_token_ids for s in build_engine(tiny_models["target-llama"], ENGINE_CONFIG).generate(prompts, params)]
+    with RemoteProposer([server.address], deadline_s=2.0, reconnect_backoff_s=0.05) as remote:
+        engine = build_engine(tiny_models["target-llama"], ENGINE_CONFIG, spec(tiny_models, "ngram"), proposer=remote)
+        seqs = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+        engine.step()
+        server.stop(0)  # the only drafter: everything decodes target-only
+        engine.step()
+        assert remote.addresses == [] and remote.num_parked > 0
+        stalled = drafted(seqs)
+        engine.step()
+        assert drafted(seqs) == stalled  # no drafter, no drafts, and no waiting on one either
+        server = serve(tiny_models, "ngram", port)  # restarted on the same address
+        try:
+            deadline = time.monotonic() + 20
+            while remote.num_reconnects == 0:
+                assert time.monotonic() < deadline, "the drafter was not reconnected"
+                engine.step() if engine.has_unfinished() else time.sleep(0.05)
+            live = [s for s in seqs if not s.is_finished]
+            assert live, "requests should still be running when the drafter is back"
+            while engine.has_unfinished():
+                engine.step()
+            assert remote.num_parked == 0 and server.servicer.num_sequences_opened >= len(live)
+            assert drafted(seqs) > stalled  # speculation resumed on the restarted drafter
+        finally:
+            server.stop(0)
+    assert [s.output_token_ids for s in seqs] == want
+
+
+def test_slow_drafter_costs_one_deadline_then_decoding_goes_on(tiny_models):
+    server = start_server(DrafterServicer(SlowProposer(3.0), vocab_size=512), "127.0.0.1", 0)
+    prompts, params = make_requests(4)
+    try:
+        with RemoteProposer([server.address], deadline_s=0.3) as remote:
+            engine = build_engine(tiny_models["target-llama"], ENGINE_CONFIG,
+                                  SpeculativeConfig(method="ngram", num_speculative_tokens=3), proposer=remote)
+            t0 = time.perf_counter()
+            seqs = engine.generate(prompts, params)
+            elapsed = time.perf_counter() - t0
+    finally:
+        server.stop(0)
+    print(f"\n4 requests through a drafter 10x past the 0.3 s deadline: {elapsed:.2f} s")
+    assert remote.num_failovers == 1 and elapsed < 3.0  # one missed deadline, not one per step
+    reference = build_engine(tiny_models["target-llama"], ENGINE_CONFIG).generate(prompts, params)
+    assert [s.output_token_ids for s in seqs] == [r.output_token_ids for r in reference]
