@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass, field
 
@@ -32,6 +33,10 @@ class SamplingParams:
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
+            # NaN passes every range test below (comparisons with NaN are False): refuse it first.
+            if not math.isfinite(getattr(self, name)):
+                raise ConfigError(f"{name}: must be a finite number, got {getattr(self, name)}")
         if self.temperature < 0:
             raise ConfigError(f"temperature: must be >= 0, got {self.temperature}")
         if self.top_k < 0:
@@ -46,6 +51,8 @@ class SamplingParams:
             raise ConfigError(f"max_new_tokens: must be >= 1, got {self.max_new_tokens}")
         if not 0 <= self.seed < 2**63:
             raise ConfigError(f"seed: must be in [0, 2**63), got {self.seed}")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise ConfigError(f"stop_token_ids: must be >= 0, got {min(self.stop_token_ids)}")
 
     @property
     def is_greedy(self) -> bool:

@@ -17,6 +17,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from services.common.tls import PLAINTEXT, TLSConfig, add_port
+
 MAX_MESSAGE_BYTES = 256 << 20  # EAGLE-3 hidden rows or grammar masks of a large batch: several MB
 GRPC_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
@@ -42,8 +44,10 @@ class RunningServer:
 
 
 def start_grpc_server(servicer: Any, add_to_server: Callable[[Any, grpc.Server], None], service_name: str,
-                      *, host: str, port: int, max_workers: int, name: str) -> RunningServer:
-    """Serve `servicer` (port 0: any free port); health turns SERVING once started.
+                      *, host: str, port: int, max_workers: int, name: str,
+                      tls: TLSConfig = PLAINTEXT) -> RunningServer:
+    """Serve `servicer` (port 0: any free port), over TLS when `tls` has a certificate; health turns
+    SERVING once started.
 
     Sync gRPC holds one worker thread per open stream, so max_workers bounds the number of
     verifiers served at once (plus a few for unary calls and health).
@@ -54,7 +58,7 @@ def start_grpc_server(servicer: Any, add_to_server: Callable[[Any, grpc.Server],
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((service_name, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    bound = add_port(server, f"{host}:{port}", tls)
     if bound == 0:
         raise OSError(f"{name}: cannot listen on {host}:{port}")
     server.start()

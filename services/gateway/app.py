@@ -3,6 +3,8 @@
 `Gateway` is protocol-neutral: the OpenAI HTTP routes here and the gRPC servicer (grpc_api.py)
 both call it. A request is answered (or its stream started) only after its XADD to the request
 stream succeeded; errors of every kind are raised as GatewayError and mapped in one place.
+Bad input is refused before anything is queued: oversized bodies (413), missing API keys (401),
+unparsable or out-of-range fields (400, naming the field), unknown models (404).
 """
 
 from __future__ import annotations
@@ -13,14 +15,16 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import redis.asyncio
 import redis.exceptions
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -31,10 +35,14 @@ from specd.models.model_path import resolve_model_path
 from specd.transport.redis_streams import (CONSUMER_GROUP, DEFAULT_REQUEST_STREAM, RESULT_PREFIX,
                                            QueuedRequest)
 
+from services.common.api_keys import INVALID_KEY_MESSAGE, ApiKeys
+from services.common.tls import PLAINTEXT, TLSConfig, channel_credentials
 from services.gateway import openai_api as oai
+from services.gateway.body_limit import BodySizeLimit
 from services.gateway.metrics import CONTENT_TYPE_LATEST, GatewayMetrics
 from services.gateway.results import (REDIS_ERRORS, GatewayError, GenerationOutput, RequestStream,
                                       RequestTimings, ResultReader, redis_unavailable)
+from services.gateway.validation import find_invalid_value
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +53,9 @@ local limit = tonumber(ARGV[1])
 if limit > 0 and depth >= limit then return depth end
 return redis.call('XADD', KEYS[1], '*', unpack(ARGV, 2))
 """
+
+# A body this size holds a 1M-token prompt as token ids; raise it for longer contexts.
+DEFAULT_MAX_REQUEST_BYTES = 16 << 20
 
 
 @dataclass
@@ -61,6 +72,9 @@ class GatewayConfig:
     enable_metrics: bool = False
     max_model_len: int | None = None  # None: config.json's max_position_embeddings
     grammar: str = ""  # grammar service host:port validating response_format; "": compile here
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # HTTP bodies (413) and gRPC messages
+    api_keys: tuple[str, ...] = ()  # accepted Bearer keys; empty: no key needed
+    tls: TLSConfig = PLAINTEXT  # the gRPC server's certificate; the CA the grammar service is checked with
 
     def __post_init__(self) -> None:
         if self.max_queue_depth < 0:
@@ -69,6 +83,9 @@ class GatewayConfig:
             raise ConfigError(f"request_timeout: must be > 0, got {self.request_timeout}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError(f"max_model_len: must be >= 2, got {self.max_model_len}")
+        if self.max_request_bytes < 1024:
+            raise ConfigError(f"max_request_bytes: must be >= 1024, got {self.max_request_bytes}")
+        self.api_keys = tuple(self.api_keys)
 
     @property
     def model_name(self) -> str:
@@ -95,6 +112,10 @@ class Gateway:
         self.reader = ResultReader(self.client, prefix=config.result_prefix)
         self.metrics = GatewayMetrics(self.model_name)
         self._xadd_if_room = self.client.register_script(_XADD_IF_ROOM)
+        self.api_keys = ApiKeys(config.api_keys)
+        # One thread: long prompts tokenize off the event loop (other requests' streams keep
+        # flowing), and HF tokenizers are not safe to call from several threads at once.
+        self._tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="specd-tokenize")
         self.created = int(time.time())
 
     async def start(self) -> None:
@@ -103,6 +124,7 @@ class Gateway:
     async def close(self) -> None:
         await self.reader.stop()
         await self.client.aclose()
+        self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
     # ---- validation and tokenization ----------------------------------------------------------
     def check_model(self, name: str | None) -> None:
@@ -110,11 +132,30 @@ class Gateway:
             raise GatewayError(404, f"The model `{name}` does not exist; this gateway serves "
                                     f"`{self.model_name}`.", param="model", code="model_not_found")
 
-    def encode_text(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=True)
+    def check_values(self, values: dict) -> None:
+        """400 for text that is not valid Unicode (lone surrogates) or absurdly deep nesting."""
+        problem = find_invalid_value(values)
+        if problem is not None:
+            path, message = problem
+            raise GatewayError(400, f"{path}: {message}", param=path or None)
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                    template_kwargs: dict | None = None) -> list[int]:
+    def check_stop_token_ids(self, token_ids: list[int]) -> None:
+        if any(not 0 <= t < self.vocab_size for t in token_ids):
+            raise GatewayError(400, f"stop_token_ids: token ids must be in [0, {self.vocab_size})",
+                               param="stop_token_ids")
+
+    async def _tokenize(self, fn, *args, **kwargs):
+        return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, lambda: fn(*args, **kwargs))
+
+    async def encode_text(self, text: str) -> list[int]:
+        return await self._tokenize(self.tokenizer.encode, text, add_special_tokens=True)
+
+    async def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                          template_kwargs: dict | None = None) -> list[int]:
+        return await self._tokenize(self._encode_chat, messages, add_generation_prompt, template_kwargs)
+
+    def _encode_chat(self, messages: list[dict], add_generation_prompt: bool,
+                     template_kwargs: dict | None) -> list[int]:
         if not self.tokenizer.chat_template:
             raise GatewayError(400, "this model has no chat template; use /v1/completions", param="messages")
         kwargs = {k: v for k, v in (template_kwargs or {}).items()
@@ -168,7 +209,8 @@ class Gateway:
             if self.config.grammar:
                 from specd.grammar.remote import RemoteGrammarBackend
 
-                self._validator = RemoteGrammarBackend(self.config.grammar)
+                self._validator = RemoteGrammarBackend(self.config.grammar,
+                                                       credentials=channel_credentials(self.config.tls))
             else:
                 from specd.grammar.compiler import GrammarCompilerCache
 
@@ -176,8 +218,14 @@ class Gateway:
         return self._validator
 
     # ---- the queue ----------------------------------------------------------------------------
-    async def submit(self, queued: QueuedRequest, timings: RequestTimings) -> RequestStream:
-        """XADD to the request stream (429 when full, 503 when Redis is down) and open its result stream."""
+    async def submit(self, queued: QueuedRequest, timings: RequestTimings,
+                     timeout_s: float | None = None) -> RequestStream:
+        """XADD to the request stream (429 when full, 503 when Redis is down) and open its result stream.
+
+        timeout_s: this request's deadline from receipt (default and upper bound: request_timeout).
+        """
+        timeout_s = min(timeout_s or self.config.request_timeout, self.config.request_timeout)
+        self.check_stop_token_ids(queued.params.stop_token_ids)
         await self.check_response_format(queued.response_format)
         rid = queued.request_id
         queue = self.reader.subscribe(rid)
@@ -198,7 +246,7 @@ class Gateway:
                                retry_after=1)
         return RequestStream(rid, queue, self.tokenizer, queued.params,
                              num_prompt_tokens=len(queued.prompt_token_ids),
-                             deadline=timings.received + self.config.request_timeout, timings=timings,
+                             deadline=timings.received + timeout_s, timings=timings,
                              on_finish=self._finished, on_abandon=self.abandon)
 
     def _finished(self, stream: RequestStream) -> None:
@@ -208,13 +256,10 @@ class Gateway:
             time_to_first_token=stream.timings.time_to_first_token, latency=stream.timings.latency)
 
     def abandon(self, request_id: str, reason: str) -> None:
-        """Stop reading a request's results (client gone, timeout).
-
-        Hook for cancellation: the verifier does not hear of it yet and finishes the request; its
-        results expire by TTL. A later issue sends a cancel message to the verifier from here.
-        """
+        """Stop reading a request's results (client gone, timeout) and cancel it: its verifier
+        sees the cancel key within a step, aborts it and frees its KV blocks."""
         logger.info("request %s abandoned: %s", request_id, reason)
-        self.reader.unsubscribe(request_id)
+        self.reader.cancel(request_id)
         if reason != "timeout":  # timeouts are counted as 504 errors where they are answered
             self.metrics.observe_error(499)
 
@@ -258,7 +303,19 @@ def create_app(gateway: Gateway) -> FastAPI:
     app = FastAPI(title="specd gateway", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.gateway = gateway
     _install_error_handlers(app, gateway)
+
+    async def reject_too_large(scope, receive, send) -> None:
+        await _error_response(gateway, _too_large(gateway))(scope, receive, send)
+
+    app.add_middleware(BodySizeLimit, max_bytes=gateway.config.max_request_bytes, reject=reject_too_large)
     name = gateway.model_name
+    bearer = HTTPBearer(auto_error=False)  # None without `Authorization: Bearer ...`; we answer 401
+
+    async def require_api_key(auth: HTTPAuthorizationCredentials | None = Depends(bearer)) -> None:
+        if not gateway.api_keys.is_valid(auth.credentials if auth is not None else None):
+            raise GatewayError(401, INVALID_KEY_MESSAGE, code="invalid_api_key")
+
+    keyed = [Depends(require_api_key)]  # every route but /health and /metrics, as lmdeploy
 
     def model_card() -> oai.ModelCard:
         return oai.ModelCard(id=name, created=gateway.created, max_model_len=gateway.max_model_len)
@@ -268,20 +325,21 @@ def create_app(gateway: Gateway) -> FastAPI:
         await gateway.health()
         return {"status": "ok"}
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", dependencies=keyed)
     async def models() -> oai.ModelList:
         return oai.ModelList(data=[model_card()])
 
-    @app.get("/v1/models/{model_id:path}")
+    @app.get("/v1/models/{model_id:path}", dependencies=keyed)
     async def model(model_id: str) -> oai.ModelCard:
         gateway.check_model(model_id)
         return model_card()
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", dependencies=keyed)
     async def chat_completions(body: oai.ChatCompletionRequest):
         timings = RequestTimings()
         gateway.check_model(body.model)
-        prompt = gateway.encode_chat([m.to_template_dict() for m in body.messages], body.add_generation_prompt,
+        gateway.check_values(body.model_dump(exclude_unset=True))
+        prompt = await gateway.encode_chat([m.to_template_dict() for m in body.messages], body.add_generation_prompt,
                                      body.chat_template_kwargs)
         stream, meta = await _submit(gateway, body, prompt, timings, "chatcmpl-")
         if body.stream:
@@ -293,11 +351,12 @@ def create_app(gateway: Gateway) -> FastAPI:
             usage=oai.Usage.of(result.num_prompt_tokens, len(result.token_ids)),
             spec_stats=oai.SpecStatsInfo.of(result.spec_stats))
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", dependencies=keyed)
     async def completions(body: oai.CompletionRequest):
         timings = RequestTimings()
         gateway.check_model(body.model)
-        prompt = gateway.encode_text(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
+        gateway.check_values(body.model_dump(exclude_unset=True))
+        prompt = await gateway.encode_text(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
         stream, meta = await _submit(gateway, body, prompt, timings, "cmpl-")
         if body.stream:
             return await _sse_response(gateway, stream, oai.completion_chunks(stream, meta, body.include_usage))
@@ -353,6 +412,12 @@ def _error_response(gateway: Gateway, error: GatewayError) -> JSONResponse:
     return JSONResponse(error.to_body(), status_code=error.status, headers=headers)
 
 
+def _too_large(gateway: Gateway) -> GatewayError:
+    return GatewayError(413, f"the request body is larger than this gateway accepts "
+                             f"({gateway.config.max_request_bytes} bytes, --max-request-bytes)",
+                        code="request_too_large")
+
+
 def _validation_error(exc: RequestValidationError) -> GatewayError:
     messages, params = [], []
     for err in exc.errors()[:4]:
@@ -360,6 +425,9 @@ def _validation_error(exc: RequestValidationError) -> GatewayError:
         msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
         if err.get("type") == "json_invalid":
             messages.append(f"the request body is not valid JSON ({msg})")
+            continue
+        if not loc and err.get("type") in ("model_attributes_type", "dict_type", "missing"):
+            messages.append("the request body must be a JSON object, sent with Content-Type: application/json")
             continue
         where = ".".join(loc)
         params.append(where)
@@ -378,7 +446,12 @@ def _install_error_handlers(app: FastAPI, gateway: Gateway) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return _error_response(gateway, GatewayError(exc.status_code, str(exc.detail)))
+        if exc.status_code == 413:
+            return _error_response(gateway, _too_large(gateway))
+        message = str(exc.detail)
+        if exc.status_code == 400 and message == "There was an error parsing the body":
+            message = "the request body could not be parsed: send JSON encoded as UTF-8"
+        return _error_response(gateway, GatewayError(exc.status_code, message))
 
     for redis_error in (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
         @app.exception_handler(redis_error)

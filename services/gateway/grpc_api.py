@@ -1,8 +1,10 @@
 """The gRPC front end (specd.v1.Generate), served by the gateway's process next to the HTTP API.
 
 A thin servicer: protobuf in, the Gateway core, protobuf out. Errors are mapped to status codes by
-one interceptor (the same GatewayError the HTTP handlers map to status codes). The server also
-answers grpc.health.v1 and server reflection.
+one interceptor (the same GatewayError the HTTP handlers map to status codes); it also parses the
+request itself, so that bytes that are no GenerateRequest get INVALID_ARGUMENT, not UNKNOWN. API
+keys are checked first (UNAUTHENTICATED). The server also answers grpc.health.v1 and server
+reflection, with no key.
 """
 
 from __future__ import annotations
@@ -17,13 +19,18 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from google.protobuf.message import DecodeError
+
 from specd.messages import ConfigError, SpecStats
 from specd.sampling_params import SamplingParams
 from specd.transport.redis_streams import QueuedRequest
 from specd.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 
+from services.common.api_keys import ApiKeyInterceptor
+from services.common.tls import add_port
 from services.gateway.app import Gateway, collect, first_output
 from services.gateway.results import REDIS_ERRORS, GatewayError, RequestTimings, redis_unavailable
+from services.gateway.validation import MAX_STOP_WORDS
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +63,11 @@ def _as_gateway_error(exc: BaseException) -> GatewayError | None:
 
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
-    """Maps GatewayError (and config / Redis errors) to status codes with readable messages."""
+    """Maps GatewayError (and config / Redis errors) to status codes with readable messages.
+
+    The wrapped handlers receive raw bytes and parse them here: grpc would answer a message that
+    does not parse with UNKNOWN, which reads as a server fault.
+    """
 
     def __init__(self, services: tuple[str, ...] = (SERVICE_NAME,)) -> None:
         self.prefixes = tuple(f"/{s}/" for s in services)
@@ -65,30 +76,36 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(handler_call_details)
         if handler is None or not handler_call_details.method.startswith(self.prefixes):
             return handler
+        parse = handler.request_deserializer or (lambda raw: raw)
         if handler.unary_unary is not None:
             inner_unary = handler.unary_unary
 
-            async def unary_unary(request, context):
+            async def unary_unary(raw, context):
                 try:
-                    return await inner_unary(request, context)
+                    return await inner_unary(_parse(parse, raw), context)
                 except Exception as e:
                     await _abort(context, e)
 
-            return grpc.unary_unary_rpc_method_handler(unary_unary, handler.request_deserializer,
-                                                       handler.response_serializer)
+            return grpc.unary_unary_rpc_method_handler(unary_unary, None, handler.response_serializer)
         if handler.unary_stream is not None:
             inner_stream = handler.unary_stream
 
-            async def unary_stream(request, context):
+            async def unary_stream(raw, context):
                 try:
-                    async for response in inner_stream(request, context):
+                    async for response in inner_stream(_parse(parse, raw), context):
                         yield response
                 except Exception as e:
                     await _abort(context, e)
 
-            return grpc.unary_stream_rpc_method_handler(unary_stream, handler.request_deserializer,
-                                                        handler.response_serializer)
+            return grpc.unary_stream_rpc_method_handler(unary_stream, None, handler.response_serializer)
         return handler
+
+
+def _parse(parse, raw: bytes):
+    try:
+        return parse(raw)
+    except DecodeError as e:  # corrupt wire format, a string field that is not UTF-8, ...
+        raise GatewayError(400, f"the request is not a valid protobuf message: {e}") from None
 
 
 async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> None:
@@ -109,7 +126,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
         self.gateway = gateway
 
     async def Generate(self, request: generate_pb2.GenerateRequest, context) -> generate_pb2.GenerateResponse:
-        stream = await self._submit(request)
+        stream = await self._submit(request, context)
         result = await collect(stream)
         return generate_pb2.GenerateResponse(
             id=result.request_id, text=result.text, token_ids=result.token_ids,
@@ -120,7 +137,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
 
     async def GenerateStream(self, request: generate_pb2.GenerateRequest,
                              context) -> AsyncIterator[generate_pb2.GenerateStreamResponse]:
-        stream = await self._submit(request)
+        stream = await self._submit(request, context)
         first = await first_output(stream)  # errors before the first token end the call with a status
         try:
             out = first
@@ -138,24 +155,30 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
         finally:
             stream.abandon("client cancelled")  # a no-op when the request finished
 
-    async def _submit(self, request: generate_pb2.GenerateRequest):
+    async def _submit(self, request: generate_pb2.GenerateRequest, context):
         timings = RequestTimings()
-        queued = self.to_queued_request(request)
-        return await self.gateway.submit(queued, timings)
+        # The client's gRPC deadline, when shorter than the gateway's limit, is the request's deadline.
+        timeout_s = context.time_remaining() or self.gateway.config.request_timeout
+        queued = await self.to_queued_request(request, timeout_s)
+        return await self.gateway.submit(queued, timings, timeout_s)
 
-    def to_queued_request(self, request: generate_pb2.GenerateRequest) -> QueuedRequest:
+    async def to_queued_request(self, request: generate_pb2.GenerateRequest,
+                                timeout_s: float | None = None) -> QueuedRequest:
         """Validate and tokenize (raises GatewayError with the field named)."""
         g = self.gateway
         g.check_model(request.model)
+        timeout_s = min(timeout_s or g.config.request_timeout, g.config.request_timeout)
         which = request.WhichOneof("input")
         if which == "text":
-            prompt = g.encode_text(request.text)
+            prompt = await g.encode_text(request.text)
         elif which == "chat":
-            prompt = g.encode_chat([{"role": m.role, "content": m.content} for m in request.chat.messages])
+            prompt = await g.encode_chat([{"role": m.role, "content": m.content} for m in request.chat.messages])
         elif which == "token_ids":
             prompt = list(request.token_ids.ids)
         else:
             raise GatewayError(400, "input: set one of text, chat or token_ids", param="input")
+        if len(request.stop) > MAX_STOP_WORDS or len(request.stop_token_ids) > MAX_STOP_WORDS:
+            raise GatewayError(400, f"stop, stop_token_ids: at most {MAX_STOP_WORDS} each", param="stop")
         if request.max_tokens < 0:
             raise GatewayError(400, f"max_tokens: must be >= 0, got {request.max_tokens}", param="max_tokens")
         max_tokens = g.check_prompt(prompt, request.max_tokens or None)
@@ -163,17 +186,18 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
         if request.response_format_json:
             try:
                 response_format = json.loads(request.response_format_json)
-            except json.JSONDecodeError as e:
+            except (json.JSONDecodeError, RecursionError) as e:
                 raise GatewayError(400, f"response_format_json: not JSON ({e})", param="response_format_json")
             if not isinstance(response_format, dict) or not isinstance(response_format.get("type"), str):
                 raise GatewayError(400, "response_format_json: expected an object with a 'type'",
                                    param="response_format_json")
+            g.check_values({"response_format_json": response_format})
             if response_format["type"] == "text":
                 response_format = None
         return QueuedRequest(request_id=g.new_request_id(), prompt_token_ids=prompt,
                              params=self.to_sampling_params(request, max_tokens), model=g.model_name,
                              response_format=response_format,
-                             deadline=time.time() + g.config.request_timeout)
+                             deadline=time.time() + timeout_s)
 
     @staticmethod
     def to_sampling_params(request: generate_pb2.GenerateRequest, max_tokens: int) -> SamplingParams:
@@ -202,13 +226,18 @@ def _spec_stats_pb(stats: SpecStats | None) -> common_pb2.SpecStats:
 
 
 async def build_grpc_server(gateway: Gateway, host: str, port: int) -> tuple[grpc.aio.Server, int, object]:
-    """A started grpc.aio server with Generate, health checking and reflection; returns (server, port, health)."""
-    server = grpc.aio.server(interceptors=[ErrorInterceptor()])
+    """A started grpc.aio server with Generate, health checking and reflection; returns (server, port, health).
+
+    Messages over the gateway's max_request_bytes are refused by grpc itself (RESOURCE_EXHAUSTED).
+    """
+    config = gateway.config
+    server = grpc.aio.server(interceptors=[ApiKeyInterceptor(gateway.api_keys), ErrorInterceptor()],
+                             options=[("grpc.max_receive_message_length", config.max_request_bytes)])
     generate_pb2_grpc.add_GenerateServicer_to_server(GenerateServicer(gateway), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    bound = add_port(server, f"{host}:{port}", config.tls)
     if bound == 0:
         raise OSError(f"cannot bind the gRPC port {host}:{port}")
     await server.start()

@@ -13,7 +13,7 @@ import json
 import random
 import time
 from collections.abc import AsyncIterator
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -22,6 +22,7 @@ from specd.sampling_params import SamplingParams
 from specd.transport.redis_streams import QueuedRequest
 
 from services.gateway.results import GatewayError, GenerationOutput, RequestStream
+from services.gateway.validation import MAX_STOP_WORDS
 
 
 # ---- requests ---------------------------------------------------------------------------------
@@ -32,7 +33,8 @@ class StreamOptions(BaseModel):
 class _SamplingFields(BaseModel):
     """Fields chat and completion requests share."""
 
-    model_config = ConfigDict(extra="ignore")
+    # NaN and Infinity parse from JSON (Python's json accepts them) but are no sampling parameter.
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     model: str | None = None
     temperature: float = Field(1.0, ge=0.0, le=2.0)
@@ -40,7 +42,7 @@ class _SamplingFields(BaseModel):
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_WORDS)] | None = None
     seed: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -52,7 +54,7 @@ class _SamplingFields(BaseModel):
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     repetition_penalty: float = Field(1.0, gt=0.0)
     min_tokens: int = Field(0, ge=0)
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_WORDS)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from services.common.tls import TLSConfig, add_tls_arguments  # no grpc import: cheap
+
 
 def _positive(value: str) -> int:
     number = int(value)
@@ -27,6 +29,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--max-workers", type=_positive, default=32,
                    help="gRPC threads; each open verifier stream holds one")
     p.add_argument("--log-level", default="info")
+    add_tls_arguments(p, client=False)
     p.set_defaults(func=_run)
     return p
 
@@ -39,5 +42,5 @@ def _run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s %(message)s")
     serve_grammar(args.model, host=args.host, port=args.port, cache_entries=args.cache_entries,
-                  max_workers=args.max_workers)
+                  max_workers=args.max_workers, tls=TLSConfig.from_args(args))
     return 0

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 from services.common.grpc_server import RunningServer, serve_until_signal, start_grpc_server
+from services.common.tls import PLAINTEXT, TLSConfig
 from services.grammar.servicer import GrammarServicer
 from specd.v1 import grammar_pb2, grammar_pb2_grpc
 
@@ -36,18 +37,20 @@ GrammarServer = RunningServer  # the name tests and callers use
 
 
 def start_server(servicer: GrammarServicer, host: str = "0.0.0.0", port: int = 0,
-                 max_workers: int = 32) -> RunningServer:
-    """Start serving `servicer` (port 0: any free port); health turns SERVING once started."""
+                 max_workers: int = 32, tls: TLSConfig = PLAINTEXT) -> RunningServer:
+    """Start serving `servicer` (port 0: any free port; TLS when `tls` has a certificate); health turns
+    SERVING once started."""
     return start_grpc_server(servicer, grammar_pb2_grpc.add_GrammarServicer_to_server, GRAMMAR_SERVICE,
-                             host=host, port=port, max_workers=max_workers, name="grammar")
+                             host=host, port=port, max_workers=max_workers, name="grammar", tls=tls)
 
 
 def serve_grammar(model_path: str | Path, host: str = "0.0.0.0", port: int = DEFAULT_PORT, *,
-                  cache_entries: int = 256, max_workers: int = 32, grace_s: float = 5.0) -> None:
+                  cache_entries: int = 256, max_workers: int = 32, grace_s: float = 5.0,
+                  tls: TLSConfig = PLAINTEXT) -> None:
     """Load, serve until SIGTERM or SIGINT, then stop gracefully (blocks; call from the main thread)."""
     t0 = time.perf_counter()
     servicer = load_grammar(model_path, cache_entries=cache_entries)
-    running = start_server(servicer, host, port, max_workers)
+    running = start_server(servicer, host, port, max_workers, tls)
     cache = servicer.compiler_cache
     logger.info("event=grammar_serving model=%s host=%s port=%d vocab_size=%d eos_token_ids=%s "
                 "cache_entries=%d load_s=%.2f", model_path, host, running.port, cache.vocab_size,

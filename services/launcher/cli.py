@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import logging
 
+from services.common.tls import TLSConfig, add_tls_arguments
+
 METHODS = ["eagle3", "deepseek_mtp", "qwen3_5_mtp", "draft_model", "ngram"]
 
 
@@ -18,7 +20,9 @@ def add_parser(sub) -> None:
     api.add_argument("--grpc-port", type=int, default=0, help="default: server port + 1")
     api.add_argument("--backend", choices=["pytorch"], default="pytorch",
                      help="accepted for lmdeploy compatibility; specd has one backend")
-    api.add_argument("--redis-url", default=None, help="default: start an embedded redis-server")
+    api.add_argument("--redis-url", default=None,
+                     help="redis://[:PASSWORD@]HOST:PORT/DB or rediss://... (TLS); default: start an embedded "
+                          "redis-server")
     api.add_argument("--speculative-algorithm", choices=METHODS, default=None)
     api.add_argument("--speculative-draft-model", default=None)
     api.add_argument("--speculative-num-draft-tokens", type=int, default=3)
@@ -29,13 +33,21 @@ def add_parser(sub) -> None:
     api.add_argument("--model-name", dest="served_model_name", default=None)
     api.add_argument("--device", default="cpu", help="verifier device: cpu | cuda | cuda:N")
     api.add_argument("--drafter-device", default=None, help="default: the verifier's device")
-    api.add_argument("--max-queue-depth", type=int, default=1024)
+    api.add_argument("--max-queue-depth", type=int, default=1024,
+                     help="429 while this many requests are queued or running")
+    api.add_argument("--api-keys", type=str, nargs="*", default=None,
+                     help="optional list of space-separated API keys (Authorization: Bearer KEY), as lmdeploy")
+    api.add_argument("--request-timeout", type=float, default=600.0,
+                     help="seconds a request may take before the client gets a timeout error")
+    api.add_argument("--max-request-bytes", type=int, default=16 << 20, help="largest request body")
     api.add_argument("--log-level", default="info", type=str.lower,
                      choices=["debug", "info", "warning", "error"])
+    add_tls_arguments(api)
     api.set_defaults(func=_run)
 
 
 def _run(args: argparse.Namespace) -> int:
+    from services.common.api_keys import parse_keys
     from services.launcher.supervisor import StackConfig, run_stack
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -48,5 +60,6 @@ def _run(args: argparse.Namespace) -> int:
         max_batch_size=args.max_batch_size, session_len=args.session_len, tp=args.tp,
         enable_metrics=args.enable_metrics, served_model_name=args.served_model_name,
         device=args.device, drafter_device=args.drafter_device, max_queue_depth=args.max_queue_depth,
-        log_level=args.log_level)
+        api_keys=tuple(parse_keys(args.api_keys)), request_timeout=args.request_timeout,
+        max_request_bytes=args.max_request_bytes, tls=TLSConfig.from_args(args), log_level=args.log_level)
     return run_stack(config)

@@ -3,6 +3,11 @@ grammar service, verifier and gateway as separate OS processes, started in depen
 
 If any child exits, the others are stopped and the supervisor exits non-zero: a half-running
 stack would accept requests that nobody serves.
+
+Access settings reach the children this way: API keys through the gateway's environment
+(SPECD_API_KEYS, so they stay out of `ps`), one TLS identity for every gRPC hop (each server
+presents the certificate, each client verifies it against the CA), the Redis URL with its password
+as given.
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
+
+from services.common.tls import PLAINTEXT, TLSConfig
 
 log = logging.getLogger("specd.serve")
 
@@ -41,6 +48,10 @@ class StackConfig:
     verifier_admin_port: int = 0
     verifier_metrics_port: int = 0
     max_queue_depth: int = 1024
+    api_keys: tuple[str, ...] = ()  # the gateway's Bearer keys; empty: open
+    request_timeout: float = 600.0
+    max_request_bytes: int = 16 << 20
+    tls: TLSConfig = PLAINTEXT  # gRPC between the services (and the gateway's public gRPC API)
     log_level: str = "info"
     extra_env: dict[str, str] = field(default_factory=dict)
 
@@ -52,6 +63,9 @@ class StackConfig:
                              "needs --speculative-draft-model")
         if self.speculative_num_draft_tokens < 0:
             raise ValueError("speculative_num_draft_tokens: must be >= 0")
+        if self.tls.serves_tls != self.tls.connects_tls:
+            raise ValueError("tls: the stack's services talk to each other, so give --tls-cert-file and "
+                             "--tls-key-file together with --tls-ca-file (the CA that signed them)")
 
 
 def _free_port() -> int:
@@ -70,10 +84,11 @@ class Stack:
         self.redis_url = config.redis_url
         self.grpc_port = config.grpc_port or config.server_port + 1
 
-    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
+    def _spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
         cmd = [sys.executable, "-m", "specd.cli", *args, "--log-level", self.config.log_level.lower()]
         log.info("starting %s: %s", name, " ".join(cmd))
-        proc = subprocess.Popen(cmd, env={**os.environ, **self.config.extra_env}, start_new_session=True)
+        proc = subprocess.Popen(cmd, env={**os.environ, **self.config.extra_env, **(env or {})},
+                                start_new_session=True)
         self.children.append((name, proc))
         return proc
 
@@ -92,10 +107,11 @@ class Stack:
                     "--host", "127.0.0.1", "--port", str(port), "--device", c.drafter_device or c.device]
             if c.speculative_draft_model:
                 args += ["--speculative-draft-model", c.speculative_draft_model]
-            self._spawn("drafter", args)
+            self._spawn("drafter", args + self._server_tls_flags())
             drafter_addr = f"127.0.0.1:{port}"
         grammar_addr = f"127.0.0.1:{_free_port()}"
-        self._spawn("grammar", ["grammar", c.model, "--host", "127.0.0.1", "--port", grammar_addr.split(":")[1]])
+        self._spawn("grammar", ["grammar", c.model, "--host", "127.0.0.1", "--port", grammar_addr.split(":")[1],
+                                *self._server_tls_flags()])
         # Drafter and grammar service load side by side; the verifier needs both.
         if drafter_addr:
             self._wait_grpc_health(drafter_addr, timeout)
@@ -110,30 +126,46 @@ class Stack:
         if drafter_addr:
             args += ["--drafter", drafter_addr, "--speculative-algorithm", c.speculative_algorithm,
                      "--speculative-num-draft-tokens", str(c.speculative_num_draft_tokens)]
-        self._spawn("verifier", args)
-        self._wait_grpc_health(f"127.0.0.1:{admin_port}", timeout)
+        self._spawn("verifier", args + self._client_tls_flags())
+        self._wait_grpc_health(f"127.0.0.1:{admin_port}", timeout, PLAINTEXT)  # the admin port has no TLS yet
         args = ["gateway", c.model, "--host", c.server_name, "--port", str(c.server_port),
                 "--grpc-port", str(self.grpc_port), "--redis-url", self.redis_url,
                 "--max-queue-depth", str(c.max_queue_depth), "--grammar", grammar_addr]
         if c.served_model_name:
             args += ["--served-model-name", c.served_model_name]
+        if c.session_len:  # the gateway refuses what the verifier's context could not hold
+            args += ["--max-model-len", str(c.session_len)]
         if c.enable_metrics:
             args.append("--enable-metrics")
-        self._spawn("gateway", args)
+        args += ["--request-timeout", str(c.request_timeout), "--max-request-bytes", str(c.max_request_bytes),
+                 *c.tls.to_flags()]
+        from services.common.api_keys import API_KEYS_ENV
+
+        self._spawn("gateway", args, env={API_KEYS_ENV: ",".join(c.api_keys)})
         self._wait_http_health(f"http://127.0.0.1:{c.server_port}/health", timeout)
         log.info("specd is serving on http://%s:%d (gRPC :%d)", c.server_name, c.server_port, self.grpc_port)
+
+    def _server_tls_flags(self) -> list[str]:
+        tls = self.config.tls
+        return TLSConfig(cert_file=tls.cert_file, key_file=tls.key_file, client_ca_file=tls.client_ca_file).to_flags()
+
+    def _client_tls_flags(self) -> list[str]:
+        tls = self.config.tls
+        return TLSConfig(cert_file=tls.cert_file, key_file=tls.key_file, ca_file=tls.ca_file).to_flags()
 
     def _check_children(self) -> None:
         for name, proc in self.children:
             if proc.poll() is not None:
                 raise RuntimeError(f"{name} exited with code {proc.returncode}")
 
-    def _wait_grpc_health(self, address: str, timeout: float) -> None:
+    def _wait_grpc_health(self, address: str, timeout: float, tls: TLSConfig | None = None) -> None:
         import grpc
         from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+        from services.common.tls import open_channel
+
         deadline = time.monotonic() + timeout
-        with grpc.insecure_channel(address) as channel:
+        with open_channel(address, self.config.tls if tls is None else tls) as channel:
             stub = health_pb2_grpc.HealthStub(channel)
             while True:
                 self._check_children()

@@ -379,6 +379,46 @@ def test_malformed_and_oversized_requests(base_url, client):
     assert r.status_code == 404 and "error" in r.json()
 
 
+@pytest.mark.parametrize("raw, param, says", [
+    (b'{"prompt": "\\ud800 x", "max_tokens": 2}', "prompt", "UTF-8"),  # a lone surrogate escape
+    (b'{"prompt": "x", "temperature": NaN}', "temperature", "finite"),
+    (b'{"prompt": "x", "repetition_penalty": Infinity}', "repetition_penalty", "finite"),
+    (b'{"prompt": "x", "stop_token_ids": [-1]}', "stop_token_ids", ">= 0"),
+    (b'{"prompt": "x", "stop_token_ids": [100000]}', "stop_token_ids", "token ids must be in"),
+    (b'{"prompt": "x", "stop": ["a", "b", "c", "d", "e", "f", "g", "h", "i", "j", "k", "l", "m", "n", "o", "p",'
+     b' "q", "r", "s", "t", "u", "v", "w", "x", "y", "z", "1", "2", "3", "4", "5", "6", "7", "8", "9", "0", "A",'
+     b' "B", "C", "D", "E", "F", "G", "H", "I", "J", "K", "L", "M", "N", "O", "P", "Q", "R", "S", "T", "U", "V",'
+     b' "W", "X", "Y", "Z", "!", "?", "."]}', "stop", "at most 64"),
+    (b'{"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {"schema": '
+     + b'[' * 70 + b']' * 70 + b'}}}', "response_format", "nested"),
+    (b'[1, 2]', None, "JSON object"),
+    (b'{"prompt": "\xff\xfe"}', None, "UTF-8"),  # bytes that are not UTF-8
+])
+def test_bad_values_are_400_naming_the_field(base_url, responder, raw, param, says):
+    before = len(responder.seen)
+    r = httpx.post(base_url + "/v1/completions", content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert (error["param"] or "").split(".")[0] == (param or "") and says in error["message"], error
+    assert len(responder.seen) == before  # nothing was queued
+
+
+def test_oversized_bodies_are_413_before_reading(base_url):
+    limit = GatewayConfig(model="m").max_request_bytes
+    big = b'{"prompt": "' + b"a" * limit + b'"}'
+    r = httpx.post(base_url + "/v1/completions", content=big, headers={"content-type": "application/json"})
+    assert r.status_code == 413 and "--max-request-bytes" in r.json()["error"]["message"]
+
+    def chunks():  # no Content-Length: counted as it arrives
+        yield b'{"prompt": "'
+        for _ in range(limit // (1 << 20) + 1):
+            yield b"a" * (1 << 20)
+        yield b'"}'
+
+    r = httpx.post(base_url + "/v1/completions", content=chunks(), headers={"content-type": "application/json"})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+
+
 def test_client_disconnect_stops_reading(base_url, gateway, responder, redis_url, caplog):
     caplog.set_level(logging.INFO, logger="services.gateway.app")
     reader = gateway.gateway.reader
@@ -440,6 +480,14 @@ def test_grpc_errors_health_and_reflection(stub, gateway):
     code, _ = code_of(stub.Generate, generate_pb2.GenerateRequest(
         text="x", sampling={"temperature": -1.0}))
     assert code == grpc.StatusCode.INVALID_ARGUMENT
+    code, details = code_of(stub.Generate, generate_pb2.GenerateRequest(
+        text="x", sampling={"temperature": float("nan")}))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "finite" in details
+    with grpc.insecure_channel(f"127.0.0.1:{gateway.grpc_port}") as channel:
+        for method in (channel.unary_unary("/specd.v1.Generate/Generate"),
+                       channel.unary_stream("/specd.v1.Generate/GenerateStream")):
+            code, details = code_of(method, b"\x12\x02\xff\xfe")  # text field, bytes that are not UTF-8
+            assert code == grpc.StatusCode.INVALID_ARGUMENT and "not a valid protobuf" in details
     code, details = code_of(stub.GenerateStream, generate_pb2.GenerateRequest(text="TRIGGER_ERROR", max_tokens=3))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "refused" in details  # the verifier's 422
 
@@ -520,6 +568,15 @@ def test_timeout_then_queue_full(services, redis_url, model_dir):
     r = redis.Redis.from_url(redis_url)
     assert r.xlen(stream) == 1  # accepted before the timeout: it stays for a verifier (deadline set)
     assert json.loads(r.xrange(stream)[0][1][b"body"])["deadline"] is not None
+    # gRPC: the client's shorter deadline is the request's deadline (queued with it, answered at it).
+    stub = generate_pb2_grpc.GenerateStub(grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}"))
+    started = time.monotonic()
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Generate(generate_pb2.GenerateRequest(text="x", max_tokens=4), timeout=0.3)
+    assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and time.monotonic() - started < 2
+    queued = [json.loads(fields[b"body"]) for _, fields in r.xrange(stream)]
+    assert len(queued) == 2 and queued[1]["deadline"] - queued[1]["arrival_time"] < 1.0
+    r.xdel(stream, r.xrange(stream)[1][0])
     r.xadd(stream, {"id": "filler", "body": "{}"})
     with pytest.raises(openai.RateLimitError) as info:
         client.completions.create(model=str(model_dir), prompt="x", max_tokens=4)
