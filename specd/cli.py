@@ -40,7 +40,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 SERVICE_CLI_MODULES = ("services.gateway.cli", "services.verifier.cli", "services.drafter.cli",
-                       "services.launcher.cli", "services.grammar.cli")
+                       "services.launcher.cli", "services.grammar.cli", "specd.train.cli")
 
 
 def _healthcheck(args: argparse.Namespace) -> int:

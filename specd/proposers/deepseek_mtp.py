@@ -8,6 +8,11 @@ L = num_hidden_layers:
 h_p is the target's final hidden state, after its final norm (hidden_kind "final"). For k > 1 the
 module is reused on its own g, the decoder output before shared_head.norm, as in the paper and
 vLLM (SGLang feeds the normed state instead; CHAIN_AFTER_NORM switches).
+
+The same module on a Llama target (config model_type "llama", as `specd train` writes for its
+trained family) uses a Llama decoder layer. Its checkpoint may be a directory of its own holding
+only `model.layers.<L>.*` with the target's config plus num_nextn_predict_layers; the shared
+embeddings and LM head then come from the target checkpoint.
 """
 
 from __future__ import annotations
@@ -16,9 +21,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import DeepseekV3Config
-from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
-    DeepseekV3DecoderLayer, DeepseekV3RMSNorm, DeepseekV3RotaryEmbedding)
+from transformers import AutoConfig, PretrainedConfig
 
 from specd.models.weights import iter_tensors
 from specd.proposers.mtp_common import (BatchKV, PairHeadProposer, TransformersCache,
@@ -29,22 +32,37 @@ _OWN_NAMES = ("embed_tokens.weight", "enorm.weight", "hnorm.weight", "eh_proj.we
               "shared_head.norm.weight", "shared_head.head.weight")
 
 
-class DeepseekMTPHead(nn.Module):
-    """One MTP module of DeepSeek-V3 around a transformers DeepseekV3DecoderLayer."""
+def decoder_parts(config: PretrainedConfig) -> tuple[type, type, type]:
+    """(decoder layer, RMSNorm, rotary embedding) classes of the target's architecture."""
+    if config.model_type == "deepseek_v3":
+        from transformers.models.deepseek_v3 import modeling_deepseek_v3 as m
 
-    def __init__(self, config: DeepseekV3Config) -> None:
+        return m.DeepseekV3DecoderLayer, m.DeepseekV3RMSNorm, m.DeepseekV3RotaryEmbedding
+    if config.model_type == "llama":
+        from transformers.models.llama import modeling_llama as m
+
+        return m.LlamaDecoderLayer, m.LlamaRMSNorm, m.LlamaRotaryEmbedding
+    raise ValueError(f"deepseek_mtp: no MTP layer for model_type {config.model_type!r} "
+                     "(supported: deepseek_v3, llama)")
+
+
+class DeepseekMTPHead(nn.Module):
+    """One MTP module of DeepSeek-V3 around a transformers decoder layer of the target's kind."""
+
+    def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
+        decoder_layer, rms_norm, rotary = decoder_parts(config)
         hidden, eps = config.hidden_size, config.rms_norm_eps
         self.embed_tokens = nn.Embedding(config.vocab_size, hidden)
-        self.enorm = DeepseekV3RMSNorm(hidden, eps)
-        self.hnorm = DeepseekV3RMSNorm(hidden, eps)
+        self.enorm = rms_norm(hidden, eps)
+        self.hnorm = rms_norm(hidden, eps)
         self.eh_proj = nn.Linear(2 * hidden, hidden, bias=False)
         # layer_idx = L: MLA and the MoE-vs-dense choice (first_k_dense_replace) follow the config.
-        self.layer = DeepseekV3DecoderLayer(config, layer_idx=config.num_hidden_layers)
+        self.layer = decoder_layer(config, layer_idx=config.num_hidden_layers)
         self.shared_head = nn.Module()
-        self.shared_head.norm = DeepseekV3RMSNorm(hidden, eps)
+        self.shared_head.norm = rms_norm(hidden, eps)
         self.shared_head.head = nn.Linear(hidden, config.vocab_size, bias=False)
-        self.rotary = DeepseekV3RotaryEmbedding(config)
+        self.rotary = rotary(config)
         self.cache_kwarg = TransformersCache.kwarg_name(self.layer)
 
     def project_target(self, rows: torch.Tensor) -> torch.Tensor:
@@ -69,46 +87,68 @@ class DeepseekMTPHead(nn.Module):
         return self.shared_head.head(normed).float()
 
 
-def load_deepseek_mtp_head(target_path: str | Path) -> DeepseekMTPHead:
-    """Build the head on CPU in float32 from `model.layers.<L>.*` of the target checkpoint."""
-    config = DeepseekV3Config.from_pretrained(str(target_path))
-    quant = getattr(config, "quantization_config", None)
-    if quant:
-        raise ValueError(f"{target_path}: quantized checkpoints ({quant.get('quant_method')}) are "
-                         "not supported by the MTP drafter; use a bf16 checkpoint")
-    if not getattr(config, "num_nextn_predict_layers", 0):
-        raise ValueError(f"{target_path}: num_nextn_predict_layers is 0: no MTP layer")
+def load_mtp_config(path: str | Path) -> PretrainedConfig:
+    config = AutoConfig.from_pretrained(str(path))
     config._attn_implementation = "sdpa"  # BatchKV hands the layer a boolean mask
     config._experts_implementation = "eager"
+    return config
+
+
+def load_deepseek_mtp_head(mtp_path: str | Path, target_path: str | Path | None = None
+                           ) -> DeepseekMTPHead:
+    """Build the head on CPU in float32 from `model.layers.<L>.*` of the MTP checkpoint (the
+    target's own, or a directory of its own whose shared weights come from target_path)."""
+    shared_paths = [mtp_path] + ([target_path] if target_path and target_path != mtp_path else [])
+    config = load_mtp_config(mtp_path)
+    quant = getattr(config, "quantization_config", None)
+    if quant:
+        raise ValueError(f"{mtp_path}: quantized checkpoints ({quant.get('quant_method')}) are "
+                         "not supported by the MTP drafter; use a bf16 checkpoint")
+    if not getattr(config, "num_nextn_predict_layers", 0):
+        raise ValueError(f"{mtp_path}: num_nextn_predict_layers is 0: no MTP layer")
     prefix = f"model.layers.{config.num_hidden_layers}."
-    tensors = {name[len(prefix):]: t for name, t in iter_tensors(target_path, prefix)}
+    tensors = {name[len(prefix):]: t for name, t in iter_tensors(mtp_path, prefix)}
     if not tensors:
-        raise KeyError(f"{target_path}: no MTP tensors under {prefix}*")
+        raise KeyError(f"{mtp_path}: no MTP tensors under {prefix}*")
     # DeepSeek-V3 stores copies of the shared embeddings in the MTP layer; else use the originals.
     if "embed_tokens.weight" not in tensors:
-        tensors["embed_tokens.weight"] = read_first_tensor(target_path,
-                                                           ("model.embed_tokens.weight",))
+        tensors["embed_tokens.weight"] = _shared_tensor(shared_paths, ("model.embed_tokens.weight",))
     if "shared_head.head.weight" not in tensors:
-        tensors["shared_head.head.weight"] = read_first_tensor(target_path, ("lm_head.weight",))
+        # A target with tied embeddings stores only the embedding matrix.
+        names = ("lm_head.weight",) + (("model.embed_tokens.weight",)
+                                       if getattr(config, "tie_word_embeddings", False) else ())
+        tensors["shared_head.head.weight"] = _shared_tensor(shared_paths, names)
     missing = [prefix + n for n in _OWN_NAMES if n not in tensors]
     if missing:
-        raise KeyError(f"{target_path}: MTP layer lacks {missing}")
+        raise KeyError(f"{mtp_path}: MTP layer lacks {missing}")
     head = DeepseekMTPHead(config)
     for name in _OWN_NAMES:
         head.get_parameter(name).data.copy_(tensors.pop(name))
-    load_module_tensors(head.layer, tensors, f"{target_path}: {prefix}*")
+    load_module_tensors(head.layer, tensors, f"{mtp_path}: {prefix}*")
     return head
 
 
+def _shared_tensor(paths: list, names: tuple[str, ...]) -> torch.Tensor:
+    """The first of `names` in the first checkpoint of `paths` holding any of them."""
+    errors = []
+    for path in paths:
+        try:
+            return read_first_tensor(path, names)
+        except KeyError as e:
+            errors.append(str(e))
+    raise KeyError("; ".join(errors))
+
+
 class DeepseekMTPProposer(PairHeadProposer):
-    """Drafts with DeepSeek-V3's MTP module, read from the target checkpoint itself."""
+    """Drafts with DeepSeek-V3's MTP module, read from the target checkpoint itself (or from an
+    MTP directory of its own, sharing the target's embeddings and LM head)."""
 
     method = "deepseek_mtp"
     hidden_kind = "final"
 
-    def __init__(self, target_path: str | Path, device: torch.device | str = "cpu",
-                 dtype: torch.dtype = torch.float32) -> None:
-        head = load_deepseek_mtp_head(target_path)
+    def __init__(self, mtp_path: str | Path, device: torch.device | str = "cpu",
+                 dtype: torch.dtype = torch.float32, target_path: str | Path | None = None) -> None:
+        head = load_deepseek_mtp_head(mtp_path, target_path)
         self.vocab_size = head.shared_head.head.out_features
         router = getattr(head.layer.mlp, "gate", None)  # MoE layers only
         router_state = None if router is None else {
