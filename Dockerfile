@@ -36,7 +36,7 @@ RUN python3 -c "import sys, importlib; toml = importlib.import_module('tomllib' 
 FROM python
 # An unprivileged user with a numeric id (Kubernetes' runAsNonRoot checks the number). /models is
 # created here so a fresh named volume mounted there inherits this owner and the models job can
-# write the small default models into it.
+# copy the default models into it.
 RUN useradd --uid 10001 --create-home --shell /usr/sbin/nologin specd \
  && mkdir -p /models && chown specd:specd /models
 
@@ -63,6 +63,8 @@ WORKDIR /opt/specd
 COPY pyproject.toml ./
 COPY specd ./specd
 COPY services ./services
+# The trained default family (32 MB): `specd install-default-models /models` copies it into a volume.
+COPY models ./models
 # --no-deps --no-build-isolation: everything is installed above; this layer needs no network.
 RUN pip install --no-deps --no-build-isolation . && rm -rf build *.egg-info
 

@@ -16,6 +16,15 @@ def _make_tiny_models(args: argparse.Namespace) -> int:
     return 0
 
 
+def _install_default_models(args: argparse.Namespace) -> int:
+    from specd.default_models import install_default_models
+
+    copied = install_default_models(args.dir)
+    print(f"copied {len(copied)} entries into {args.dir}" if copied else
+          f"{args.dir} already holds the default models")
+    return 0
+
+
 def _generate(args: argparse.Namespace) -> int:
     """Run the in-process pipeline on prompts and print completions with speculation figures."""
     from specd import GenerationConfig, PytorchEngineConfig, pipeline
@@ -75,6 +84,11 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("dir", type=Path)
     tiny.add_argument("--seed", type=int, default=0)
     tiny.set_defaults(func=_make_tiny_models)
+
+    install = sub.add_parser("install-default-models",
+                             help="copy the trained default models (models/ of specd) into DIR")
+    install.add_argument("dir", type=Path)
+    install.set_defaults(func=_install_default_models)
 
     gen = sub.add_parser("generate", help="run prompts through the in-process pipeline")
     gen.add_argument("model")

@@ -120,7 +120,7 @@ def test_every_container_command_parses(rendered):
     for name, deployment in by_kind(docs, "Deployment").items():
         for container in pod_spec(deployment).get("initContainers", []):
             args = parsed(docs, container, f"{name}/{container['name']}")
-            assert args.command == "make-tiny-models"
+            assert args.command == "install-default-models"
             mounts = {m["mountPath"] for m in container["volumeMounts"]}
             assert str(args.dir) in mounts
         args = parsed(docs, main_container(deployment), name)
