@@ -15,7 +15,7 @@ if __name__ == '__main__':
             {'role': 'user', 'content': 'def fibonacci(n):'},
         ],
         temperature=0,
-        max_tokens=48,
+        max_tokens=64,
     )
     print('completion:', repr(response.choices[0].message.content))
     stats = (response.model_extra or {}).get('spec_stats') or {}

@@ -6,8 +6,8 @@ from specd import PytorchEngineConfig, pipeline
 from specd.messages import SpeculativeConfig
 
 if __name__ == '__main__':
-    model_path = sys.argv[1] if len(sys.argv) > 1 else '.tiny-models/target-llama'
-    draft_path = sys.argv[2] if len(sys.argv) > 2 else '.tiny-models/draft-eagle3'
+    model_path = sys.argv[1] if len(sys.argv) > 1 else 'models/specd-py-target'
+    draft_path = sys.argv[2] if len(sys.argv) > 2 else 'models/specd-py-eagle3'
     spec_cfg = SpeculativeConfig(
         method='eagle3',
         num_speculative_tokens=3,

@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
-# The main job: set up (if needed), write the small default models, serve the whole stack
-# (embedded Redis, drafter, verifier, gateway) with EAGLE-3, send a sample request through the
-# OpenAI client, print the completion and the acceptance figures, and keep serving until Ctrl-C.
-# SPECD_DEMO_EXIT=1 stops after the sample request.
+# The main job: set up (if needed), serve the whole stack (embedded Redis, drafter, grammar,
+# verifier, gateway) on the trained small model family in models/ with its EAGLE-3 head, send a
+# sample request through the OpenAI client, print the completion and the acceptance figures, and
+# keep serving until Ctrl-C. SPECD_DEMO_EXIT=1 stops after the sample request.
+# SPECD_MODEL / SPECD_DRAFT_MODEL serve other checkpoints.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-MODELS="${SPECD_TINY_MODELS:-.tiny-models}"
+MODEL="${SPECD_MODEL:-models/specd-py-target}"
+DRAFT="${SPECD_DRAFT_MODEL:-models/specd-py-eagle3}"
 PORT="${SPECD_PORT:-23333}"
-[ -f "$MODELS/draft-eagle3/config.json" ] || .venv/bin/specd make-tiny-models "$MODELS" >/dev/null
-.venv/bin/specd serve api_server "$MODELS/target-llama" --backend pytorch --server-port "$PORT" \
-  --speculative-algorithm eagle3 --speculative-draft-model "$MODELS/draft-eagle3" \
+.venv/bin/specd serve api_server "$MODEL" --backend pytorch --server-port "$PORT" \
+  --speculative-algorithm eagle3 --speculative-draft-model "$DRAFT" \
   --speculative-num-draft-tokens 3 --max-batch-size 32 --enable-metrics --log-level warning &
 SERVER=$!
 trap 'kill -INT $SERVER 2>/dev/null; wait $SERVER' EXIT
