@@ -36,6 +36,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
                         "them (0: never); keep it above the longest step")
     p.add_argument("--drafter-deadline-ms", type=int, default=2_000,
                    help="a drafter step slower than this falls back to target-only decoding for its requests")
+    p.add_argument("--drafter-refresh-s", type=float, default=10.0,
+                   help="re-resolve --drafter names this often, adding drafters that appear and dropping "
+                        "those that leave DNS (0: resolve once, at start)")
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--log-interval", type=float, default=10.0, help="seconds between summary lines (0: off)")
     add_tls_arguments(p, server=False)  # it connects to drafters and the grammar service
@@ -63,7 +66,8 @@ def run(args: argparse.Namespace) -> int:
         session_len=args.session_len, device=args.device, tp=args.tp, admin_host=args.admin_host,
         admin_port=args.admin_port, metrics_port=args.metrics_port, block_size=args.block_size,
         log_interval_s=args.log_interval, reclaim_idle_ms=args.reclaim_idle_ms,
-        drafter_deadline_ms=args.drafter_deadline_ms, tls=TLSConfig.from_args(args))
+        drafter_deadline_ms=args.drafter_deadline_ms, drafter_refresh_s=args.drafter_refresh_s,
+        tls=TLSConfig.from_args(args))
     try:
         return serve(config)
     except redis.RedisError as e:

@@ -8,6 +8,7 @@ then the process exits 0; a second signal stops at once, leaving unanswered entr
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -52,6 +53,7 @@ class VerifierConfig:
     log_interval_s: float = 10.0
     reclaim_idle_ms: int = 30_000  # take over entries idle this long (their verifier died); 0: never
     drafter_deadline_ms: int = 2_000  # a drafter step slower than this is decoded target-only
+    drafter_refresh_s: float = 10.0  # re-resolve the drafter names this often (0: only at start)
     tls: TLSConfig = PLAINTEXT  # CA (and client certificate) for the drafter and grammar channels
 
     def __post_init__(self) -> None:
@@ -69,6 +71,8 @@ class VerifierConfig:
             raise ConfigError(f"device: expected cpu, cuda, cuda:N or auto, got {self.device!r}")
         if self.drafter_deadline_ms < 1:
             raise ConfigError(f"drafter_deadline_ms: must be >= 1, got {self.drafter_deadline_ms}")
+        if self.drafter_refresh_s < 0:
+            raise ConfigError(f"drafter_refresh_s: must be >= 0 (0: off), got {self.drafter_refresh_s}")
         ClaimConfig(idle_ms=self.reclaim_idle_ms)  # validates the reclaim timing
         for name in ("admin_port", "metrics_port"):
             if not 0 <= getattr(self, name) < 65536:
@@ -150,26 +154,33 @@ def attach_draft_masking(engine, config) -> None:
     engine.proposer.draft_constraints = DraftConstraints(lambda: GrammarCompilerCache.from_model_dir(config.model))
 
 
-def resolve_drafters(addresses: list[str]) -> list[str]:
+def resolve_drafters(addresses: list[str], last: dict[str, list[str]] | None = None) -> list[str]:
     """Expand each host:port whose name resolves to several IPv4 (else IPv6) addresses into one
     address per IP, so that `drafter:50061` under compose `--scale drafter=N`, or a headless
     Kubernetes Service, puts every replica on the hash ring (a gRPC channel to the name would
-    stream to just one of them). A name with one address, or none yet, is kept as given."""
+    stream to just one of them). A name with one address is kept as given. `last` remembers each
+    name's expansion across calls (the periodic refresh): a name that does not resolve keeps its
+    last addresses, so a DNS hiccup moves no drafter; without one it is kept as given."""
+    last = {} if last is None else last
     resolved: list[str] = []
     for address in addresses:
         host, _, port = address.rpartition(":")
         try:
             infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
         except (socket.gaierror, ValueError):
-            infos = []
-        ips = {family: sorted({info[4][0] for info in infos if info[0] == family})
-               for family in (socket.AF_INET, socket.AF_INET6)}
-        ips = ips[socket.AF_INET] or ips[socket.AF_INET6]
-        if len(ips) < 2:
-            resolved.append(address)
-            continue
-        resolved += [f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}" for ip in ips]
-        log.info("drafters resolved", extra={"drafter": address, "addresses": ",".join(resolved[-len(ips):])})
+            infos = None
+        if infos is None:
+            expansion = last.get(address, [address])
+        else:
+            ips = {family: sorted({info[4][0] for info in infos if info[0] == family})
+                   for family in (socket.AF_INET, socket.AF_INET6)}
+            ips = ips[socket.AF_INET] or ips[socket.AF_INET6]
+            expansion = ([f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}" for ip in ips] if len(ips) >= 2
+                         else [address])
+        if expansion != last.get(address, [address]):  # logged when it changes, not every refresh
+            log.info("drafters resolved", extra={"drafter": address, "addresses": ",".join(expansion)})
+        last[address] = expansion
+        resolved += expansion
     return list(dict.fromkeys(resolved))
 
 
@@ -182,8 +193,12 @@ def build_proposer(config: VerifierConfig):
         from specd.proposers.remote import RemoteProposer
     except ImportError as e:
         raise ConfigError(f"drafter: the remote proposer is unavailable ({e})") from e
-    proposer = RemoteProposer(resolve_drafters(config.drafters), deadline_s=config.drafter_deadline_ms / 1000,
-                              credentials=channel_credentials(config.tls))
+    expansions: dict[str, list[str]] = {}  # shared with the refresh thread, which alone uses it later
+    proposer = RemoteProposer(resolve_drafters(config.drafters, expansions),
+                              deadline_s=config.drafter_deadline_ms / 1000,
+                              credentials=channel_credentials(config.tls),
+                              resolve=functools.partial(resolve_drafters, config.drafters, expansions),
+                              refresh_s=config.drafter_refresh_s)
     max_k = getattr(proposer, "max_num_draft_tokens", 0) or spec.num_speculative_tokens
     problem = None
     if proposer.method != spec.method:

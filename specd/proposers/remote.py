@@ -15,6 +15,16 @@ backoff and puts it back on the ring. Parked sequences resume speculation once a
 live: `take_resync()` names them and the engine reopens them with their whole history (see
 SpecEngine._resync_drafts). Only a step the drafter refuses as malformed (DrafterRejectedError, a
 bug on this side) still raises.
+
+Membership changes while serving. With `resolve` and `refresh_s`, a DrafterDiscovery thread
+re-resolves the drafter names; an address that appears is connected in the background like a
+reconnecting drafter, and one that leaves DNS is dropped like a dead one (its sequences park and
+resync on the others) and no longer reconnected. A drafter that joins the ring (new or back)
+takes the sequences whose hash now lands on it, at the safe point between steps: the next
+take_resync() parks them on their old drafter (which frees their state there) and names them with
+the other parked ones, so they reopen on the new drafter through the same resync path (for a
+drafter fed hidden states, a re-prefill, as after a failover: paid once per ring change). Only the
+engine thread touches the ring; the discovery and reconnect threads hand over through queues.
 """
 
 from __future__ import annotations
@@ -23,11 +33,13 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 
 import grpc
 import torch
 
 from specd.proposers.base import DraftProposal, DraftRequest, HiddenKind
+from specd.proposers.drafter_discovery import DrafterDiscovery
 from specd.proposers.drafter_stream import (DrafterError, DrafterRejectedError, DrafterStream,
                                             DrafterUnavailableError, HashRing, sampling_params_to_pb)
 from specd.sampling_params import SamplingParams
@@ -57,7 +69,9 @@ class RemoteProposer:
     retried every reconnect_backoff_s doubling up to reconnect_max_backoff_s. hidden_dtype casts
     hidden rows before sending (None: as the target produced them). After each propose,
     last_rpc_seconds is the step's wall time here and last_draft_seconds the slowest drafter's
-    model time (the rest is transport).
+    model time (the rest is transport). resolve() names the drafters anew (the verifier expands
+    DNS names, services/verifier/server.py resolve_drafters); it is called every refresh_s on a
+    background thread (0: the addresses stay as given).
     """
 
     draft_constraints = None  # remote drafters mask drafts themselves
@@ -65,9 +79,12 @@ class RemoteProposer:
     def __init__(self, addresses: list[str], *, deadline_s: float = 10.0, connect_timeout_s: float = 10.0,
                  hidden_dtype: torch.dtype | None = None, reconnect_timeout_s: float = 1.0,
                  reconnect_backoff_s: float = 0.1, reconnect_max_backoff_s: float = 2.0,
-                 credentials: grpc.ChannelCredentials | None = None) -> None:
+                 credentials: grpc.ChannelCredentials | None = None,
+                 resolve: Callable[[], list[str]] | None = None, refresh_s: float = 0.0) -> None:
         if not addresses:
             raise ValueError("addresses: need at least one drafter address")
+        if refresh_s < 0 or (refresh_s > 0 and resolve is None):
+            raise ValueError(f"refresh_s: must be >= 0 and needs resolve when > 0, got {refresh_s}")
         if deadline_s <= 0 or reconnect_timeout_s <= 0 or not 0 < reconnect_backoff_s <= reconnect_max_backoff_s:
             raise ValueError("deadline_s, reconnect_timeout_s: must be > 0; need 0 < reconnect_backoff_s "
                              "<= reconnect_max_backoff_s")
@@ -77,17 +94,22 @@ class RemoteProposer:
         self.reconnect_timeout_s = reconnect_timeout_s
         self.reconnect_backoff_s = reconnect_backoff_s
         self.reconnect_max_backoff_s = reconnect_max_backoff_s
-        self._all_addresses = list(dict.fromkeys(addresses))
+        self._wanted = list(dict.fromkeys(addresses))  # what the names resolve to: live or being connected
         self._drafters: dict[str, DrafterStream] = {}  # live ones
         self._owner: dict[int, DrafterStream | None] = {}  # open seq id -> its drafter (None: parked)
         self._parked: set[int] = set()  # open, without draft state: waiting for a live drafter
-        self._revived: queue.SimpleQueue = queue.SimpleQueue()  # DrafterStreams from reconnect threads
-        self._reconnecting: set[str] = set()
+        # (DrafterStream, its thread's cancel event) from the connect threads
+        self._revived: queue.SimpleQueue = queue.SimpleQueue()
+        self._reconnecting: dict[str, threading.Event] = {}  # address -> cancels its connect thread
+        self._rebalance = False  # a drafter joined the ring: move the sequences that hash to it
         self._closed = threading.Event()
+        self._discovery: DrafterDiscovery | None = None
         self.num_failovers = 0  # drafters lost over the proposer's life (tests, logs)
-        self.num_reconnects = 0
+        self.num_reconnects = 0  # drafters (back) on the ring after the start, new ones included
+        self.num_removed = 0  # addresses that left DNS
+        self.num_moved = 0  # sequences moved to a drafter that joined the ring
         failures: list[DrafterError] = []
-        for address in self._all_addresses:
+        for address in self._wanted:
             try:
                 self._drafters[address] = DrafterStream(address, connect_timeout_s, self.credentials)
             except DrafterError as err:
@@ -112,11 +134,18 @@ class RemoteProposer:
             self._start_reconnect(err.address)
         self.last_rpc_seconds = 0.0
         self.last_draft_seconds = 0.0
+        if refresh_s > 0:
+            self._discovery = DrafterDiscovery(resolve, refresh_s, self._wanted)
 
     @property
     def addresses(self) -> list[str]:
         """The live drafters."""
         return list(self._drafters)
+
+    @property
+    def wanted_addresses(self) -> list[str]:
+        """Every drafter address the names resolve to (last refresh), live or being connected."""
+        return list(self._wanted)
 
     @property
     def num_parked(self) -> int:
@@ -133,7 +162,7 @@ class RemoteProposer:
     def open(self, seq_id: int, params: SamplingParams, grammar=None) -> None:
         if seq_id in self._owner:
             raise ValueError(f"seq {seq_id}: already open")
-        self._absorb_revived()
+        self._absorb()
         if not self._drafters:  # no drafter at all: decode target-only until one is back
             self._owner[seq_id] = None
             self._parked.add(seq_id)
@@ -152,7 +181,7 @@ class RemoteProposer:
 
     def propose(self, requests: list[DraftRequest]) -> list[DraftProposal]:
         t0 = time.perf_counter()
-        self._absorb_revived()
+        self._absorb()
         groups: dict[str, list[int]] = {}  # live drafter address -> indices into requests
         for i, r in enumerate(requests):
             if r.seq_id not in self._owner:
@@ -190,9 +219,16 @@ class RemoteProposer:
     # ---- beyond the protocol ----------------------------------------------------------------
     def take_resync(self) -> list[int]:
         """Parked sequences a live drafter can take now; the caller closes and reopens each with
-        its whole history (their draft state is gone). Empty while no drafter is live."""
-        self._absorb_revived()
-        if not self._drafters or not self._parked:
+        its whole history (their draft state is gone). Empty while no drafter is live.
+
+        Called between steps (nothing in flight), this is also where sequences move to a drafter
+        that joined the ring: they are parked here and named with the rest."""
+        self._absorb()
+        if not self._drafters:
+            return []
+        if self._rebalance:
+            self._move_to_ring_owners()
+        if not self._parked:
             return []
         seq_ids, self._parked = sorted(self._parked), set()
         return seq_ids
@@ -204,11 +240,13 @@ class RemoteProposer:
     def shutdown(self) -> None:
         """End every stream (each drafter drops this proposer's sequences) and close channels."""
         self._closed.set()
+        if self._discovery is not None:
+            self._discovery.stop()
         for drafter in self._drafters.values():
             drafter.shutdown()
         self._drafters.clear()
         while not self._revived.empty():
-            self._revived.get().shutdown()
+            self._revived.get()[0].shutdown()
         self._owner.clear()
         self._parked.clear()
 
@@ -218,9 +256,18 @@ class RemoteProposer:
     def __exit__(self, *exc) -> None:
         self.shutdown()
 
-    # ---- failure and recovery ---------------------------------------------------------------
+    # ---- failure, recovery and membership -------------------------------------------------
     def _lose(self, drafter: DrafterStream, err: DrafterError) -> list[int]:
         """Drop a failed drafter: park its sequences, reconnect in the background; returns them."""
+        lost = self._drop(drafter, err)
+        self.num_failovers += 1
+        log.warning("drafter lost, %d sequences decode target-only until resynced: %s", len(lost), err)
+        if drafter.address in self._wanted:
+            self._start_reconnect(drafter.address)
+        return lost
+
+    def _drop(self, drafter: DrafterStream, err: DrafterError) -> list[int]:
+        """Take a drafter off the ring, end its stream and park its sequences; returns them."""
         lost = sorted(s for s, d in self._owner.items() if d is drafter)
         for seq_id in lost:
             self._owner[seq_id] = None
@@ -229,23 +276,22 @@ class RemoteProposer:
         self._ring.remove(drafter.address)
         drafter.error = drafter.error or err
         drafter.shutdown(timeout_s=0.1)
-        self.num_failovers += 1
-        log.warning("drafter lost, %d sequences decode target-only until resynced: %s", len(lost), err)
-        self._start_reconnect(drafter.address)
         return lost
 
-    def _start_reconnect(self, address: str) -> None:
+    def _start_reconnect(self, address: str, first_delay_s: float | None = None) -> None:
         if address in self._reconnecting or self._closed.is_set():
             return
-        self._reconnecting.add(address)
-        threading.Thread(target=self._reconnect, args=(address,), name=f"drafter-reconnect-{address}",
-                         daemon=True).start()
+        cancel = threading.Event()
+        self._reconnecting[address] = cancel
+        delay = self.reconnect_backoff_s if first_delay_s is None else first_delay_s
+        threading.Thread(target=self._reconnect, args=(address, cancel, delay), daemon=True,
+                         name=f"drafter-reconnect-{address}").start()
 
-    def _reconnect(self, address: str) -> None:
-        """Runs in its own thread: Info with backoff until the drafter answers with our contract."""
-        delay = self.reconnect_backoff_s
-        while not self._closed.wait(delay):
-            delay = min(delay * 2, self.reconnect_max_backoff_s)
+    def _reconnect(self, address: str, cancel: threading.Event, delay: float) -> None:
+        """Runs in its own thread: Info with backoff until the drafter answers with our contract,
+        or until the address leaves DNS (`cancel`) or the proposer shuts down."""
+        while not self._closed.wait(delay) and not cancel.is_set():
+            delay = min(max(delay, self.reconnect_backoff_s) * 2, self.reconnect_max_backoff_s)
             try:
                 stream = DrafterStream(address, self.reconnect_timeout_s, self.credentials)
             except DrafterError:
@@ -255,22 +301,74 @@ class RemoteProposer:
                           _contract(stream.info), self._contract)
                 stream.shutdown()
                 continue
-            self._revived.put(stream)  # handed to the engine thread, which owns the ring
-            return
-
-    def _absorb_revived(self) -> None:
-        """Put reconnected drafters back on the ring (engine thread only: no lock on the ring)."""
-        while not self._revived.empty():
-            stream = self._revived.get()
-            self._reconnecting.discard(stream.address)
-            if self._closed.is_set():
+            if stream.info.max_num_draft_tokens < self.max_num_draft_tokens:  # it would refuse our steps
+                log.error("drafter %s drafts at most %d tokens, the others %d; not used", address,
+                          stream.info.max_num_draft_tokens, self.max_num_draft_tokens)
                 stream.shutdown()
                 continue
+            self._revived.put((stream, cancel))  # handed to the engine thread, which owns the ring
+            return
+
+    def _absorb(self) -> None:
+        """Apply what the background threads found (engine thread only: no lock on the ring)."""
+        if self._discovery is not None:
+            wanted = self._discovery.take()
+            if wanted is not None:
+                self._follow(wanted)
+        while not self._revived.empty():
+            stream, cancel = self._revived.get()
+            if self._closed.is_set() or self._reconnecting.get(stream.address) is not cancel:
+                stream.shutdown()  # closed, or the address left DNS while it connected
+                continue
+            del self._reconnecting[stream.address]
             self._drafters[stream.address] = stream
             self._ring.add(stream.address)
+            self._rebalance = True
             self.num_reconnects += 1
-            log.info("drafter back on the ring: %s (%d parked sequences to resync)", stream.address,
+            log.info("drafter on the ring: %s (%d parked sequences to resync)", stream.address,
                      len(self._parked))
+
+    def _follow(self, wanted: list[str]) -> None:
+        """Make the drafters what DNS says: connect new addresses, drop those that are gone."""
+        added = [a for a in wanted if a not in self._wanted]
+        removed = [a for a in self._wanted if a not in wanted]
+        self._wanted = list(wanted)
+        for address in removed:
+            cancel = self._reconnecting.pop(address, None)
+            if cancel is not None:  # dead or still connecting: stop trying
+                cancel.set()
+            drafter = self._drafters.get(address)
+            lost = self._drop(drafter, DrafterUnavailableError(address, "left DNS")) if drafter else []
+            self.num_removed += 1
+            log.info("drafter left DNS: %s (%d sequences resync on the others)", address, len(lost))
+        for address in added:
+            log.info("drafter appeared in DNS, connecting: %s", address)
+            self._start_reconnect(address, first_delay_s=0.0)
+
+    def _move_to_ring_owners(self) -> None:
+        """Sequences whose hash lands on another live drafter than theirs go there: those not
+        sent yet just change owner; the others are closed on the old drafter and parked (their
+        draft state cannot move), for take_resync to name."""
+        self._rebalance = False
+        moved = 0
+        for seq_id, owner in list(self._owner.items()):
+            if owner is None:
+                continue
+            target = self._drafters[self._ring.lookup(seq_id)]
+            if target is owner:
+                continue
+            moved += 1
+            pending = owner.pending_open.pop(seq_id, None)
+            if pending is not None:
+                target.pending_open[seq_id] = pending
+                self._owner[seq_id] = target
+                continue
+            owner.pending_close.append(seq_id)
+            self._owner[seq_id] = None
+            self._parked.add(seq_id)
+        self.num_moved += moved
+        if moved:
+            log.info("rebalanced: %d sequences move to the drafters that joined the ring", moved)
 
     # ---- helpers -----------------------------------------------------------------------------
     def _send(self, drafter: DrafterStream, requests: list[DraftRequest]) -> int:
