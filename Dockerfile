@@ -66,7 +66,9 @@ COPY services ./services
 # The trained default family (32 MB): `specd install-default-models /models` copies it into a volume.
 COPY models ./models
 # --no-deps --no-build-isolation: everything is installed above; this layer needs no network.
-RUN pip install --no-deps --no-build-isolation . && rm -rf build *.egg-info
+# chmod: checkpoints written by safetensors are 0600; the unprivileged user must read them.
+RUN pip install --no-deps --no-build-isolation . && rm -rf build *.egg-info \
+ && chmod -R a+rX models
 
 USER 10001
 WORKDIR /home/specd

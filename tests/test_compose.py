@@ -262,7 +262,7 @@ def image_inputs_digest(base: str) -> str:
     parts: list[bytes | str] = [base_id]
     for name in ("Dockerfile", ".dockerignore", "pyproject.toml"):
         parts += [name, (ROOT / name).read_bytes()]
-    for top in ("specd", "services"):
+    for top in ("specd", "services", "models"):
         for path in sorted((ROOT / top).rglob("*")):
             if path.is_file() and "__pycache__" not in path.parts and path.suffix != ".pyc":
                 parts += [str(path.relative_to(ROOT)), path.read_bytes()]
