@@ -29,18 +29,10 @@ import grpc
 
 from specd.grammar.backend import GrammarSpec, GrammarStep, MaskResult
 from specd.grammar.errors import GrammarCompileError, GrammarNotOpenError  # compiler.py's, without xgrammar
+from specd.transport.grpc_client import CHANNEL_OPTIONS, REJECTED_CODES
 from specd.transport.tensor_codec import TensorCodecError, tensor_from_pb
 from specd.v1 import grammar_pb2, grammar_pb2_grpc
 
-_REJECTED_CODES = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION,
-                   grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.INTERNAL)
-_MAX_MESSAGE_BYTES = 256 << 20
-# Short reconnect backoff: gRPC's default (1 s growing to 120 s) would leave a restarted replica
-# unused for minutes while constrained requests wait for it.
-_CHANNEL_OPTIONS = [("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
-                    ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
-                    ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
-                    ("grpc.max_reconnect_backoff_ms", 1000)]
 _RETRY_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 log = logging.getLogger("specd.grammar.remote")
@@ -67,7 +59,7 @@ class GrammarRejectedError(GrammarServiceError):
 
 def _error_from_rpc(address: str, err: grpc.RpcError) -> GrammarServiceError:
     code, details = err.code(), err.details()
-    cls = GrammarRejectedError if code in _REJECTED_CODES else GrammarUnavailableError
+    cls = GrammarRejectedError if code in REJECTED_CODES else GrammarUnavailableError
     return cls(address, f"{code.name}: {details}", code)
 
 
@@ -270,8 +262,8 @@ class RemoteGrammarBackend:
         channel = self._channels.get(self.address)
         if channel is None:
             channel = self._channels[self.address] = (
-                grpc.secure_channel(self.address, self.credentials, options=_CHANNEL_OPTIONS) if self.credentials
-                else grpc.insecure_channel(self.address, options=_CHANNEL_OPTIONS))
+                grpc.secure_channel(self.address, self.credentials, options=CHANNEL_OPTIONS) if self.credentials
+                else grpc.insecure_channel(self.address, options=CHANNEL_OPTIONS))
         return grammar_pb2_grpc.GrammarStub(channel)
 
     def _add_opens(self, message: grammar_pb2.GrammarStepRequest, seq_ids) -> None:

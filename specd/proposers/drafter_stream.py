@@ -17,17 +17,9 @@ import time
 import grpc
 
 from specd.sampling_params import SamplingParams
+from specd.transport.grpc_client import CHANNEL_OPTIONS, REJECTED_CODES
 from specd.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
 
-_REJECTED_CODES = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION,
-                   grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.INTERNAL)
-_MAX_MESSAGE_BYTES = 256 << 20
-# Short reconnect backoff: gRPC's default (1 s growing to 120 s) would keep a restarted drafter
-# unused for minutes.
-_CHANNEL_OPTIONS = [("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
-                    ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
-                    ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
-                    ("grpc.max_reconnect_backoff_ms", 1000)]
 
 
 class DrafterError(RuntimeError):
@@ -50,7 +42,7 @@ class DrafterRejectedError(DrafterError):
 
 def _error_from_rpc(address: str, err: grpc.RpcError) -> DrafterError:
     code, details = err.code(), err.details()
-    cls = DrafterRejectedError if code in _REJECTED_CODES else DrafterUnavailableError
+    cls = DrafterRejectedError if code in REJECTED_CODES else DrafterUnavailableError
     return cls(address, f"{code.name}: {details}", code)
 
 
@@ -100,8 +92,8 @@ class DrafterStream:
     def __init__(self, address: str, connect_timeout_s: float,
                  credentials: grpc.ChannelCredentials | None = None) -> None:
         self.address = address
-        self.channel = (grpc.secure_channel(address, credentials, options=_CHANNEL_OPTIONS) if credentials
-                        else grpc.insecure_channel(address, options=_CHANNEL_OPTIONS))
+        self.channel = (grpc.secure_channel(address, credentials, options=CHANNEL_OPTIONS) if credentials
+                        else grpc.insecure_channel(address, options=CHANNEL_OPTIONS))
         stub = drafter_pb2_grpc.DrafterStub(self.channel)
         try:  # wait_for_ready: a drafter still starting up is waited for, up to the timeout
             self.info = stub.Info(drafter_pb2.DrafterInfoRequest(), timeout=connect_timeout_s,

@@ -19,14 +19,7 @@ from tests.services.fault_helpers import make_worker, read_like_the_gateway
 from tests.services.test_verifier import assert_queue_empty, reference_tokens
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def test_client_disconnect_cancels_in_the_verifier_and_frees_the_cache(redis_url, tiny_models):

@@ -100,14 +100,7 @@ def fault_free(target: Path, prompts, grammars) -> list[list[int]]:
     return [s.output_token_ids for s in engine.generate(prompts, params, grammars)]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def test_sigkill_a_verifier_a_drafter_and_a_grammar_replica(tiny_models, tmp_path):

@@ -34,14 +34,7 @@ def target(tiny_models):
     return tiny_models["target-llama"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _run_until(worker, done, timeout=60.0):
