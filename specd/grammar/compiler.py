@@ -23,6 +23,7 @@ import xgrammar as xgr
 
 from specd.grammar.backend import GrammarSpec
 from specd.grammar.errors import GrammarCompileError
+from specd.grammar.schema_gaps import find_schema_gaps
 from specd.messages import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -227,6 +228,8 @@ class GrammarCompilerCache:
             compiled, warnings = _with_native_warnings(lambda: self._compiler.compile_json_schema(
                 spec.source, any_whitespace=False, strict_mode=True))
             inexact = list(dict.fromkeys(w for w in warnings if any(m in w for m in _INEXACT_MARKERS)))
+            # What xgrammar gets wrong without a warning (schema_gaps.py); the source is valid JSON.
+            inexact += find_schema_gaps(json.loads(spec.source))
             if inexact and self.reject_inexact:
                 more = f" (and {len(inexact) - 1} more)" if len(inexact) > 1 else ""
                 raise GrammarCompileError(f"response_format: the JSON schema uses a feature the grammar "
