@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import json
 import random
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -39,23 +39,49 @@ def make_prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(4, vocab) for _ in range(rng.randint(16, 48))] for _ in range(n)]
 
 
-def _generate_all(port: int, prompts: list[list[int]], max_tokens: int) -> tuple[float, list]:
+def _dead_children(stack) -> list[str]:
+    return [f"{name} exited with code {proc.returncode}" for name, proc in stack.children
+            if proc.poll() is not None]
+
+
+def _generate_all(stack, prompts: list[list[int]], max_tokens: int, timeout_s: float = 900.0
+                  ) -> tuple[float, list]:
+    """Send every prompt at once (gRPC futures); fail fast, cancelling the rest, if a service dies."""
     import grpc
 
     from specd.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 
-    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+    with grpc.insecure_channel(f"127.0.0.1:{stack.grpc_port}") as channel:
         stub = generate_pb2_grpc.GenerateStub(channel)
+        remaining = [len(prompts)]
+        finished = threading.Event()
+        t_end = [0.0]
+        lock = threading.Lock()
 
-        def one(prompt):
-            return stub.Generate(generate_pb2.GenerateRequest(
-                token_ids=generate_pb2.TokenIds(ids=prompt), max_tokens=max_tokens, ignore_eos=True,
-                sampling=common_pb2.SamplingParameters(temperature=0.0), has_seed=True), timeout=900)
+        def on_done(_future) -> None:
+            with lock:
+                remaining[0] -= 1
+                if remaining[0] == 0:
+                    t_end[0] = time.perf_counter()
+                    finished.set()
 
         t0 = time.perf_counter()
-        with ThreadPoolExecutor(max(1, len(prompts))) as pool:
-            replies = list(pool.map(one, prompts))
-        return time.perf_counter() - t0, replies
+        futures = [stub.Generate.future(generate_pb2.GenerateRequest(
+            token_ids=generate_pb2.TokenIds(ids=prompt), max_tokens=max_tokens, ignore_eos=True,
+            sampling=common_pb2.SamplingParameters(temperature=0.0), has_seed=True), timeout=timeout_s)
+            for prompt in prompts]
+        for f in futures:
+            f.add_done_callback(on_done)
+        try:
+            while not finished.wait(0.5):  # the wall time comes from the last reply, not this poll
+                dead = _dead_children(stack)
+                if dead:
+                    raise RuntimeError(f"a service died mid-run: {'; '.join(dead)}")
+            replies = [f.result() for f in futures]
+        finally:
+            for f in futures:
+                f.cancel()
+        return t_end[0] - t0, replies
 
 
 def _row(method: str, batch: int, wall: float, replies) -> E2ERow:
@@ -80,14 +106,14 @@ def run_method(method: str, target: Path, draft: Path | None, batches: list[int]
                          speculative_num_draft_tokens=k, max_batch_size=max(batches), device=device,
                          log_level=log_level, extra_env=dict(extra_env or {}))
     stack = Stack(config)
-    t0 = time.perf_counter()
-    stack.start(timeout=600)
-    start_s = time.perf_counter() - t0
-    rows, outputs = [], {}
-    try:
+    rows, outputs, start_s = [], {}, None
+    try:  # start inside the try: a stack that fails to start still stops what it started
+        t0 = time.perf_counter()
+        stack.start(timeout=600)
+        start_s = time.perf_counter() - t0
         for batch in batches:
-            _generate_all(stack.grpc_port, prompts[:batch], max_tokens)  # warm-up: graph captures
-            wall, replies = _generate_all(stack.grpc_port, prompts[:batch], max_tokens)
+            _generate_all(stack, prompts[:batch], max_tokens)  # warm-up: graph captures
+            wall, replies = _generate_all(stack, prompts[:batch], max_tokens)
             rows.append(_row(method, batch, wall, replies))
             for p, r in zip(prompts[:batch], replies):
                 outputs[tuple(p)] = list(r.token_ids)
@@ -110,22 +136,27 @@ def format_row(r: E2ERow) -> str:
 
 def run_e2e_bench(target: Path, drafts: dict, methods: list[str], batches: list[int],
                   max_tokens: int, k: int, device: str, replay_acceptance: float, work_dir: Path,
-                  vocab_for_prompts: int, on_row=None) -> tuple[list[E2ERow], dict]:
-    """Every method over every batch size; "off" always runs first (references, baseline)."""
+                  vocab_for_prompts: int, on_row=None, compile_mode: str | None = None
+                  ) -> tuple[list[E2ERow], dict]:
+    """Every method over every batch size; "off" always runs first (references, baseline).
+
+    compile_mode: the verifiers torch.compile their static path (SPECD_COMPILE); None: off.
+    """
     from specd.proposers.replay import corrupt_rate_for, write_references
 
     methods = ["off"] + [m for m in methods if m != "off"]
     prompts = make_prompts(max(batches), vocab_for_prompts)
     rows: list[E2ERow] = []
-    info: dict = {"k": k, "max_tokens": max_tokens, "device": device, "stack_start_s": {}}
+    info: dict = {"k": k, "max_tokens": max_tokens, "device": device, "stack_start_s": {},
+                  "compile_mode": compile_mode}
     off: dict[int, E2ERow] = {}
     for method in methods:
-        env, expected = {}, None
+        env, expected = {"SPECD_COMPILE": compile_mode or "0"}, None
         if method == "replay":
             refs = work_dir / "replay_references.jsonl"
             write_references(refs, [(list(p), out) for p, out in info["off_outputs"].items()])
             rate = corrupt_rate_for(replay_acceptance, k)
-            env = {"SPECD_REPLAY_REFERENCES": str(refs), "SPECD_REPLAY_CORRUPT_RATE": repr(rate)}
+            env |= {"SPECD_REPLAY_REFERENCES": str(refs), "SPECD_REPLAY_CORRUPT_RATE": repr(rate)}
             expected = replay_acceptance
             info["replay_corrupt_rate"] = rate
         draft = drafts.get(method)
@@ -147,7 +178,8 @@ def run_e2e_bench(target: Path, drafts: dict, methods: list[str], batches: list[
 
 def write_e2e_results(rows: list[E2ERow], info: dict, out_dir: Path) -> str:
     lines = [f"end to end through the services, k = {info['k']}, {info['max_tokens']} output tokens per "
-             f"request (greedy, ignore_eos), device {info['device']}; stack start s: {info['stack_start_s']}",
+             f"request (greedy, ignore_eos), device {info['device']}, compile {info.get('compile_mode') or 'off'}; "
+             f"stack start s: {info['stack_start_s']}",
              "", HEADER, "|---|---|---|---|---|---|---|---|"]
     lines += [format_row(r) for r in rows]
     table = "\n".join(lines) + "\n"

@@ -1,11 +1,15 @@
-"""Verify-step time of an 8B-shaped Llama: specd (CUDA graphs, eager) vs transformers, vs the floor.
+"""Verify-step time of an 8B-shaped Llama: specd (CUDA graphs, graphs + torch.compile, eager) vs
+transformers, vs the floor.
 
 The target forward of one engine step (all layers + lm_head, logits for every new token) over a
 batch whose sequences each hold `context` cached tokens, appending q tokens per sequence (q = 1:
 plain decode; q = k + 1: verification of k drafts). Random bf16 weights are drawn directly on
 the device (no checkpoint); transformers' LlamaForCausalLM uses the very same tensors (no copy)
 with its own DynamicCache at the same context and sdpa attention. The floor is reading every
-weight once at the GPU's memory bandwidth (default 4.8 TB/s, the H200).
+weight once at the GPU's memory bandwidth (default 4.8 TB/s, the H200). With `compile_mode`
+(`python -m bench step --compile`) a third specd runner over the same weights runs the static path
+with each layer's attention-free regions torch.compile'd (specd/models/compile.py) under the same
+CUDA graphs; its compile time is spent in each shape's warm-up and reported in the info.
 
     python -m bench step --out results/            # 8B shape on CUDA
     python -m bench step --small --out /tmp/x      # toy shape, CPU, seconds (the CPU test)
@@ -25,6 +29,7 @@ from specd.models.base import SequenceChunk
 from specd.models.hf_config import LlamaArchConfig
 from specd.models.llama import LlamaForCausalLM
 from specd.models.llama_runner import LlamaRunner
+from specd.models.merged_linear import checkpoint_tensors
 
 SHAPES = {
     "8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
@@ -44,6 +49,11 @@ class StepRow:
     specd_eager_ms: float
     transformers_ms: float | None
     floor_ms: float
+    specd_compiled_ms: float | None = None  # graphs + torch.compile'd layer regions
+
+    @property
+    def compiled_over_floor(self) -> float | None:
+        return None if self.specd_compiled_ms is None else self.specd_compiled_ms / self.floor_ms
 
     @property
     def graphs_over_floor(self) -> float:
@@ -77,7 +87,8 @@ def random_model(config: LlamaArchConfig, dtype: torch.dtype, device: torch.devi
 
 
 def transformers_twin(model: LlamaForCausalLM, config: LlamaArchConfig, device: torch.device):
-    """transformers' LlamaForCausalLM whose parameters ARE our model's tensors (shared, no copy)."""
+    """transformers' LlamaForCausalLM whose parameters ARE our model's tensors (shared, no copy:
+    its q/k/v_proj and gate/up_proj are row views of our fused qkv_proj / gate_up_proj)."""
     import transformers
 
     hf_config = transformers.LlamaConfig(
@@ -90,7 +101,7 @@ def transformers_twin(model: LlamaForCausalLM, config: LlamaArchConfig, device: 
     hf_config._attn_implementation = "sdpa"
     with torch.device("meta"):
         hf = transformers.LlamaForCausalLM(hf_config)
-    hf.load_state_dict(model.state_dict(), assign=True, strict=False)
+    hf.load_state_dict(checkpoint_tensors(model), assign=True, strict=False)
     # The rotary buffer is not a parameter: rebuild it on the device.
     with torch.device(device):
         hf.model.rotary_emb = type(hf.model.rotary_emb)(config=hf_config)
@@ -163,7 +174,8 @@ def time_transformers(hf, config: LlamaArchConfig, batch: int, q: int, context: 
 
 def run_step_bench(shape: str = "8b", batches=(1, 8, 32, 64, 128), qs=(1, 4), context: int = 1024,
                    device: str | None = None, bandwidth_tbs: float = 4.8, warmup: int = 3, iters: int = 10,
-                   with_transformers: bool = True, block_size: int = 64) -> tuple[list[StepRow], dict]:
+                   with_transformers: bool = True, block_size: int = 64, compile_mode: str | None = None,
+                   compile_budget_s: float = 240.0) -> tuple[list[StepRow], dict]:
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     config = arch_config(shape)
@@ -177,8 +189,13 @@ def run_step_bench(shape: str = "8b", batches=(1, 8, 32, 64, 128), qs=(1, 4), co
                                         device_type=dev.type,
                                         dtype="bfloat16" if dtype == torch.bfloat16 else "float32")
     # Graphs on CUDA; on CPU the static-buffer path without capture (same code, no graph).
-    graphs = LlamaRunner(".", engine_config, model=model, config=config, use_static_path=True)
-    eager = LlamaRunner(".", engine_config, model=model, config=config, use_static_path=False)
+    # compile_mode "0": these two never compile, whatever SPECD_COMPILE says.
+    graphs = LlamaRunner(".", engine_config, model=model, config=config, use_static_path=True,
+                         compile_mode="0")
+    eager = LlamaRunner(".", engine_config, model=model, config=config, use_static_path=False,
+                        compile_mode="0")
+    compiled = (LlamaRunner(".", engine_config, model=model, config=config, use_static_path=True,
+                            compile_mode=compile_mode) if compile_mode else None)
     hf = transformers_twin(model, config, dev) if with_transformers else None
     init_s = time.perf_counter() - t0
     rows = []
@@ -190,34 +207,85 @@ def run_step_bench(shape: str = "8b", batches=(1, 8, 32, 64, 128), qs=(1, 4), co
                  if hf is not None else None)
             rows.append(StepRow(batch, q, g, e, h, floor_ms))
             print(format_row(rows[-1]), flush=True)
+    compile_info = time_compiled_column(compiled, rows, context, warmup, iters, compile_budget_s)
     info = {"shape": shape, "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
             "dtype": str(dtype), "context": context, "weight_bytes": weight_bytes,
             "bandwidth_tbs": bandwidth_tbs, "init_s": round(init_s, 2),
-            "graph_captures": graphs.static.num_captures, "torch": torch.__version__}
+            "graph_captures": graphs.static.num_captures, "torch": torch.__version__,
+            "compile_mode": compile_mode, "sdpa_backend": sdpa_backend(config, dtype, dev), **compile_info}
     return rows, info
 
 
-HEADER = ("| batch | q | specd graphs ms | specd eager ms | transformers ms | floor ms "
-          "| graphs / floor | transformers / graphs |")
+def time_compiled_column(compiled: LlamaRunner | None, rows: list[StepRow], context: int, warmup: int,
+                         iters: int, budget_s: float) -> dict:
+    """Fill specd_compiled_ms row by row, after every other column is measured: a compile or
+    capture failure then costs this column only (recorded as compile_error), and rows past the
+    time budget (compiles take seconds per shape) stay empty instead of eating the e2e half."""
+    if compiled is None:
+        return {}
+    t0, info = time.perf_counter(), {}
+    for row in rows:
+        if time.perf_counter() - t0 > budget_s:
+            info["compile_skipped_rows"] = info.get("compile_skipped_rows", 0) + 1
+            continue
+        try:
+            row.specd_compiled_ms = time_specd(compiled, row.batch, row.q, context, warmup, iters)
+        except Exception as e:  # noqa: BLE001 - reported in the results, the other columns stand
+            info["compile_error"] = f"batch {row.batch} q {row.q}: {type(e).__name__}: {e}"[:2000]
+            print(f"compile column stopped: {info['compile_error']}", flush=True)
+            break
+        print(format_row(row), flush=True)
+    # Compiles (first call per shape) + captures + the timed runs of that column.
+    info["compile_column_s"] = round(time.perf_counter() - t0, 1)
+    return info
+
+
+def sdpa_backend(config: LlamaArchConfig, dtype: torch.dtype, device: torch.device) -> str:
+    """Which SDPA kernel the static path's call shape gets (q folded to Hkv heads, float mask), as
+    torch's dispatcher picks it; "unknown" where torch does not say (a private helper)."""
+    try:
+        g = config.num_attention_heads // config.num_key_value_heads
+        b, kv, d, s = 2, config.num_key_value_heads, config.head_dim, 1024
+        q = torch.zeros(b, kv, g * 4, d, dtype=dtype, device=device)
+        k = torch.zeros(b, kv, s, d, dtype=dtype, device=device)
+        mask = torch.zeros(b, 1, g * 4, s, dtype=dtype, device=device)
+        choice = torch._fused_sdp_choice(q, k, k, mask, 0.0, False, scale=d ** -0.5)
+        return str(torch.nn.attention.SDPBackend(choice).name)
+    except Exception as e:  # noqa: BLE001 - informational only
+        return f"unknown ({type(e).__name__})"
+
+
+HEADER = ("| batch | q | specd graphs ms | specd graphs+compile ms | specd eager ms | transformers ms "
+          "| floor ms | graphs / floor | graphs+compile / floor | transformers / graphs "
+          "| transformers / graphs+compile |")
 
 
 def format_row(r: StepRow) -> str:
-    hf = f"{r.transformers_ms:.2f}" if r.transformers_ms is not None else "-"
-    ratio = f"{r.transformers_over_graphs:.1f}x" if r.transformers_over_graphs is not None else "-"
-    return (f"| {r.batch} | {r.q} | {r.specd_graphs_ms:.2f} | {r.specd_eager_ms:.2f} | {hf} | "
-            f"{r.floor_ms:.2f} | {r.graphs_over_floor:.2f}x | {ratio} |")
+    def ms(v):
+        return f"{v:.2f}" if v is not None else "-"
+
+    def times(num, den, digits):
+        return f"{num / den:.{digits}f}x" if num is not None and den is not None else "-"
+
+    return (f"| {r.batch} | {r.q} | {ms(r.specd_graphs_ms)} | {ms(r.specd_compiled_ms)} | "
+            f"{ms(r.specd_eager_ms)} | {ms(r.transformers_ms)} | {r.floor_ms:.2f} | "
+            f"{r.graphs_over_floor:.2f}x | {times(r.specd_compiled_ms, r.floor_ms, 2)} | "
+            f"{times(r.transformers_ms, r.specd_graphs_ms, 1)} | "
+            f"{times(r.transformers_ms, r.specd_compiled_ms, 1)} |")
 
 
 def write_step_results(rows: list[StepRow], info: dict, out_dir: Path) -> str:
     lines = [f"verify-step forward, {info['shape']} shape, {info['dtype']}, context {info['context']}, "
              f"{info['device']}; floor = {info['weight_bytes'] / 1e9:.2f} GB of weights at "
-             f"{info['bandwidth_tbs']} TB/s", "", HEADER, "|---|---|---|---|---|---|---|---|"]
+             f"{info['bandwidth_tbs']} TB/s; compile mode {info.get('compile_mode') or 'off'}, "
+             f"SDPA kernel {info.get('sdpa_backend')}", "", HEADER, "|" + "---|" * HEADER.count(" | ") + "---|"]
     lines += [format_row(r) for r in rows]
     table = "\n".join(lines) + "\n"
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "step.md").write_text(table)
     (out_dir / "step.json").write_text(json.dumps(
         {"info": info, "rows": [asdict(r) | {"graphs_over_floor": r.graphs_over_floor,
+                                              "compiled_over_floor": r.compiled_over_floor,
                                               "transformers_over_graphs": r.transformers_over_graphs}
                                 for r in rows]}, indent=1))
     return table

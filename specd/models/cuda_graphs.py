@@ -11,6 +11,10 @@ For each (B, Q, NB, aux layers) key, the first batch that needs it captures a gr
 on CPU and with graphs off, simply runs the same body eagerly: the CPU twin executes the very code
 that is captured, so tests on CPU prove the static path's logits equal the eager path's.
 
+`regions` (llama.LayerRegions) picks how each layer's attention-free pieces run: eager, or
+torch.compile'd (compile.py: kernel fusion under the same capture). They compile on first use,
+which is the warm-up before a capture.
+
 Padding rows and padding slots write to the KV cache's scratch block, never to a real sequence.
 Prefill and mixed batches (a chunk longer than `max_query_len`), batches above the largest
 bucket and contexts above `max_context` take the eager path (`applies` says which).
@@ -25,6 +29,7 @@ import numpy as np
 import torch
 
 from specd.models.kv_cache import PagedKVCache
+from specd.models.llama import EAGER_REGIONS, LayerRegions
 from specd.models.static_attention import StaticAttentionMetadata
 
 logger = logging.getLogger(__name__)
@@ -78,7 +83,7 @@ class StaticForward:
 
     def __init__(self, model, kv_cache: PagedKVCache, *, max_batch_size: int,
                  use_cuda_graphs: bool, max_query_len: int = DEFAULT_MAX_QUERY_LEN,
-                 max_context: int = DEFAULT_MAX_CONTEXT) -> None:
+                 max_context: int = DEFAULT_MAX_CONTEXT, regions: LayerRegions = EAGER_REGIONS) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = kv_cache.block_size
@@ -87,6 +92,7 @@ class StaticForward:
         self.max_context = max_context
         self.device = kv_cache.device
         self.use_cuda_graphs = use_cuda_graphs and self.device.type == "cuda"
+        self.regions = regions
         self._entries: dict[tuple, _Entry] = {}
         self._pool = None  # one memory pool shared by every graph (they never run concurrently)
         self.num_static_forwards = 0  # counters the tests and the bench read
@@ -142,7 +148,7 @@ class StaticForward:
         input_ids, positions, slots, ctx_lens, tables = entry.views()
         meta = StaticAttentionMetadata(ctx_lens=ctx_lens, block_tables=tables, slot_mapping=slots,
                                        query_len=entry.qlen, block_size=self.block_size)
-        hidden, aux = self.model(input_ids, positions, meta, self.kv_cache, aux_layer_ids)
+        hidden, aux = self.model(input_ids, positions, meta, self.kv_cache, aux_layer_ids, self.regions)
         entry.hidden, entry.aux = hidden, aux
         entry.logits = self.model.compute_logits(hidden)  # [B * Q, V] float32
 

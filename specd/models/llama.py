@@ -1,15 +1,27 @@
 """A compact Llama-family decoder over flattened variable-length batches (gpt-fast style).
 
-Covers Llama 2/3.x, Qwen2, Qwen3 and Mistral (see hf_config.py). Module and parameter names are
-exactly transformers' (`model.layers.N.self_attn.q_proj.weight`, ...), so a checkpoint's tensors
-load by name. A forward takes the tokens of many sequences concatenated, `[num_tokens]`, with
-their positions; attention reads and writes the paged KV cache through `AttentionMetadata`.
+Covers Llama 2/3.x, Qwen2, Qwen3 and Mistral (see hf_config.py). Module names follow
+transformers', except that q/k/v are one fused `qkv_proj` and gate/up one `gate_up_proj`
+(merged_linear.py): fewer, larger GEMMs. Checkpoints keep transformers' names on disk
+(`model.layers.N.self_attn.q_proj.weight`, ...); loading maps each onto its rows of the fused
+weight. A forward takes the tokens of many sequences concatenated, `[num_tokens]`, with their
+positions; attention reads and writes the paged KV cache through `AttentionMetadata`.
+
+A decoder layer is three pieces: `attention_input` (input RMSNorm, the fused QKV GEMM, q/k norms,
+RoPE), the attention itself (KV-cache write + paged attention, `LlamaAttention.attend`) and
+`attention_output_and_mlp` (o_proj, residual, post-attention RMSNorm, the fused gate/up GEMM,
+SwiGLU, down_proj, residual). The two outer pieces are pure functions of fixed-shape tensors, so
+the static (CUDA-graph) path can swap in `torch.compile`d twins of them (`LayerRegions`,
+compile.py) while the attention, which writes the cache in place, stays eager: vLLM's piecewise
+split.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +30,7 @@ from torch import nn
 from specd.models.attention import AttentionMetadata, paged_attention, write_kv
 from specd.models.hf_config import LlamaArchConfig
 from specd.models.kv_cache import PagedKVCache
+from specd.models.merged_linear import MergedLinear, checkpoint_tensors
 from specd.models.static_attention import StaticAttentionMetadata, static_paged_attention
 from specd.models.weights import iter_tensors
 
@@ -44,8 +57,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        # F.rms_norm is x * rsqrt(mean(x^2) + eps), one fused kernel where torch has one (and a
+        # single node for inductor) instead of pow / mean / add / rsqrt / mul.
+        x32 = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         return self.weight * x32.to(x.dtype)
 
 
@@ -84,16 +98,22 @@ class RotaryEmbedding(nn.Module):
         self.inv_freq = rope_inv_freq(self.config).to(self.inv_freq.device)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos [T, D], signed sin [T, D]): cos as transformers', sin with its first half negated
+        (see apply_rotary), computed once per forward for every layer."""
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        cos, sin = freqs.cos(), freqs.sin()
+        return torch.cat((cos, cos), dim=-1).to(dtype), torch.cat((-sin, sin), dim=-1).to(dtype)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, D]; cos, sin: [T, D] (the rotate-half convention of HF checkpoints)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    rotated = torch.cat((-x2, x1), dim=-1)
-    return x * cos[:, None] + rotated * sin[:, None]
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, D]; cos, signed_sin: [T, D] from RotaryEmbedding.
+
+    transformers' rotate-half convention, x * cos + cat(-x2, x1) * sin, written as
+    x * cos + cat(x2, x1) * cat(-sin1, sin2) (the sign moved into the table, exact): swapping the
+    halves is one flip, and the multiply-add one addcmul, instead of neg + cat + mul + mul + add.
+    """
+    swapped = x.unflatten(-1, (2, -1)).flip(-2).flatten(-2)  # cat(x2, x1)
+    return torch.addcmul(x * cos[:, None], swapped, signed_sin[:, None])
 
 
 class LlamaAttention(nn.Module):
@@ -104,10 +124,10 @@ class LlamaAttention(nn.Module):
             config.num_attention_heads, config.num_key_value_heads, d)
         self.scale = d ** -0.5
         self.sliding_window = config.layer_sliding_window(layer_id)
-        bias = config.attention_bias
-        self.q_proj = nn.Linear(h, self.num_heads * d, bias=bias, dtype=dtype)
-        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias, dtype=dtype)
-        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias, dtype=dtype)
+        # [(Hq + 2 Hkv) * D, H]: rows q, then k, then v (checkpoint names q/k/v_proj on disk).
+        self.qkv_proj = MergedLinear(h, {"q_proj": self.num_heads * d, "k_proj": self.num_kv_heads * d,
+                                         "v_proj": self.num_kv_heads * d},
+                                     bias=config.attention_bias, dtype=dtype)
         self.o_proj = nn.Linear(self.num_heads * d, h, bias=config.o_proj_bias, dtype=dtype)
         if config.qk_norm:
             self.q_norm = RMSNorm(d, config.rms_norm_eps, dtype)
@@ -116,36 +136,80 @@ class LlamaAttention(nn.Module):
             self.q_norm = self.k_norm = None
         self.tp_group = None  # set by tensor_parallel.shard_llama_: o_proj is then row-parallel
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
-                cache_k: torch.Tensor, cache_v: torch.Tensor) -> torch.Tensor:
-        t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)  # [T, Hq, D]
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x: [T, H] (normed) -> q [T, Hq, D], k [T, Hkv, D] (normed, rotated), v [T, Hkv, D]."""
+        t, hq, hkv, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) * D]
+        qk = qkv[:, :(hq + hkv) * d].view(t, hq + hkv, d)  # q and k heads side by side
+        v = qkv[:, (hq + hkv) * d:].view(t, hkv, d)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            qk = torch.cat((self.q_norm(qk[:, :hq]), self.k_norm(qk[:, hq:])), dim=1)
+        qk = apply_rotary(qk, cos, sin)  # one RoPE over q and k heads together
+        q, k = qk.split((hq, hkv), dim=1)
+        return q, k, v
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
+               cache_k: torch.Tensor, cache_v: torch.Tensor) -> torch.Tensor:
+        """Write k/v into the cache, attend; [T, Hq * D] (before o_proj)."""
         write_kv(cache_k, cache_v, k, v, meta.slot_mapping)
         # The fixed (CUDA-graph) layout or the varlen one; both take and return [T, Hq, D].
         attend = static_paged_attention if isinstance(meta, StaticAttentionMetadata) else paged_attention
         out = attend(q, cache_k, cache_v, meta, self.scale, self.sliding_window)
-        return row_parallel(self.o_proj, out.reshape(t, self.num_heads * self.head_dim), self.tp_group)
+        return out.reshape(q.shape[0], self.num_heads * self.head_dim)
+
+    def output(self, attn: torch.Tensor) -> torch.Tensor:
+        """[T, Hq * D] -> [T, H]."""
+        return row_parallel(self.o_proj, attn, self.tp_group)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
+                cache_k: torch.Tensor, cache_v: torch.Tensor) -> torch.Tensor:
+        return self.output(self.attend(*self.project(x, cos, sin), meta, cache_k, cache_v))
 
 
 class LlamaMLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up as one fused GEMM."""
 
     def __init__(self, config: LlamaArchConfig, dtype: torch.dtype | None) -> None:
         super().__init__()
         h, i, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
-        self.gate_proj = nn.Linear(h, i, bias=bias, dtype=dtype)
-        self.up_proj = nn.Linear(h, i, bias=bias, dtype=dtype)
+        # [2 I, H]: rows gate, then up (checkpoint names gate_proj / up_proj on disk).
+        self.gate_up_proj = MergedLinear(h, {"gate_proj": i, "up_proj": i}, bias=bias, dtype=dtype)
         self.down_proj = nn.Linear(i, h, bias=bias, dtype=dtype)
 
         self.tp_group = None  # set by tensor_parallel.shard_llama_: down_proj is then row-parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return row_parallel(self.down_proj, F.silu(self.gate_proj(x)) * self.up_proj(x), self.tp_group)
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, I] each
+        return row_parallel(self.down_proj, F.silu(gate) * up, self.tp_group)
+
+
+def _attention_input(layer: "LlamaDecoderLayer", x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Region before attention: input RMSNorm, fused QKV, q/k norms, RoPE -> (q, k, v)."""
+    return layer.self_attn.project(layer.input_layernorm(x), cos, sin)
+
+
+def _attention_output_and_mlp(layer: "LlamaDecoderLayer", x: torch.Tensor, attn: torch.Tensor
+                              ) -> torch.Tensor:
+    """Region after attention: o_proj + residual, post-attention RMSNorm, MLP + residual."""
+    x = x + layer.self_attn.output(attn)
+    return x + layer.mlp(layer.post_attention_layernorm(x))
+
+
+@dataclass(frozen=True)
+class LayerRegions:
+    """The two attention-free pieces of a decoder layer, as functions of (layer, tensors).
+
+    EAGER_REGIONS are the plain functions; compile.compiled_regions returns torch.compile'd twins
+    (one compiled graph serves every layer: the layer's weights are graph inputs).
+    """
+
+    attention_input: Callable
+    attention_output_and_mlp: Callable
+
+
+EAGER_REGIONS = LayerRegions(_attention_input, _attention_output_and_mlp)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -156,9 +220,10 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
-    def forward(self, x, cos, sin, meta, cache_k, cache_v):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, cache_k, cache_v)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, cos, sin, meta, cache_k, cache_v, regions: LayerRegions = EAGER_REGIONS):
+        q, k, v = regions.attention_input(self, x, cos, sin)
+        attn = self.self_attn.attend(q, k, v, meta, cache_k, cache_v)  # eager: writes the cache
+        return regions.attention_output_and_mlp(self, x, attn)
 
 
 class LlamaModel(nn.Module):
@@ -186,10 +251,11 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_cache: PagedKVCache, aux_layer_ids: tuple[int, ...] | list[int] = ()
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                kv_cache: PagedKVCache, aux_layer_ids: tuple[int, ...] | list[int] = (),
+                regions: LayerRegions = EAGER_REGIONS) -> tuple[torch.Tensor, torch.Tensor | None]:
         """input_ids, positions: [T]. Returns (hidden [T, H] after the final norm,
-        aux [T, len(aux_layer_ids) * H] or None).
+        aux [T, len(aux_layer_ids) * H] or None). regions: how each layer's attention-free pieces
+        run (the static path passes compiled ones when asked to).
 
         aux concatenates, in the order given, the residual stream *entering* each chosen layer
         (transformers' `hidden_states[i]`), the features EAGLE-3 drafters are trained on.
@@ -202,7 +268,7 @@ class LlamaForCausalLM(nn.Module):
         for i, layer in enumerate(self.model.layers):
             if i in wanted:
                 captured[i] = x
-            x = layer(x, cos, sin, meta, kv_cache.k_caches[i], kv_cache.v_caches[i])
+            x = layer(x, cos, sin, meta, kv_cache.k_caches[i], kv_cache.v_caches[i], regions)
         aux = torch.cat([captured[i] for i in aux_layer_ids], dim=-1) if aux_layer_ids else None
         return self.model.norm(x), aux
 
@@ -219,19 +285,19 @@ def load_llama(model_dir: str | Path, config: LlamaArchConfig, dtype: torch.dtyp
     model.to_empty(device=device)
     model.tie_weights()
     model.model.rotary_emb.reset_inv_freq()
-    params = dict(model.named_parameters(remove_duplicate=False))
+    targets = checkpoint_tensors(model)  # checkpoint name -> parameter, or its rows of a fused one
     loaded: set[str] = set()
     for name, tensor in iter_tensors(model_dir):
-        param = params.get(name)
-        if param is None:
+        target = targets.get(name)
+        if target is None:
             continue  # e.g. rotary inv_freq of old checkpoints, MTP heads: not ours
-        if tuple(param.shape) != tuple(tensor.shape):
+        if tuple(target.shape) != tuple(tensor.shape):
             raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} "
-                             f"!= model shape {tuple(param.shape)}")
+                             f"!= model shape {tuple(target.shape)}")
         with torch.no_grad():
-            param.copy_(tensor)
+            target.copy_(tensor)
         loaded.add(name)
-    missing = set(params) - loaded
+    missing = set(targets) - loaded
     if config.tie_word_embeddings:
         # One copy of the tied matrix is enough (checkpoints usually store only the embedding).
         loaded_embed = "model.embed_tokens.weight" in loaded

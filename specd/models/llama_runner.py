@@ -8,10 +8,13 @@ Verify and decode batches (every chunk at most `max_query_len` tokens, the batch
 largest bucket) run through `StaticForward` (cuda_graphs.py): captured CUDA graphs on CUDA unless
 `eager_mode`, and the same static-buffer code without capture when a test asks for it on CPU.
 With `tp > 1` the model is sharded over the torch.distributed group (tensor_parallel.py).
+`compile_mode` (or the environment's SPECD_COMPILE, e.g. "default") additionally runs each
+layer's attention-free regions of the static path through torch.compile (compile.py).
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -22,8 +25,9 @@ from specd.models.base import check_chunks, ForwardOutput, ModelInfo, SequenceCh
 from specd.models.cuda_graphs import StaticForward
 from specd.models.hf_config import LlamaArchConfig
 from specd.models.kv_cache import CacheFullError, PagedKVCache
-from specd.models.llama import LlamaForCausalLM, load_llama
+from specd.models.llama import EAGER_REGIONS, LlamaForCausalLM, load_llama
 
+COMPILE_ENV = "SPECD_COMPILE"  # "default" | "max-autotune-no-cudagraphs"; unset or "0": off
 CPU_KV_CACHE_BYTES = 4 << 30  # CPU has no "free GPU memory" to take a fraction of: cap at 4 GiB
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -71,11 +75,13 @@ class LlamaRunner:
 
     def __init__(self, model_dir: str | Path, engine_config: PytorchEngineConfig | None = None, *,
                  model: LlamaForCausalLM | None = None, config: LlamaArchConfig | None = None,
-                 use_static_path: bool | None = None) -> None:
+                 use_static_path: bool | None = None, compile_mode: str | None = None) -> None:
         """model/config: an already built model (the bench's random weights) instead of loading.
 
         use_static_path: None follows the config (static path with CUDA graphs on CUDA unless
         eager_mode; CPU eager); True on CPU runs the static-buffer path without capture (tests).
+        compile_mode: torch.compile the static path's layer regions in this mode (compile.py);
+        None reads SPECD_COMPILE ("0" or unset: off). Applies only where the static path runs.
         """
         engine_config = engine_config or PytorchEngineConfig()
         self.model_dir = Path(model_dir)
@@ -120,10 +126,21 @@ class LlamaRunner:
         if use_static_path is None:
             use_static_path = self.device.type == "cuda" and not engine_config.eager_mode
         self.static: StaticForward | None = None
+        if compile_mode is None:
+            compile_mode = os.environ.get(COMPILE_ENV, "0")
+        self.compile_mode = None if compile_mode in ("", "0", "off") else compile_mode
         if use_static_path:
+            regions = EAGER_REGIONS
+            if self.compile_mode is not None:
+                if self.parallel is not None:
+                    raise ValueError(f"compile_mode: not supported with tp={tp} yet (the compiled regions "
+                                     "would trace the row-parallel all_reduce); use tp=1 or leave it off")
+                from specd.models.compile import compiled_regions
+
+                regions = compiled_regions(self.compile_mode)
             self.static = StaticForward(self.model, self.kv_cache,
                                         max_batch_size=engine_config.max_batch_size,
-                                        use_cuda_graphs=not engine_config.eager_mode)
+                                        use_cuda_graphs=not engine_config.eager_mode, regions=regions)
         self.info = ModelInfo(
             vocab_size=self.config.vocab_size,
             hidden_size=self.config.hidden_size,

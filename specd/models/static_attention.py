@@ -14,9 +14,17 @@ A padding row may attend keys past its sequence's end: stale or scratch K/V, alw
 its output is thrown away. Real rows never see them (their keys end at ctx + i < ctx + q_len).
 
 Two implementations share that contract: flash-attn's `flash_attn_with_kvcache` (CUDA, fp16/bf16,
-flash-attn installed, block size a multiple of 256), and a PyTorch twin (gather through the block
-table, one `scaled_dot_product_attention` with a boolean mask) that runs everywhere, the CPU tests
-included.
+flash-attn installed, block size a multiple of 256), and a PyTorch twin that runs everywhere, the
+CPU tests included: gather K/V through the block table, then one `scaled_dot_product_attention`.
+
+How the twin keeps SDPA off its math kernel on CUDA: SDPA's fused kernels refuse a mask together
+with `enable_gqa` (transformers' sdpa integration falls back for the same reason), and a boolean
+mask is converted to a float one inside every call. So (1) grouped-query heads are folded into
+the query rows instead: the G = Hq / Hkv query heads that share KV head h become G * Q rows of one
+head h, so SDPA sees plain multi-head attention over the Hkv KV heads, with no K/V copied per
+query head; (2) the mask is additive, in the query dtype ([B, 1, G * Q, S], 0 or the dtype's
+minimum), built once per forward and shared by every layer. That is the memory-efficient kernel's
+input contract (float bias broadcast over heads).
 """
 
 from __future__ import annotations
@@ -69,6 +77,17 @@ class StaticAttentionMetadata:
             self._cache[key] = allowed[:, None]
         return self._cache[key]
 
+    def attention_bias(self, sliding_window: int | None, group: int, dtype: torch.dtype) -> torch.Tensor:
+        """[B, 1, G * Q, S] additive mask for G query heads folded into the rows (row g * Q + i is
+        query row i): 0 where allowed, the dtype's minimum elsewhere (every real row keeps key 0,
+        so no row is all-masked and softmax stays finite)."""
+        key = ("bias", sliding_window, group, dtype)
+        if key not in self._cache:
+            allowed = self.mask(sliding_window).repeat(1, 1, group, 1)  # [B, 1, G * Q, S]
+            zero = torch.zeros((), dtype=dtype, device=allowed.device)
+            self._cache[key] = torch.where(allowed, zero, torch.finfo(dtype).min)
+        return self._cache[key]
+
 
 def flash_kvcache_applies(q: torch.Tensor, meta: StaticAttentionMetadata) -> bool:
     return (_flash_attn_with_kvcache is not None and q.is_cuda
@@ -97,11 +116,14 @@ def static_paged_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torc
             block_table=meta.block_tables.to(torch.int32), softmax_scale=scale, causal=True,
             window_size=window)  # [B, Q, Hq, D]
         return out.reshape(rows, num_heads, head_dim)
-    k = cache_k[meta.block_tables].flatten(1, 2)  # [B, S, Hkv, D]
-    v = cache_v[meta.block_tables].flatten(1, 2)
+    num_kv_heads = cache_k.shape[2]
+    group = num_heads // num_kv_heads
+    k = cache_k[meta.block_tables].flatten(1, 2).transpose(1, 2).to(q.dtype)  # [B, Hkv, S, D]
+    v = cache_v[meta.block_tables].flatten(1, 2).transpose(1, 2).to(q.dtype)
+    # Fold: query head h = kv * G + g (the repeat_kv pairing) -> row g * Q + i of KV head kv.
+    q = q.view(batch, qlen, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
+    q = q.reshape(batch, num_kv_heads, group * qlen, head_dim)  # [B, Hkv, G * Q, D]
     out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype),
-        attn_mask=meta.mask(sliding_window), scale=scale,
-        enable_gqa=k.shape[2] != num_heads,
-    )  # [B, Hq, Q, D]
-    return out.transpose(1, 2).reshape(rows, num_heads, head_dim)
+        q, k, v, attn_mask=meta.attention_bias(sliding_window, group, q.dtype), scale=scale)
+    out = out.view(batch, num_kv_heads, group, qlen, head_dim).permute(0, 3, 1, 2, 4)  # [B, Q, Hkv, G, D]
+    return out.reshape(rows, num_heads, head_dim)

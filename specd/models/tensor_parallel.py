@@ -4,7 +4,9 @@ Every rank of the process group holds:
 - q/k/v and gate/up column-parallel: a contiguous slice of the output features, i.e. of the
   attention heads (num_heads / tp query heads and num_kv_heads / tp KV heads, so rank r's query
   heads map onto rank r's KV heads exactly as grouped-query attention pairs them unsharded) and of
-  the MLP's intermediate features;
+  the MLP's intermediate features. The fused qkv_proj / gate_up_proj (merged_linear.py) are cut
+  part by part: rank r's fused weight is [q slice r; k slice r; v slice r], the fusion of its
+  unfused slices, so the per-rank forward splits it exactly as the unsharded one does;
 - o and down row-parallel: the matching slice of the input features; the partial outputs are
   summed by one all_reduce per projection (llama.row_parallel), the bias added once after it;
 - embeddings, norms and lm_head replicated (the logits come out whole and identical on every
@@ -21,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+from specd.models.merged_linear import MergedLinear
 
 
 @dataclass(frozen=True)
@@ -51,16 +55,6 @@ def check_divisible(config, tp: int) -> None:
             raise ValueError(f"tp={tp}: {name}={value} is not divisible by tp")
 
 
-def _slice_out_(linear: nn.Linear, rank: int, world: int) -> None:
-    """Keep this rank's contiguous slice of the output features (weight rows, bias)."""
-    n = linear.out_features // world
-    rows = slice(rank * n, (rank + 1) * n)
-    linear.weight = nn.Parameter(linear.weight.data[rows].clone(), requires_grad=False)
-    if linear.bias is not None:
-        linear.bias = nn.Parameter(linear.bias.data[rows].clone(), requires_grad=False)
-    linear.out_features = n
-
-
 def _slice_in_(linear: nn.Linear, rank: int, world: int) -> None:
     """Keep this rank's slice of the input features (weight columns); the bias stays whole."""
     n = linear.in_features // world
@@ -75,8 +69,9 @@ def shard_llama_(model, parallel: ParallelConfig) -> None:
     check_divisible(model.config, world)
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        for linear in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj):
-            _slice_out_(linear, rank, world)
+        for linear in (attn.qkv_proj, mlp.gate_up_proj):
+            assert isinstance(linear, MergedLinear), type(linear)
+            linear.shard_(rank, world)
         for linear in (attn.o_proj, mlp.down_proj):
             _slice_in_(linear, rank, world)
         attn.num_heads //= world

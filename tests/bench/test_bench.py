@@ -22,7 +22,13 @@ def test_transformers_twin_shares_weights_and_matches_our_logits():
     config = arch_config("small")
     model = random_model(config, torch.float32, torch.device("cpu"))
     hf = transformers_twin(model, config, torch.device("cpu"))
-    assert hf.model.layers[1].mlp.up_proj.weight.data_ptr() == model.model.layers[1].mlp.up_proj.weight.data_ptr()
+    # Shared storage: transformers' up_proj is the second half of our fused gate_up_proj's rows.
+    ours_up = model.model.layers[1].mlp.gate_up_proj.weight
+    theirs_up = hf.model.layers[1].mlp.up_proj.weight
+    assert theirs_up.untyped_storage().data_ptr() == ours_up.untyped_storage().data_ptr()
+    assert torch.equal(theirs_up, ours_up[config.intermediate_size:])
+    assert hf.model.layers[0].self_attn.k_proj.weight.untyped_storage().data_ptr() == \
+        model.model.layers[0].self_attn.qkv_proj.weight.untyped_storage().data_ptr()
     runner = LlamaRunner(".", PytorchEngineConfig(block_size=8, max_batch_size=2, session_len=64,
                                                   device_type="cpu"), model=model, config=config)
     tokens = [3, 17, 99, 4, 250, 11]
@@ -39,14 +45,17 @@ def test_small_suite_has_every_row(tmp_path, tiny_models):
     import os
 
     proc = subprocess.run([sys.executable, "-m", "bench", "all", "--small", "--out", str(out),
-                           "--e2e-batches", "1,2", "--max-tokens", "10", "--methods", ",".join(METHODS)],
+                           "--e2e-batches", "1,2", "--max-tokens", "10", "--methods", ",".join(METHODS),
+                           "--compile"],
                           cwd=ROOT, env={**os.environ, **env}, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     step = json.loads((out / "step.json").read_text())
     assert {(r["batch"], r["q"]) for r in step["rows"]} == {(1, 1), (1, 4), (4, 1), (4, 4)}
     for r in step["rows"]:
         assert r["specd_graphs_ms"] > 0 and r["specd_eager_ms"] > 0 and r["transformers_ms"] > 0
+        assert r["specd_compiled_ms"] > 0 and r["compiled_over_floor"] > 0  # the --compile column
         assert r["floor_ms"] > 0
+    assert step["info"]["compile_mode"] == "default" and step["info"]["compile_column_s"] > 0
     e2e = json.loads((out / "e2e.json").read_text())
     rows = {(r["method"], r["batch"]): r for r in e2e["rows"]}
     assert set(rows) == {(m, b) for m in METHODS for b in (1, 2)}
