@@ -12,6 +12,10 @@ from typing import Any, Literal
 SPECULATIVE_METHODS = ("eagle3", "deepseek_mtp", "qwen3_5_mtp", "draft_model", "ngram", "replay")
 # "replay" is bench-only (specd/proposers/replay.py): it drafts a precomputed greedy continuation.
 
+# Temperatures this small sample the argmax anyway, and dividing logits by them overflows to NaN
+# (as vLLM does, they decode greedily).
+GREEDY_BELOW_TEMPERATURE = 1e-5
+
 
 class ConfigError(ValueError):
     """A configuration or request parameter is invalid; the message names the field."""
@@ -137,7 +141,7 @@ class GenerationConfig:
 
     @property
     def is_greedy(self) -> bool:
-        return (not self.do_sample) or self.temperature == 0.0 or self.top_k == 1
+        return (not self.do_sample) or self.temperature < GREEDY_BELOW_TEMPERATURE or self.top_k == 1
 
 
 @dataclass

@@ -6,14 +6,14 @@ import math
 import random
 from dataclasses import dataclass, field
 
-from specd.messages import ConfigError, GenerationConfig
+from specd.messages import GREEDY_BELOW_TEMPERATURE, ConfigError, GenerationConfig
 
 
 @dataclass
 class SamplingParams:
     """Validated sampling parameters of one request.
 
-    temperature == 0 means greedy. top_k == 0 and top_p == 1 and min_p == 0 disable those filters.
+    temperature == 0 (or below GREEDY_BELOW_TEMPERATURE) means greedy. top_k == 0 and top_p == 1 and min_p == 0 disable those filters.
     seed keys the counter-based random stream: the noise for the token at position j depends only on
     (seed, j), so a request resumed elsewhere regenerates the same tokens.
     """
@@ -56,7 +56,7 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        return self.temperature < GREEDY_BELOW_TEMPERATURE or self.top_k == 1
 
     @classmethod
     def from_generation_config(cls, gen: GenerationConfig) -> "SamplingParams":

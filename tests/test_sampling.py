@@ -169,3 +169,14 @@ def test_processed_then_sampled_end_to_end():
     tokens = sample_from_probs(probs, torch.arange(num_draws), torch.zeros(num_draws, dtype=torch.int64),
                                SALT_SAMPLE)
     assert chi_square_pvalue(torch.bincount(tokens, minlength=3), torch.tensor([2 / 3, 1 / 3, 0.0])) > 1e-3
+
+
+def test_a_vanishing_temperature_decodes_greedily_instead_of_nan():
+    from specd.sampling_params import SamplingParams
+
+    params = [SamplingParams(temperature=1e-40, seed=3), SamplingParams(temperature=1.0, seed=3)]
+    assert params[0].is_greedy and not params[1].is_greedy
+    logits = torch.tensor([[0.1, 2.0, -1.0], [0.1, 2.0, -1.0]])
+    probs = processed_probs(logits, SamplingTensors.from_params(params))
+    assert torch.isfinite(probs).all()
+    assert probs[0].tolist() == [0.0, 1.0, 0.0]  # one-hot on the argmax
