@@ -66,7 +66,9 @@ def _healthcheck(args: argparse.Namespace) -> int:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    with grpc.insecure_channel(args.target) as channel:
+    from services.common.tls import TLSConfig, open_channel
+
+    with open_channel(args.target, TLSConfig.from_args(args)) as channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout)
@@ -109,6 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
     health.add_argument("target", help="host:port (grpc) or URL (http)")
     health.add_argument("--service", default="", help="grpc health service name")
     health.add_argument("--timeout", type=float, default=3.0)
+    from services.common.tls import add_tls_arguments
+
+    add_tls_arguments(health, server=False)  # probing a TLS service: its CA (and a client cert)
     health.set_defaults(func=_healthcheck)
 
     # Each service owns its flags; its cli module imports nothing heavy at module level.

@@ -144,6 +144,11 @@ def test_tls_drafter_and_grammar_refuse_what_they_cannot_verify(tiny_models, pki
                             tls=TLSConfig(cert_file=pki["cert"], key_file=pki["key"], client_ca_file=pki["ca"]))
     try:
         assert _health(drafter.address, client_tls) == health_pb2.HealthCheckResponse.SERVING
+        # The probe containers run: `specd healthcheck grpc` takes the same TLS flags.
+        from specd.cli import main as specd_main
+
+        assert specd_main(["healthcheck", "grpc", drafter.address, "--tls-ca-file", pki["ca"]]) == 0
+        assert specd_main(["healthcheck", "grpc", drafter.address, "--timeout", "1"]) == 1  # plaintext
         proposer = RemoteProposer([drafter.address], connect_timeout_s=5,
                                   credentials=channel_credentials(client_tls))
         assert proposer.method == "ngram"  # Info came back over TLS
