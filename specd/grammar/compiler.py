@@ -19,6 +19,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
 
+import torch
 import xgrammar as xgr
 
 from specd.grammar.backend import GrammarSpec
@@ -129,6 +130,7 @@ class GrammarCompilerCache:
                                              cache_enabled=False)
         self._cache: OrderedDict[GrammarSpec, xgr.CompiledGrammar] = OrderedDict()
         self._lock = threading.Lock()
+        self._control_free_row = None  # built on first use (control_free_row)
         self.num_compiles = 0  # specs compiled successfully (cache misses that succeeded)
         self.num_hits = 0
 
@@ -174,6 +176,31 @@ class GrammarCompilerCache:
             while len(self._cache) > self.max_entries:
                 self._cache.popitem(last=False)
         return compiled
+
+    def sequence_grammar(self, spec: GrammarSpec) -> "SequenceGrammar":
+        """A fresh matcher for one sequence, with the token row its grammar kind needs."""
+        from specd.grammar.matcher import SequenceGrammar
+
+        allowed = self.control_free_row() if spec.kind in ("json_schema", "json_object") else None
+        return SequenceGrammar(self.compile(spec), allowed)
+
+    def control_free_row(self) -> torch.Tensor:
+        """[bitmask_width] int32: the tokens whose bytes hold no raw control character (< 0x20).
+
+        Our JSON grammars use compact separators, so no valid output contains one; xgrammar's
+        bounded-string rule admits them (issue #800), and masking them here keeps minLength /
+        maxLength schemas servable. Special tokens (stop tokens) have no bytes and stay allowed.
+        """
+        if self._control_free_row is None:
+            vocab = self.tokenizer_info.decoded_vocab
+            special = set(self.tokenizer_info.special_token_ids)
+            ok = torch.tensor([i in special or not any(b < 0x20 for b in token)
+                               for i, token in enumerate(vocab[:self.vocab_size])], dtype=torch.bool)
+            ok = torch.nn.functional.pad(ok, (0, self.bitmask_width * 32 - ok.shape[0]))
+            bits = ok.view(self.bitmask_width, 32).to(torch.int64) << torch.arange(32)
+            words = bits.sum(dim=1)  # [W] unsigned 32-bit values
+            self._control_free_row = torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
+        return self._control_free_row
 
     def validate(self, spec: GrammarSpec) -> None:
         """Compile spec (warming the cache) or raise GrammarCompileError."""

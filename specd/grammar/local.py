@@ -32,7 +32,7 @@ class LocalGrammarBackend:
         not follow it (then no matcher is left open for seq_id).
         """
         self._seqs.pop(seq_id, None)
-        grammar = SequenceGrammar(self.compiler_cache.compile(spec))
+        grammar = self.compiler_cache.sequence_grammar(spec)
         if replay_token_ids:
             grammar.commit(replay_token_ids)
         self._seqs[seq_id] = grammar

@@ -8,6 +8,10 @@ Bitmask rows use xgrammar's layout: [ceil(vocab / 32)] int32, bit (i % 32) of wo
 token i is allowed. Once the matcher has accepted a stop token (it is terminated) xgrammar has no
 next mask; we return a row allowing only the stop tokens, so a row is never all-zero (an all -inf
 logits row would turn softmax into NaN).
+
+A grammar may come with an allowed-token row ANDed into every mask and checked on every accepted
+token: JSON grammars (compact separators) get the tokens without raw control characters, which no
+JSON text contains but xgrammar's bounded-string rule admits (xgrammar issue #800).
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ class _MatcherRows:
     _stop_row: torch.Tensor  # [bitmask_width] int32: the row once terminated
     _tail_word: int | None  # the last word's valid bits, when vocab_size % 32 != 0
     _stopped_at_dead_end = False  # a stop token ended a dead end (see _fill); xgrammar never saw it
+    _allowed_row: torch.Tensor | None = None  # [bitmask_width] int32 ANDed into every mask
 
     def _fill(self, bitmask: torch.Tensor, index: int) -> None:
         if self.is_terminated():
@@ -58,6 +63,8 @@ class _MatcherRows:
         self.matcher.fill_next_token_bitmask(bitmask, index)
         if self._tail_word is not None:  # xgrammar may set the bits of ids >= vocab_size
             bitmask[index, -1] &= self._tail_word
+        if self._allowed_row is not None:
+            bitmask[index] &= self._allowed_row
         if not bool(bitmask[index].any()):
             # A dead end: the grammar allows nothing here (regex a[^\s\S] after "a"). An all-zero
             # row makes every logit -inf (NaN probabilities); let a stop token end the output.
@@ -65,6 +72,8 @@ class _MatcherRows:
 
     def _accept(self, token_id: int) -> bool:
         """accept_token, and also a stop token at a dead end (which then terminates)."""
+        if self._allowed_row is not None and not _is_allowed(self._allowed_row, token_id):
+            return False
         if self.matcher.accept_token(token_id):
             return True
         if token_id in self.stop_token_ids and self._is_dead_end():
@@ -77,6 +86,8 @@ class _MatcherRows:
         self.matcher.fill_next_token_bitmask(bitmask, 0)
         if self._tail_word is not None:
             bitmask[0, -1] &= self._tail_word
+        if self._allowed_row is not None:
+            bitmask[0] &= self._allowed_row
         return not bool(bitmask.any())
 
     def next_mask(self) -> torch.Tensor:
@@ -97,7 +108,7 @@ class SequenceGrammar(_MatcherRows):
     unlimited), so drafts of any length can be masked and rolled back.
     """
 
-    def __init__(self, compiled: xgr.CompiledGrammar) -> None:
+    def __init__(self, compiled: xgr.CompiledGrammar, allowed_row: torch.Tensor | None = None) -> None:
         info = compiled.tokenizer_info
         self.vocab_size = info.vocab_size
         self.bitmask_width = (self.vocab_size + 31) // 32
@@ -107,6 +118,9 @@ class SequenceGrammar(_MatcherRows):
         self._tail_word = None if num_tail_bits == 0 else _as_int32((1 << num_tail_bits) - 1)
         self.matcher = xgr.GrammarMatcher(compiled)
         self.num_committed = 0
+        if allowed_row is not None and tuple(allowed_row.shape) != (self.bitmask_width,):
+            raise ValueError(f"allowed_row: expected [{self.bitmask_width}] int32, got {tuple(allowed_row.shape)}")
+        self._allowed_row = allowed_row
 
     def commit(self, token_ids: Sequence[int]) -> None:
         """Advance the real matcher by verified tokens; all or nothing.
@@ -172,6 +186,7 @@ class DraftGrammar(_MatcherRows):
         self.stop_token_ids = parent.stop_token_ids
         self._stop_row = parent._stop_row
         self._tail_word = parent._tail_word
+        self._allowed_row = parent._allowed_row
         self.reset()
 
     def advance(self, token_id: int) -> bool:

@@ -15,8 +15,6 @@ names them so that the compiler refuses such a schema up front (HTTP 400) instea
 - enum / const next to type: it emits the enum values, whatever their type;
 - pattern, minLength, minimum, minItems, ... without a type: it allows any JSON value;
 - format next to pattern: the pattern is dropped;
-- minLength / maxLength on a string: its bounded-string rule admits raw control characters
-  (xgrammar issue #800), which no JSON parser accepts;
 - a required property that `properties` does not declare: the requirement is dropped;
 - a regex (pattern, patternProperties) with an optional group, `(...)?` or `{0,n}`, holding a
   variable repetition (`*`, `+`, `{m,n}`): its automaton lets the string end inside the group
@@ -118,9 +116,6 @@ def _node_gaps(node: dict, ref_siblings_apply: bool):
     untyped = [k for k in _TYPED_KEYWORDS if k in node]
     if untyped and "type" not in node and "enum" not in node and "const" not in node:
         yield f"{untyped[0]} without a type (the grammar engine then allows any value)"
-    if ("minLength" in node or "maxLength" in node) and "pattern" not in node and "format" not in node:
-        yield ("minLength / maxLength on a string (the grammar engine admits raw control characters "
-               "there, which JSON forbids: xgrammar issue #800)")
     if "format" in node and "pattern" in node:
         yield "format next to pattern (the grammar engine drops the pattern)"
     required, properties = node.get("required"), node.get("properties")

@@ -40,9 +40,7 @@ class DraftConstraints:
     def open(self, seq_id: int, spec: GrammarSpec | None) -> None:
         if spec is None:
             return
-        from specd.grammar.matcher import SequenceGrammar
-
-        committed = SequenceGrammar(self.compiler.compile(spec))
+        committed = self.compiler.sequence_grammar(spec)
         self._seqs[seq_id] = _Constrained(committed, committed.fork_drafts())
 
     def close(self, seq_id: int) -> None:

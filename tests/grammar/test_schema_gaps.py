@@ -39,7 +39,6 @@ GAPS = [
       "additionalProperties": False},
      '{"yz": 1}', "an optional group"),
     ({"type": "object", "properties": {"z": {"pattern": "^UTC$"}}}, '{"z": "x"}', "pattern without a type"),
-    ({"type": "string", "maxLength": 3}, '"a\tb"', "raw control characters"),  # a raw tab
 ]
 
 
@@ -91,7 +90,7 @@ def test_exact_schemas_still_compile(strict_cache, schema):
 def test_ref_siblings_are_a_gap_only_where_the_draft_applies_them():
     node = {"definitions": {"s": {"type": "string"}}, "properties": {"a": {"$ref": "#/definitions/s", "maxLength": 2}}}
     assert any("$ref next to maxLength" in g for g in find_schema_gaps(node))
-    # draft-07: $ref replaces its object (validators ignore maxLength there too); only #800 remains
+    # draft-07: $ref replaces its object (validators ignore maxLength there too)
     draft7 = {"$schema": "http://json-schema.org/draft-07/schema#", **node}
     assert not any("$ref" in g for g in find_schema_gaps(draft7))
 
@@ -113,3 +112,35 @@ def test_the_regex_rule_covers_xgrammars_wrong_patterns(cache, allowed_ids):
         assert regex_has_optional_repetition(pattern), pattern
     for pattern in [r"^y(za)?$", r"^(ab)+$", r"^a*b?$", r"^[0-9]{3}-[0-9]{4}$", r"^(a|b)*$"]:
         assert not regex_has_optional_repetition(pattern), pattern
+
+
+def test_bounded_strings_are_served_with_control_characters_masked(cache, strict_cache):
+    """xgrammar's bounded-string rule admits a raw tab (issue #800); our JSON matchers mask every
+    token holding a control character, so the schema compiles and no such token can be chosen."""
+    spec = GrammarSpec("json_schema", json.dumps({"type": "string", "maxLength": 3}))
+    assert accepts(cache.compile(spec), '"a\tb"'), "xgrammar 0.2.9 accepts the raw tab"
+    strict_cache.validate(spec)  # not refused
+    grammar = strict_cache.sequence_grammar(spec)
+    vocab = strict_cache.tokenizer_info.decoded_vocab
+    quote = next(i for i, t in enumerate(vocab) if t == b'"')
+    a = next(i for i, t in enumerate(vocab) if t == b"a")
+    grammar.commit([quote, a])
+    row = grammar.next_mask()
+    allowed = [i for i in range(strict_cache.vocab_size) if (int(row[i // 32]) >> (i % 32)) & 1]
+    assert allowed and not any(any(b < 0x20 for b in vocab[i]) for i in allowed)
+    tab = [i for i, t in enumerate(vocab) if b"\t" in t]
+    assert tab and not any(grammar.fork_drafts().advance(i) for i in tab)
+    plain = xgr_row_allows_a_control_token(cache.compile(spec), [quote, a], vocab)
+    assert plain, "without our row the raw matcher offers control-character tokens here"
+
+
+def xgr_row_allows_a_control_token(compiled, prefix, vocab) -> bool:
+    import xgrammar as xgr
+
+    matcher = xgr.GrammarMatcher(compiled)
+    for t in prefix:
+        assert matcher.accept_token(t)
+    bitmask = xgr.allocate_token_bitmask(1, len(vocab))
+    matcher.fill_next_token_bitmask(bitmask)
+    return any(((int(bitmask[0, i // 32]) >> (i % 32)) & 1) and any(b < 0x20 for b in vocab[i])
+               for i in range(len(vocab)))
