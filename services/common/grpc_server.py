@@ -20,8 +20,12 @@ from grpc_reflection.v1alpha import reflection
 from services.common.tls import PLAINTEXT, TLSConfig, add_port
 
 MAX_MESSAGE_BYTES = 256 << 20  # EAGLE-3 hidden rows or grammar masks of a large batch: several MB
+# so_reuseport off: gRPC turns it on by default on Linux, and then a second server told the same
+# port binds it too and silently takes half the connections (a drafter answering gateway calls
+# with UNIMPLEMENTED); off, the second one fails at start with a bind error.
+NO_PORT_SHARING = ("grpc.so_reuseport", 0)
 GRPC_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
+                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES), NO_PORT_SHARING]
 
 
 @dataclass

@@ -27,6 +27,7 @@ from specd.transport.redis_streams import QueuedRequest
 from specd.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 
 from services.common.api_keys import ApiKeyInterceptor
+from services.common.grpc_server import NO_PORT_SHARING
 from services.common.tls import add_port
 from services.gateway.app import Gateway, collect, first_output
 from services.gateway.results import REDIS_ERRORS, GatewayError, RequestTimings, redis_unavailable
@@ -232,7 +233,8 @@ async def build_grpc_server(gateway: Gateway, host: str, port: int) -> tuple[grp
     """
     config = gateway.config
     server = grpc.aio.server(interceptors=[ApiKeyInterceptor(gateway.api_keys), ErrorInterceptor()],
-                             options=[("grpc.max_receive_message_length", config.max_request_bytes)])
+                             options=[("grpc.max_receive_message_length", config.max_request_bytes),
+                                      NO_PORT_SHARING])
     generate_pb2_grpc.add_GenerateServicer_to_server(GenerateServicer(gateway), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -15,6 +15,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from services.common.grpc_server import NO_PORT_SHARING
 from specd.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 
 log = logging.getLogger("specd.verifier.admin")
@@ -92,7 +93,7 @@ class AdminServer:
         self.health = health.HealthServicer()
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers,
                                                              thread_name_prefix="verifier-admin"),
-                                  interceptors=[ErrorInterceptor()])
+                                  interceptors=[ErrorInterceptor()], options=[NO_PORT_SHARING])
         verifier_pb2_grpc.add_VerifierAdminServicer_to_server(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(

@@ -322,3 +322,23 @@ def test_nothing_is_unpickled():
     assert _unsafe_calls(ast.parse("import pickle\nfrom dill import loads\ntorch.load(f)\n"
                                    "np.load(f, allow_pickle=True)\ntorch.load(f, weights_only=True)")) == [
         "pickle", "dill", "torch.load without weights_only=True", "numpy load with allow_pickle"]
+
+
+def test_two_grpc_services_cannot_share_a_port(tiny_models):
+    """gRPC's default SO_REUSEPORT let a second server bind a taken port and answer half the calls."""
+    from services.grammar.server import load_grammar
+    from services.grammar.server import start_server as start_grammar
+
+    servicer = load_grammar(tiny_models["target-llama"])
+    first = start_grammar(servicer, "127.0.0.1", 0, max_workers=2)
+    try:
+        port = int(first.address.rsplit(":", 1)[1])
+        with pytest.raises(Exception, match="bind|port"):
+            start_grammar(servicer, "127.0.0.1", port, max_workers=2).stop(0)
+    finally:
+        first.stop(0)
+
+
+def test_free_ports_are_never_handed_out_twice():
+    ports = [free_port() for _ in range(200)]
+    assert len(set(ports)) == len(ports)
