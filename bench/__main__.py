@@ -1,4 +1,8 @@
-"""`python -m bench {step,e2e,all} --out DIR`: the GPU fast-path benchmarks, one process, one run.
+"""`python -m bench {step,e2e,all,gemm,profile} --out DIR`: the GPU fast-path benchmarks, one process.
+
+`what` is one name or a comma list, run in the order given (all = step,e2e). `gemm`: the step's
+products alone, cuBLAS vs the skinny Triton kernel (bench/gemm.py); `profile`: device time per
+kernel of one static-path forward (bench/profile_step.py); both CUDA only.
 
     python -m bench all --out results/h200          # 8B shape on CUDA (bench/gpu_suite.sh)
     python -m bench all --small --out /tmp/bench    # toy sizes on CPU, seconds (tests/bench)
@@ -24,6 +28,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+
+WHATS = ("gemm", "profile", "step", "e2e")
+
+
+def _parts(text: str) -> list[str]:
+    parts = [p for name in text.split(",") if name for p in (("step", "e2e") if name == "all" else (name,))]
+    bad = [p for p in parts if p not in WHATS]
+    if bad or not parts:
+        raise argparse.ArgumentTypeError(f"expected {', '.join(WHATS)} or all, got {text!r}")
+    return parts
 
 
 def _ints(text: str) -> list[int]:
@@ -74,7 +89,7 @@ def _prepare_e2e_models(args, work: Path) -> tuple[Path, dict, int]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=["step", "e2e", "all"])
+    ap.add_argument("what", type=_parts, help="step | e2e | all | gemm | profile, or a comma list")
     ap.add_argument("--out", type=Path, required=True, help="results directory")
     ap.add_argument("--small", action="store_true", help="toy sizes on CPU (the CPU test)")
     ap.add_argument("--work-dir", type=Path, default=None, help="synthetic checkpoints (default: OUT/work)")
@@ -111,7 +126,22 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     sections = []
     t_start = time.perf_counter()
-    if args.what in ("step", "all"):
+    if "gemm" in args.what:
+        from bench.gemm import run_gemm_bench, write_gemm_results
+
+        sections.append(write_gemm_results(run_gemm_bench(bandwidth_tbs=args.bandwidth_tbs), out))
+        print(sections[-1], flush=True)
+        print(f"gemm bench done at {time.perf_counter() - t_start:.0f} s", flush=True)
+    if "profile" in args.what:
+        from bench.profile_step import run_profile, write_profile
+
+        try:  # diagnostics only: a failure here must not cost the step and e2e tables
+            write_profile(run_profile(), out)
+        except Exception as e:  # noqa: BLE001
+            print(f"profile failed: {type(e).__name__}: {e}"[:3000], flush=True)
+        print(f"profile done at {time.perf_counter() - t_start:.0f} s", flush=True)
+        torch.cuda.empty_cache()
+    if "step" in args.what:
         from bench.step import run_step_bench, write_step_results
 
         rows, info = run_step_bench(
@@ -128,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         del rows
         if device == "cuda":
             torch.cuda.empty_cache()
-    if args.what in ("e2e", "all"):
+    if "e2e" in args.what:
         from bench.e2e import run_e2e_bench, write_e2e_results
 
         target, drafts, vocab = _prepare_e2e_models(args, work)

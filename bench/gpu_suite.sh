@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU fast-path suite in one call (issue 5): verify-step bench, then end to end through the
-# services. Usage: bash bench/gpu_suite.sh OUT_DIR [extra `python -m bench` flags, e.g. --compile]
+# services. Usage: [BENCH_WHAT=gemm,profile,step,e2e] bash bench/gpu_suite.sh OUT_DIR [extra
+# `python -m bench` flags, e.g. --compile]; BENCH_WHAT defaults to all (= step,e2e).
 # Expected on one H200: ~1-2 min step bench (+ ~1-3 min of inductor compiles with --compile),
 # ~4-6 min e2e (5 stacks); hard cap BENCH_TIMEOUT_S (540 s). Results are written as they come
 # (OUT_DIR/step.md, OUT_DIR/e2e.md, OUT_DIR/summary.md), so a cut-short run keeps every finished
@@ -78,7 +79,7 @@ cat "$OUT/preflight.log"
 WORK="${BENCH_WORK_DIR:-/tmp/specd-bench-work}"
 # Output goes to the log file, not through a pipe: a pipe stays open while any leftover child
 # holds it, which is how the last run hung until the call limit. tail follows until bench exits.
-timeout -k 10 "${BENCH_TIMEOUT_S:-540}" "$PY" -m bench all --out "$OUT" --work-dir "$WORK" "$@" \
+timeout -k 10 "${BENCH_TIMEOUT_S:-540}" "$PY" -m bench "${BENCH_WHAT:-all}" --out "$OUT" --work-dir "$WORK" "$@" \
   > "$OUT/bench.log" 2>&1 &
 BENCH_PID=$!
 tail -n +1 --pid="$BENCH_PID" -f "$OUT/bench.log" &

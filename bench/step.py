@@ -50,6 +50,7 @@ class StepRow:
     transformers_ms: float | None
     floor_ms: float
     specd_compiled_ms: float | None = None  # graphs + torch.compile'd layer regions
+    specd_torch_ops_ms: float | None = None  # graphs over PyTorch ops only (cuBLAS, SDPA): the twin
 
     @property
     def compiled_over_floor(self) -> float | None:
@@ -190,8 +191,12 @@ def run_step_bench(shape: str = "8b", batches=(1, 8, 32, 64, 128), qs=(1, 4), co
                                         dtype="bfloat16" if dtype == torch.bfloat16 else "float32")
     # Graphs on CUDA; on CPU the static-buffer path without capture (same code, no graph).
     # compile_mode "0": these two never compile, whatever SPECD_COMPILE says.
+    # The default: specd's Triton kernels (fused_forward.py) and the skinny GEMM where they apply;
+    # "torch ops": the same static path over PyTorch ops only (cuBLAS, SDPA), their CPU twin.
     graphs = LlamaRunner(".", engine_config, model=model, config=config, use_static_path=True,
-                         compile_mode="0")
+                         compile_mode="0", gemm="auto", kernels="auto")
+    torch_ops = LlamaRunner(".", engine_config, model=model, config=config, use_static_path=True,
+                            compile_mode="0", gemm="torch", kernels="off")
     eager = LlamaRunner(".", engine_config, model=model, config=config, use_static_path=False,
                         compile_mode="0")
     compiled = (LlamaRunner(".", engine_config, model=model, config=config, use_static_path=True,
@@ -202,16 +207,17 @@ def run_step_bench(shape: str = "8b", batches=(1, 8, 32, 64, 128), qs=(1, 4), co
     for batch in batches:
         for q in qs:
             g = time_specd(graphs, batch, q, context, warmup, iters)
+            c = time_specd(torch_ops, batch, q, context, warmup, iters)
             e = time_specd(eager, batch, q, context, warmup, iters)
             h = (time_transformers(hf, config, batch, q, context, dev, dtype, warmup, iters)
                  if hf is not None else None)
-            rows.append(StepRow(batch, q, g, e, h, floor_ms))
+            rows.append(StepRow(batch, q, g, e, h, floor_ms, specd_torch_ops_ms=c))
             print(format_row(rows[-1]), flush=True)
     compile_info = time_compiled_column(compiled, rows, context, warmup, iters, compile_budget_s)
     info = {"shape": shape, "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
             "dtype": str(dtype), "context": context, "weight_bytes": weight_bytes,
             "bandwidth_tbs": bandwidth_tbs, "init_s": round(init_s, 2),
-            "graph_captures": graphs.static.num_captures, "torch": torch.__version__,
+            "graph_captures": graphs.static.num_captures, "fused_kernels": graphs.static.fused, "torch": torch.__version__,
             "compile_mode": compile_mode, "sdpa_backend": sdpa_backend(config, dtype, dev), **compile_info}
     return rows, info
 
@@ -255,8 +261,8 @@ def sdpa_backend(config: LlamaArchConfig, dtype: torch.dtype, device: torch.devi
         return f"unknown ({type(e).__name__})"
 
 
-HEADER = ("| batch | q | specd graphs ms | specd graphs+compile ms | specd eager ms | transformers ms "
-          "| floor ms | graphs / floor | graphs+compile / floor | transformers / graphs "
+HEADER = ("| batch | q | specd graphs ms | specd graphs+compile ms | specd graphs torch-ops ms "
+          "| specd eager ms | transformers ms | floor ms | graphs / floor | graphs+compile / floor | transformers / graphs "
           "| transformers / graphs+compile |")
 
 
@@ -268,7 +274,7 @@ def format_row(r: StepRow) -> str:
         return f"{num / den:.{digits}f}x" if num is not None and den is not None else "-"
 
     return (f"| {r.batch} | {r.q} | {ms(r.specd_graphs_ms)} | {ms(r.specd_compiled_ms)} | "
-            f"{ms(r.specd_eager_ms)} | {ms(r.transformers_ms)} | {r.floor_ms:.2f} | "
+            f"{ms(r.specd_torch_ops_ms)} | {ms(r.specd_eager_ms)} | {ms(r.transformers_ms)} | {r.floor_ms:.2f} | "
             f"{r.graphs_over_floor:.2f}x | {times(r.specd_compiled_ms, r.floor_ms, 2)} | "
             f"{times(r.transformers_ms, r.specd_graphs_ms, 1)} | "
             f"{times(r.transformers_ms, r.specd_compiled_ms, 1)} |")

@@ -13,7 +13,8 @@ that is captured, so tests on CPU prove the static path's logits equal the eager
 
 `regions` (llama.LayerRegions) picks how each layer's attention-free pieces run: eager, or
 torch.compile'd (compile.py: kernel fusion under the same capture). They compile on first use,
-which is the warm-up before a capture.
+which is the warm-up before a capture. `fused` instead runs the whole body through specd's Triton
+kernels (fused_forward.py); the PyTorch body is its twin.
 
 Padding rows and padding slots write to the KV cache's scratch block, never to a real sequence.
 Prefill and mixed batches (a chunk longer than `max_query_len`), batches above the largest
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from specd.models.fused_forward import fused_forward
 from specd.models.kv_cache import PagedKVCache
 from specd.models.llama import EAGER_REGIONS, LayerRegions
 from specd.models.static_attention import StaticAttentionMetadata
@@ -83,7 +85,8 @@ class StaticForward:
 
     def __init__(self, model, kv_cache: PagedKVCache, *, max_batch_size: int,
                  use_cuda_graphs: bool, max_query_len: int = DEFAULT_MAX_QUERY_LEN,
-                 max_context: int = DEFAULT_MAX_CONTEXT, regions: LayerRegions = EAGER_REGIONS) -> None:
+                 max_context: int = DEFAULT_MAX_CONTEXT, regions: LayerRegions = EAGER_REGIONS,
+                 fused: bool = False) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = kv_cache.block_size
@@ -93,6 +96,7 @@ class StaticForward:
         self.device = kv_cache.device
         self.use_cuda_graphs = use_cuda_graphs and self.device.type == "cuda"
         self.regions = regions
+        self.fused = fused
         self._entries: dict[tuple, _Entry] = {}
         self._pool = None  # one memory pool shared by every graph (they never run concurrently)
         self.num_static_forwards = 0  # counters the tests and the bench read
@@ -148,7 +152,10 @@ class StaticForward:
         input_ids, positions, slots, ctx_lens, tables = entry.views()
         meta = StaticAttentionMetadata(ctx_lens=ctx_lens, block_tables=tables, slot_mapping=slots,
                                        query_len=entry.qlen, block_size=self.block_size)
-        hidden, aux = self.model(input_ids, positions, meta, self.kv_cache, aux_layer_ids, self.regions)
+        if self.fused:
+            hidden, aux = fused_forward(self.model, input_ids, positions, meta, self.kv_cache, aux_layer_ids)
+        else:
+            hidden, aux = self.model(input_ids, positions, meta, self.kv_cache, aux_layer_ids, self.regions)
         entry.hidden, entry.aux = hidden, aux
         entry.logits = self.model.compute_logits(hidden)  # [B * Q, V] float32
 

@@ -30,22 +30,23 @@ from torch import nn
 from specd.models.attention import AttentionMetadata, paged_attention, write_kv
 from specd.models.hf_config import LlamaArchConfig
 from specd.models.kv_cache import PagedKVCache
+from specd.models.linear import Linear, linear
 from specd.models.merged_linear import MergedLinear, checkpoint_tensors
 from specd.models.static_attention import StaticAttentionMetadata, static_paged_attention
 from specd.models.weights import iter_tensors
 
 
-def row_parallel(linear: nn.Linear, x: torch.Tensor, group) -> torch.Tensor:
-    """linear(x), where under tensor parallelism each rank holds a slice of the input features.
+def row_parallel(layer: nn.Linear, x: torch.Tensor, group) -> torch.Tensor:
+    """layer(x), where under tensor parallelism each rank holds a slice of the input features.
 
     The partial products are summed over the group and the bias (replicated) is added once,
     after the sum. group None: the plain, unsharded linear.
     """
     if group is None:
-        return linear(x)
-    out = F.linear(x, linear.weight)
+        return layer(x)
+    out = linear(x, layer.weight)
     torch.distributed.all_reduce(out, group=group)
-    return out if linear.bias is None else out + linear.bias
+    return out if layer.bias is None else out + layer.bias
 
 
 class RMSNorm(nn.Module):
@@ -128,7 +129,7 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = MergedLinear(h, {"q_proj": self.num_heads * d, "k_proj": self.num_kv_heads * d,
                                          "v_proj": self.num_kv_heads * d},
                                      bias=config.attention_bias, dtype=dtype)
-        self.o_proj = nn.Linear(self.num_heads * d, h, bias=config.o_proj_bias, dtype=dtype)
+        self.o_proj = Linear(self.num_heads * d, h, bias=config.o_proj_bias, dtype=dtype)
         if config.qk_norm:
             self.q_norm = RMSNorm(d, config.rms_norm_eps, dtype)
             self.k_norm = RMSNorm(d, config.rms_norm_eps, dtype)
@@ -175,7 +176,7 @@ class LlamaMLP(nn.Module):
         h, i, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
         # [2 I, H]: rows gate, then up (checkpoint names gate_proj / up_proj on disk).
         self.gate_up_proj = MergedLinear(h, {"gate_proj": i, "up_proj": i}, bias=bias, dtype=dtype)
-        self.down_proj = nn.Linear(i, h, bias=bias, dtype=dtype)
+        self.down_proj = Linear(i, h, bias=bias, dtype=dtype)
 
         self.tp_group = None  # set by tensor_parallel.shard_llama_: down_proj is then row-parallel
 
@@ -243,7 +244,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = LlamaModel(config, dtype)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
         self.tie_weights()
 
     def tie_weights(self) -> None:

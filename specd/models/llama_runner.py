@@ -10,6 +10,11 @@ largest bucket) run through `StaticForward` (cuda_graphs.py): captured CUDA grap
 With `tp > 1` the model is sharded over the torch.distributed group (tensor_parallel.py).
 `compile_mode` (or the environment's SPECD_COMPILE, e.g. "default") additionally runs each
 layer's attention-free regions of the static path through torch.compile (compile.py).
+`gemm` (or SPECD_GEMM) picks the linears' kernel: "auto" takes the skinny Triton GEMM for few-row
+products on CUDA (skinny_gemm.py), "torch" always F.linear; the runner holds it around its
+forward and logits calls (linear.py). `kernels` (or SPECD_KERNELS) "auto" runs the static path
+through specd's Triton kernels where they apply (fused_forward.py; not together with compile_mode),
+"off" through PyTorch ops.
 """
 
 from __future__ import annotations
@@ -25,8 +30,10 @@ from specd.models.base import check_chunks, ForwardOutput, ModelInfo, SequenceCh
 from specd.models.cuda_graphs import StaticForward
 from specd.models.hf_config import LlamaArchConfig
 from specd.models.kv_cache import CacheFullError, PagedKVCache
+from specd.models.linear import gemm_backend, resolve_gemm_backend
 from specd.models.llama import EAGER_REGIONS, LlamaForCausalLM, load_llama
 
+KERNELS_ENV = "SPECD_KERNELS"  # "auto" (default) | "off"
 COMPILE_ENV = "SPECD_COMPILE"  # "default" | "max-autotune-no-cudagraphs"; unset or "0": off
 CPU_KV_CACHE_BYTES = 4 << 30  # CPU has no "free GPU memory" to take a fraction of: cap at 4 GiB
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -75,14 +82,21 @@ class LlamaRunner:
 
     def __init__(self, model_dir: str | Path, engine_config: PytorchEngineConfig | None = None, *,
                  model: LlamaForCausalLM | None = None, config: LlamaArchConfig | None = None,
-                 use_static_path: bool | None = None, compile_mode: str | None = None) -> None:
+                 use_static_path: bool | None = None, compile_mode: str | None = None,
+                 gemm: str | None = None, kernels: str | None = None) -> None:
         """model/config: an already built model (the bench's random weights) instead of loading.
 
         use_static_path: None follows the config (static path with CUDA graphs on CUDA unless
         eager_mode; CPU eager); True on CPU runs the static-buffer path without capture (tests).
         compile_mode: torch.compile the static path's layer regions in this mode (compile.py);
         None reads SPECD_COMPILE ("0" or unset: off). Applies only where the static path runs.
+        gemm: "auto" | "torch" (linear.py); None reads SPECD_GEMM, default "auto".
+        kernels: "auto" | "off" (fused_forward.py); None reads SPECD_KERNELS, default "auto".
         """
+        kernels = kernels or os.environ.get(KERNELS_ENV) or "auto"
+        if kernels not in ("auto", "off"):
+            raise ValueError(f"kernels: expected auto or off, got {kernels!r}")
+        self.gemm = resolve_gemm_backend(gemm)
         engine_config = engine_config or PytorchEngineConfig()
         self.model_dir = Path(model_dir)
         self.engine_config = engine_config
@@ -138,9 +152,14 @@ class LlamaRunner:
                 from specd.models.compile import compiled_regions
 
                 regions = compiled_regions(self.compile_mode)
+            from specd.models import fused_forward
+
+            fused = (kernels == "auto" and self.compile_mode is None
+                     and fused_forward.applies(self.model, self.kv_cache))
             self.static = StaticForward(self.model, self.kv_cache,
                                         max_batch_size=engine_config.max_batch_size,
-                                        use_cuda_graphs=not engine_config.eager_mode, regions=regions)
+                                        use_cuda_graphs=not engine_config.eager_mode, regions=regions,
+                                        fused=fused)
         self.info = ModelInfo(
             vocab_size=self.config.vocab_size,
             hidden_size=self.config.hidden_size,
@@ -191,6 +210,11 @@ class LlamaRunner:
     def forward(self, chunks: list[SequenceChunk], *, want_hidden: bool = False,
                 want_aux_hidden: bool = False) -> ForwardOutput:
         """Append every chunk to its cache in one model call; logits for every new token."""
+        with gemm_backend(self.gemm):
+            return self._forward(chunks, want_hidden, want_aux_hidden)
+
+    def _forward(self, chunks: list[SequenceChunk], want_hidden: bool, want_aux_hidden: bool
+                 ) -> ForwardOutput:
         self._check_batch(chunks)
         starts = [self.kv_cache.num_tokens(c.seq_id) for c in chunks]
         query_lens = [len(c.token_ids) for c in chunks]
@@ -245,5 +269,5 @@ class LlamaRunner:
 
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
         """[n, hidden] -> [n, vocab] float32."""
-        with torch.no_grad():
+        with torch.no_grad(), gemm_backend(self.gemm):
             return self.model.compute_logits(hidden.to(device=self.device, dtype=self.dtype))

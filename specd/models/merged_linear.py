@@ -17,9 +17,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from specd.models.linear import Linear
 
-class MergedLinear(nn.Linear):
-    """nn.Linear whose output rows are the named checkpoint projections `parts`, stacked in order."""
+
+class MergedLinear(Linear):
+    """Linear whose output rows are the named checkpoint projections `parts`, stacked in order."""
 
     def __init__(self, in_features: int, parts: dict[str, int], bias: bool,
                  dtype: torch.dtype | None = None) -> None:

@@ -1,0 +1,65 @@
+"""The static (CUDA-graph) step's model forward through specd's Triton kernels.
+
+Per decoder layer: RMSNorm (fused with the previous layer's residual add), the fused QKV GEMM,
+RoPE + paged-cache write (one kernel), split-KV paged attention (two), o_proj, residual add +
+RMSNorm (one), the fused gate/up GEMM, silu * up (one), down_proj; the GEMMs take the skinny
+kernel at few rows (linear.py). Ten launches a layer where the PyTorch path takes about thirty,
+and no gathered K/V copies (kernels/*.py say why each exists).
+
+It computes what LlamaForCausalLM.forward computes (the same modules' weights; the deferred
+residual add changes no value: the residual entering layer i is materialised by layer i's first
+norm, which is also what the aux features capture). `applies` says when: CUDA (or Triton's
+interpreter, for the CPU tests), fp16/bf16, no q/k norms, no tensor parallelism, a power-of-two
+head_dim. Otherwise StaticForward runs the PyTorch body (the twin the tests compare with).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specd.models.kernels import norm_act, paged_decode_attention, rope_cache
+from specd.models.kv_cache import PagedKVCache
+from specd.models.static_attention import StaticAttentionMetadata
+
+
+def applies(model, kv_cache: PagedKVCache) -> bool:
+    config = model.config
+    layer = model.model.layers[0]
+    probe = kv_cache.k_caches[0]
+    q_like = probe.new_empty((1, config.num_attention_heads, config.head_dim))
+    return (layer.self_attn.q_norm is None and layer.self_attn.tp_group is None
+            and layer.mlp.tp_group is None
+            and paged_decode_attention.kernel_applies(q_like, probe)
+            and rope_cache.kernel_applies(probe.new_empty((1, 8)), probe, config.head_dim)
+            and norm_act.kernel_applies(probe.new_empty((1, config.hidden_size))))
+
+
+def fused_forward(model, input_ids: torch.Tensor, positions: torch.Tensor, meta: StaticAttentionMetadata,
+                  kv_cache: PagedKVCache, aux_layer_ids: tuple[int, ...] = ()
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """LlamaForCausalLM.forward's contract: (hidden [T, H] after the final norm, aux or None)."""
+    config = model.config
+    eps = config.rms_norm_eps
+    x = model.model.embed_tokens(input_ids)  # [T, H]
+    cos, sin = model.model.rotary_emb(positions, x.dtype)  # [T, D] each
+    tokens = x.shape[0]
+    wanted = set(aux_layer_ids)
+    captured: dict[int, torch.Tensor] = {}
+    delta = None  # the previous layer's MLP output, added to x by this layer's first norm
+    for i, layer in enumerate(model.model.layers):
+        x, h = norm_act.rms_norm(x, layer.input_layernorm.weight, eps, delta)
+        if i in wanted:
+            captured[i] = x
+        attn = layer.self_attn
+        cache_k, cache_v = kv_cache.k_caches[i], kv_cache.v_caches[i]
+        q = rope_cache.rope_and_cache_write(attn.qkv_proj(h), cos, sin, meta.slot_mapping, cache_k, cache_v,
+                                            attn.num_heads, attn.num_kv_heads)  # [T, Hq, D]
+        o = paged_decode_attention.paged_decode_attention(
+            q, cache_k, cache_v, meta.ctx_lens, meta.block_tables, meta.query_len, attn.scale,
+            attn.sliding_window)  # [T, Hq, D]
+        x, h = norm_act.rms_norm(x, layer.post_attention_layernorm.weight, eps,
+                                 attn.o_proj(o.view(tokens, -1)))
+        delta = layer.mlp.down_proj(norm_act.silu_mul(layer.mlp.gate_up_proj(h)))
+    _, hidden = norm_act.rms_norm(x, model.model.norm.weight, eps, delta)
+    aux = torch.cat([captured[i] for i in aux_layer_ids], dim=-1) if aux_layer_ids else None
+    return hidden, aux

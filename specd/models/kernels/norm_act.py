@@ -1,0 +1,84 @@
+"""RMSNorm (optionally with the residual add before it) and SwiGLU's silu(gate) * up, in Triton.
+
+The eager layer runs RMSNorm as a float cast, the norm, a cast back and the weight multiply, and
+the residual add and SwiGLU as separate kernels; at small batch each is a launch over a few KB.
+One program per token row does each of these in one pass. Rounding follows the PyTorch modules
+step for step (llama.RMSNorm: norm in float32, cast to the model dtype, then times the weight in
+the model dtype; the residual add and silu rounded to the model dtype before they are used), so
+the kernels and the PyTorch twin agree to the last bit in most rows; tests compare them on CPU
+through Triton's interpreter.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except Exception:  # ImportError, or a broken install
+    triton = None
+
+
+if triton is not None:
+    @triton.jit
+    def _rmsnorm_kernel(x_ptr, delta_ptr, w_ptr, res_out_ptr, out_ptr, stride_x, stride_d, stride_r,
+                        stride_o, eps, H: tl.constexpr, BLOCK: tl.constexpr, HAS_DELTA: tl.constexpr):
+        t = tl.program_id(0)
+        c = tl.arange(0, BLOCK)
+        ok = c < H
+        x = tl.load(x_ptr + t * stride_x + c, mask=ok, other=0.0)
+        if HAS_DELTA:
+            d = tl.load(delta_ptr + t * stride_d + c, mask=ok, other=0.0)
+            x = (x.to(tl.float32) + d.to(tl.float32)).to(x_ptr.dtype.element_ty)  # the bf16 add
+            tl.store(res_out_ptr + t * stride_r + c, x, mask=ok)
+        xf = x.to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / H + eps)
+        normed = (xf * rstd).to(out_ptr.dtype.element_ty).to(tl.float32)
+        w = tl.load(w_ptr + c, mask=ok, other=0.0).to(tl.float32)
+        tl.store(out_ptr + t * stride_o + c, (normed * w).to(out_ptr.dtype.element_ty), mask=ok)
+
+    @triton.jit
+    def _silu_mul_kernel(gu_ptr, out_ptr, stride_gu, stride_o, inter, BLOCK: tl.constexpr):
+        t = tl.program_id(0)
+        c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        ok = c < inter
+        gate = tl.load(gu_ptr + t * stride_gu + c, mask=ok, other=0.0).to(tl.float32)
+        up = tl.load(gu_ptr + t * stride_gu + inter + c, mask=ok, other=0.0).to(tl.float32)
+        act = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty).to(tl.float32)
+        tl.store(out_ptr + t * stride_o + c, (act * up).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def kernel_applies(x: torch.Tensor) -> bool:
+    return (triton is not None and (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
+            and x.dtype in (torch.float16, torch.bfloat16) and x.ndim == 2 and x.stride(-1) == 1)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch.Tensor | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """x, delta: [T, H]. Returns (residual, normed): residual = x + delta (x itself without delta),
+    normed = RMSNorm(residual) * weight."""
+    tokens, hidden = x.shape
+    out = torch.empty_like(x)
+    residual = torch.empty_like(x) if delta is not None else x
+    if tokens:
+        _rmsnorm_kernel[(tokens,)](
+            x, delta if delta is not None else x, weight, residual, out, x.stride(0),
+            (delta if delta is not None else x).stride(0), residual.stride(0), out.stride(0), eps,
+            H=hidden, BLOCK=triton.next_power_of_2(hidden), HAS_DELTA=delta is not None,
+            num_warps=4 if hidden <= 4096 else 8)
+    return residual, out
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up: [T, 2 I] (gate rows first) -> silu(gate) * up [T, I]."""
+    tokens, two_inter = gate_up.shape
+    inter = two_inter // 2
+    out = torch.empty((tokens, inter), dtype=gate_up.dtype, device=gate_up.device)
+    block = 1024
+    if tokens:
+        _silu_mul_kernel[(tokens, triton.cdiv(inter, block))](
+            gate_up, out, gate_up.stride(0), out.stride(0), inter, BLOCK=block, num_warps=4)
+    return out

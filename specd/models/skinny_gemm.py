@@ -1,0 +1,119 @@
+"""A Triton GEMM for few rows: y = x @ W^T with x [M, K], M <= 32, W [N, K] (nn.Linear layout).
+
+Why: a verify step at small batch multiplies a handful of rows (batch * (k + 1)) by every weight
+matrix once. The work is reading W (16 GB at 8B shapes, 3.35 ms at 4.8 TB/s); the arithmetic is
+nothing. So the kernel is a weight stream: each program owns BLOCK_N output columns (BLOCK_N rows
+of W), walks K in BLOCK_K tiles with several tiles in flight (num_stages), and multiplies them
+with the few x rows on the tensor cores (tl.dot needs 16 rows: x is padded by masking, never
+copied). No split-K: every output element is one program's sequential sum, so the result does not
+depend on the launch shape (deterministic, and the same for a row whatever else is in the batch).
+
+`skinny_linear` dispatches: CUDA, bf16/fp16, M <= MAX_ROWS, Triton importable, K a multiple of the
+smallest BLOCK_K -> the kernel; anything else -> F.linear (cuBLAS on CUDA, the CPU twin). The
+kernel is wrapped as a torch custom op, so torch.compile'd regions and CUDA-graph capture treat it
+as one opaque call. Block shapes are autotuned per (M bucket, N, K) on first use, i.e. during the
+static path's warm-up, before any capture. Tests run the kernel through Triton's interpreter on
+CPU (TRITON_INTERPRET=1) against float64.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+MAX_ROWS = 32
+MIN_BLOCK_K = 64
+
+try:
+    import triton
+    import triton.language as tl
+except Exception:  # ImportError, or a broken install: the F.linear path serves
+    triton = None
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _configs():
+    if _INTERPRET:  # the interpreter runs every config on CPU: keep it to one, small
+        return [triton.Config({"BLOCK_N": 16, "BLOCK_K": 64}, num_warps=4, num_stages=1)]
+    out = []
+    for block_n, block_k, warps, stages in [
+            (16, 256, 4, 4), (16, 512, 4, 3), (32, 256, 4, 4), (32, 128, 4, 6), (32, 512, 8, 3),
+            (64, 128, 4, 4), (64, 256, 8, 3), (16, 1024, 8, 2), (128, 64, 4, 5), (64, 64, 4, 8)]:  # the last (BLOCK_K 64) fits any K % 64 == 0
+        out.append(triton.Config({"BLOCK_N": block_n, "BLOCK_K": block_k}, num_warps=warps,
+                                 num_stages=stages))
+    return out
+
+
+if triton is not None:
+    def _divides_k(configs, named_args, **kwargs):
+        """Only block shapes whose BLOCK_K divides K (the loop has no K mask)."""
+        return [c for c in configs if named_args["K"] % c.kwargs["BLOCK_K"] == 0] or configs[-1:]
+
+    @triton.autotune(configs=_configs(), key=["M_BUCKET", "N", "K"],
+                     prune_configs_by={"early_config_prune": _divides_k})
+    @triton.jit
+    def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+                            M_BUCKET: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        pid = tl.program_id(0)
+        rows = tl.arange(0, M_BUCKET)  # [M_BUCKET] x rows (>= 16 for tl.dot; masked past M)
+        cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] output columns = rows of W
+        ks = tl.arange(0, BLOCK_K)
+        x_ptrs = x_ptr + rows[:, None] * stride_xm + ks[None, :]  # [M_BUCKET, BLOCK_K]
+        w_ptrs = w_ptr + cols[:, None] * stride_wn + ks[None, :]  # [BLOCK_N, BLOCK_K]
+        row_ok = rows[:, None] < M
+        col_ok = cols[:, None] < N
+        acc = tl.zeros((M_BUCKET, BLOCK_N), dtype=tl.float32)
+        for _ in range(0, K, BLOCK_K):  # K % BLOCK_K == 0 (skinny_linear checks)
+            x = tl.load(x_ptrs, mask=row_ok, other=0.0)
+            w = tl.load(w_ptrs, mask=col_ok, other=0.0)
+            acc += tl.dot(x, tl.trans(w))
+            x_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+        y_ptrs = y_ptr + rows[:, None] * stride_ym + cols[None, :]
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok & (cols[None, :] < N))
+
+
+def _row_bucket(m: int) -> int:
+    return 16 if m <= 16 else 32
+
+
+@torch.library.custom_op("specd::skinny_gemm", mutates_args=())
+def skinny_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ weight[N, K]^T -> [M, N] in x's dtype (float32 accumulation)."""
+    m, k = x.shape
+    n = weight.shape[0]
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return y
+    grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731 - Triton's grid idiom
+    _skinny_gemm_kernel[grid](x, weight, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
+                              M_BUCKET=_row_bucket(m))
+    return y
+
+
+@skinny_gemm.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return x.new_empty((x.shape[0], weight.shape[0]))
+
+
+def kernel_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether skinny_linear takes the Triton kernel for these operands."""
+    return (triton is not None and x.ndim == 2 and 0 < x.shape[0] <= MAX_ROWS
+            and (x.is_cuda or _INTERPRET) and x.dtype in (torch.bfloat16, torch.float16)
+            and weight.dtype == x.dtype and x.shape[1] % MIN_BLOCK_K == 0
+            and x.stride(1) == 1 and weight.stride(1) == 1)
+
+
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias) for x [..., K], through the kernel when it applies (see module)."""
+    flat = x.reshape(-1, x.shape[-1])
+    if not kernel_applies(flat, weight):
+        return F.linear(x, weight, bias)
+    y = skinny_gemm(flat, weight)
+    if bias is not None:
+        y = y + bias
+    return y.view(*x.shape[:-1], weight.shape[0])
+

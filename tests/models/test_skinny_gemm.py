@@ -1,0 +1,96 @@
+"""The skinny Triton GEMM (specd/models/skinny_gemm.py) on CPU, through Triton's interpreter.
+
+The interpreter runs the kernel's own code with numpy (float16: numpy has no bfloat16, so the
+interpreter cannot run bf16; the GPU bench checks bf16 against F.linear). Each check runs in a
+subprocess because TRITON_INTERPRET must be set before triton.jit decorates the kernel.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specd.models import skinny_gemm
+from specd.models.linear import Linear, gemm_backend, linear, resolve_gemm_backend
+from tests.models.interpreted import run_interpreted
+
+pytestmark = pytest.mark.skipif(skinny_gemm.triton is None, reason="triton is a dependency (xgrammar pulls it)")
+
+
+def test_kernel_matches_float64_for_few_rows_and_ragged_columns():
+    out = run_interpreted("""
+        import torch
+        from specd.models.skinny_gemm import kernel_applies, skinny_gemm
+        for seed, (m, n, k) in enumerate([(1, 48, 128), (4, 100, 192), (17, 64, 256), (32, 33, 64)]):
+            g = torch.Generator().manual_seed(seed)
+            x = torch.randn(m, k, generator=g).half()
+            w = torch.randn(n, k, generator=g).half()
+            assert kernel_applies(x, w)
+            y = skinny_gemm(x, w)
+            ref = x.double() @ w.double().T
+            err = ((y.double() - ref).norm() / ref.norm()).item()
+            assert y.shape == (m, n) and y.dtype == torch.float16 and torch.isfinite(y).all()
+            print(m, n, k, err)
+            assert err < 2e-3, (m, n, k, err)
+        print("ok")
+    """)
+    assert out.strip().endswith("ok")
+
+
+def test_static_path_logits_with_the_kernel_equal_cublas_within_rounding():
+    """A whole runner forward (float16 on CPU, static path): "auto" GEMMs vs "torch" GEMMs."""
+    out = run_interpreted("""
+        import torch
+        from bench.step import arch_config, random_model
+        from specd.messages import PytorchEngineConfig
+        from specd.models.base import SequenceChunk
+        from specd.models import linear as linear_module, skinny_gemm
+        from specd.models.llama_runner import LlamaRunner
+        calls = []
+        kernel = skinny_gemm.skinny_gemm
+        def counting(x, w):
+            calls.append(tuple(x.shape))
+            return kernel(x, w)
+        skinny_gemm.skinny_gemm = counting
+        cfg = arch_config("small")
+        model = random_model(cfg, torch.float16, torch.device("cpu"))
+        ec = PytorchEngineConfig(max_batch_size=2, block_size=16, num_gpu_blocks=32, session_len=128,
+                                 device_type="cpu", dtype="float16")
+        logits = {}
+        for gemm in ("auto", "torch"):
+            r = LlamaRunner(".", ec, model=model, config=cfg, use_static_path=True, compile_mode="0", gemm=gemm)
+            for s in (0, 1):
+                r.add_sequence(s)
+                r.kv_cache.append_slots(s, 20)
+            logits[gemm] = r.forward([SequenceChunk(0, [1, 2, 3, 4]), SequenceChunk(1, [5, 6, 7, 8])]).logits
+        a, b = logits["auto"].double(), logits["torch"].double()
+        err = ((a - b).norm() / b.norm()).item()
+        print(err)
+        assert a.shape == (8, cfg.vocab_size) and err < 5e-3, err
+        # every layer's 4 GEMMs and the lm_head went through the kernel, in the "auto" runner only
+        assert len(calls) == 4 * cfg.num_hidden_layers + 1 and set(calls) == {(8, cfg.hidden_size),
+            (8, cfg.intermediate_size), (8, cfg.num_attention_heads * cfg.head_dim)}, calls
+        print("ok")
+    """)
+    assert out.strip().endswith("ok")
+
+
+def test_dispatch_falls_back_to_f_linear_where_the_kernel_does_not_apply():
+    x, w = torch.randn(4, 64), torch.randn(8, 64)
+    assert not skinny_gemm.kernel_applies(x, w)  # float32 on CPU, no interpreter
+    assert not skinny_gemm.kernel_applies(torch.randn(33, 64).half(), w.half())  # too many rows
+    assert not skinny_gemm.kernel_applies(torch.randn(4, 96).half(), torch.randn(8, 96).half())  # K % 64
+    torch.testing.assert_close(skinny_gemm.skinny_linear(x, w), torch.nn.functional.linear(x, w))
+
+
+def test_backend_is_scoped_and_validated(monkeypatch):
+    layer = Linear(64, 8, bias=True)
+    x = torch.randn(3, 64)
+    with gemm_backend("auto"):
+        assert skinny_gemm.kernel_applies(x, layer.weight) is False
+        torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
+    torch.testing.assert_close(linear(x, layer.weight), x @ layer.weight.T)
+    monkeypatch.setenv("SPECD_GEMM", "torch")
+    assert resolve_gemm_backend(None) == "torch"
+    with pytest.raises(ValueError, match="gemm backend"):
+        resolve_gemm_backend("cutlass")

@@ -1,0 +1,121 @@
+"""specd's Triton kernels (specd/models/kernels/, fused_forward.py) against their PyTorch twins,
+on CPU through Triton's interpreter (float16: the interpreter has no bfloat16)."""
+
+from __future__ import annotations
+
+import pytest
+
+from specd.models.kernels import paged_decode_attention
+from tests.models.interpreted import run_interpreted
+
+pytestmark = pytest.mark.skipif(paged_decode_attention.triton is None, reason="triton (xgrammar pulls it)")
+
+
+def test_split_kv_paged_attention_matches_the_gather_sdpa_twin():
+    out = run_interpreted("""
+        import torch
+        from specd.models.kernels.paged_decode_attention import paged_decode_attention, num_splits
+        from specd.models.static_attention import StaticAttentionMetadata, static_paged_attention
+        g = torch.Generator().manual_seed(0)
+        blocks, bs, hkv, d = 12, 16, 2, 16
+        for hq, q_len, ctx, window, target in [(8, 4, [5, 30, 0], None, 264), (4, 1, [47, 3], None, 264),
+                                               (8, 3, [40, 17], 9, 264), (8, 4, [33, 60], None, 1)]:
+            paged_decode_attention.__globals__["TARGET_PROGRAMS"] = target  # 1: one split per pair
+            b = len(ctx)
+            cache_k = torch.randn(blocks + 1, bs, hkv, d, generator=g).half()
+            cache_v = torch.randn(blocks + 1, bs, hkv, d, generator=g).half()
+            nb = 4
+            perm = torch.randperm(blocks, generator=g)[: b * nb].view(b, nb)  # scattered blocks
+            q = torch.randn(b * q_len, hq, d, generator=g).half()
+            meta = StaticAttentionMetadata(ctx_lens=torch.tensor(ctx), block_tables=perm.clone(),
+                                           slot_mapping=torch.zeros(b * q_len, dtype=torch.long),
+                                           query_len=q_len, block_size=bs)
+            ref = static_paged_attention(q.float(), cache_k.float(), cache_v.float(), meta, d ** -0.5, window)
+            got = paged_decode_attention(q, cache_k, cache_v, meta.ctx_lens, meta.block_tables, q_len,
+                                         d ** -0.5, window)
+            assert got.shape == q.shape and torch.isfinite(got).all()
+            err = ((got.float() - ref).norm() / ref.norm()).item()
+            print(hq, q_len, ctx, window, num_splits(b, hkv, nb * bs, 16), err)
+            assert err < 3e-3, err
+        print("ok")
+    """)
+    assert out.strip().endswith("ok"), out
+
+
+def test_rope_cache_write_and_norms_match_the_pytorch_modules():
+    out = run_interpreted("""
+        import torch
+        from bench.step import arch_config, random_model
+        from specd.models.attention import write_kv
+        from specd.models.kernels.norm_act import rms_norm, silu_mul
+        from specd.models.kernels.rope_cache import rope_and_cache_write
+        from specd.models.llama import RMSNorm, apply_rotary
+        torch.manual_seed(0)
+        cfg = arch_config("small")
+        model = random_model(cfg, torch.float16, torch.device("cpu"))
+        attn = model.model.layers[0].self_attn
+        t, hq, hkv, d = 6, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        x = torch.randn(t, cfg.hidden_size).half()
+        qkv = attn.qkv_proj(x)
+        positions = torch.tensor([0, 5, 6, 7, 100, 3])
+        cos, sin = model.model.rotary_emb(positions, torch.float16)
+        slots = torch.tensor([3, 17, 18, 19, 40, 2])
+        caches = [torch.zeros(4, 16, hkv, d).half() for _ in range(4)]
+        q_ref, k_ref, v_ref = attn.project(x, cos, sin)
+        write_kv(caches[0], caches[1], k_ref, v_ref, slots)
+        q = rope_and_cache_write(qkv, cos, sin, slots, caches[2], caches[3], hq, hkv)
+        for a, b in [(q, q_ref), (caches[2], caches[0]), (caches[3], caches[1])]:
+            assert torch.allclose(a.float(), b.float(), atol=2e-3, rtol=2e-3), (a - b).abs().max()
+        assert torch.equal(caches[3], caches[1])  # v is copied, not computed
+        norm = RMSNorm(cfg.hidden_size, 1e-5, torch.float16)
+        with torch.no_grad():
+            norm.weight.normal_()
+        delta = torch.randn_like(x)
+        res, normed = rms_norm(x, norm.weight, 1e-5, delta)
+        assert torch.equal(res, x + delta)
+        assert torch.allclose(normed.float(), norm(x + delta).float(), atol=4e-3, rtol=4e-3)
+        same, normed0 = rms_norm(x, norm.weight, 1e-5)
+        assert same is x and torch.allclose(normed0.float(), norm(x).float(), atol=4e-3, rtol=4e-3)
+        gu = torch.randn(t, 2 * 1500).half()  # two column blocks, the second ragged
+        gate, up = gu.chunk(2, dim=-1)
+        ref = torch.nn.functional.silu(gate) * up
+        assert torch.allclose(silu_mul(gu).float(), ref.float(), atol=2e-3, rtol=2e-3)
+        print("ok")
+    """)
+    assert out.strip().endswith("ok"), out
+
+
+def test_fused_static_forward_equals_the_pytorch_body():
+    """The whole static step (logits and EAGLE aux features) through the kernels vs PyTorch ops."""
+    out = run_interpreted("""
+        import torch
+        from bench.step import arch_config, random_model
+        from specd.messages import PytorchEngineConfig
+        from specd.models.base import SequenceChunk
+        from specd.models.llama_runner import LlamaRunner
+        cfg = arch_config("small")
+        model = random_model(cfg, torch.float16, torch.device("cpu"))
+        ec = PytorchEngineConfig(max_batch_size=4, block_size=16, num_gpu_blocks=32, session_len=128,
+                                 device_type="cpu", dtype="float16")
+        results = {}
+        for kernels in ("auto", "off"):
+            r = LlamaRunner(".", ec, model=model, config=cfg, use_static_path=True, compile_mode="0",
+                            gemm="torch", kernels=kernels)
+            assert r.static.fused == (kernels == "auto")
+            r.set_aux_hidden_layers([0, 1])
+            for s, ctx in [(0, 20), (1, 3), (2, 37)]:
+                r.add_sequence(s)
+                first = r.forward([SequenceChunk(s, [(s * 13 + j) % 500 for j in range(ctx)])])  # prefill
+            # a verify batch (ragged chunks: 4, 2, 4 tokens), then a decode step over what it wrote
+            step1 = r.forward([SequenceChunk(0, [1, 2, 3, 4]), SequenceChunk(1, [5, 6]),
+                               SequenceChunk(2, [7, 8, 9, 10])], want_aux_hidden=True)
+            step2 = r.forward([SequenceChunk(0, [11]), SequenceChunk(1, [12]), SequenceChunk(2, [13])])
+            assert r.static.num_static_forwards == 3  # the 3-token prefill is static too
+            results[kernels] = (step1.logits, step1.aux_hidden_states, step2.logits)
+        for a, b in zip(results["auto"], results["off"]):
+            err = ((a.float() - b.float()).norm() / b.float().norm()).item()
+            print(tuple(a.shape), err)
+            assert a.shape == b.shape and err < 5e-3, err
+        print("ok")
+    """)
+    assert out.strip().endswith("ok"), out
