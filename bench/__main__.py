@@ -30,7 +30,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 
-WHATS = ("gemm", "profile", "step", "e2e")
+WHATS = ("gemm", "gemm-sweep", "profile", "step", "e2e")
 
 
 def _parts(text: str) -> list[str]:
@@ -86,6 +86,21 @@ def _prepare_e2e_models(args, work: Path) -> tuple[Path, dict, int]:
     return target, drafts, 500
 
 
+def _release_gpu_memory(label: str) -> None:
+    """Free what a finished bench held: runners, CUDA-graph pools and model weights sit in reference
+    cycles (a graph's pool outlives its runner until a collection), and the e2e stacks that start
+    next size their KV caches from the memory left free."""
+    import gc
+
+    import torch
+
+    if torch.cuda.is_available():
+        gc.collect()
+        torch.cuda.empty_cache()
+        print(f"after {label}: {torch.cuda.memory_allocated() / 2**30:.1f} GiB allocated, "
+              f"{torch.cuda.memory_reserved() / 2**30:.1f} GiB reserved by the bench process", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -132,6 +147,14 @@ def main(argv: list[str] | None = None) -> int:
         sections.append(write_gemm_results(run_gemm_bench(bandwidth_tbs=args.bandwidth_tbs), out))
         print(sections[-1], flush=True)
         print(f"gemm bench done at {time.perf_counter() - t_start:.0f} s", flush=True)
+        _release_gpu_memory("gemm")
+    if "gemm-sweep" in args.what:
+        from bench.gemm_sweep import run_gemm_sweep, write_sweep
+
+        sections.append(write_sweep(run_gemm_sweep(bandwidth_tbs=args.bandwidth_tbs), out))
+        print(sections[-1], flush=True)
+        print(f"gemm sweep done at {time.perf_counter() - t_start:.0f} s", flush=True)
+        _release_gpu_memory("gemm sweep")
     if "profile" in args.what:
         from bench.profile_step import run_profile, write_profile
 
@@ -140,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as e:  # noqa: BLE001
             print(f"profile failed: {type(e).__name__}: {e}"[:3000], flush=True)
         print(f"profile done at {time.perf_counter() - t_start:.0f} s", flush=True)
-        torch.cuda.empty_cache()
+        _release_gpu_memory("profile")
     if "step" in args.what:
         from bench.step import run_step_bench, write_step_results
 
@@ -156,8 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         print(sections[-1], flush=True)
         print(f"step bench done at {time.perf_counter() - t_start:.0f} s", flush=True)
         del rows
-        if device == "cuda":
-            torch.cuda.empty_cache()
+        _release_gpu_memory("step")
     if "e2e" in args.what:
         from bench.e2e import run_e2e_bench, write_e2e_results
 

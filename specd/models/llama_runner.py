@@ -60,7 +60,11 @@ def default_aux_layer_ids(num_layers: int) -> list[int]:
 
 def num_cache_blocks(engine_config: PytorchEngineConfig, config: LlamaArchConfig, session_len: int,
                      dtype: torch.dtype, device: torch.device, num_kv_heads: int | None = None) -> int:
-    """Blocks to allocate: num_gpu_blocks when set, else what memory allows (see module doc)."""
+    """Blocks to allocate: num_gpu_blocks when set, else what the engine can use (max_batch_size
+    full sessions), capped by what memory allows: cache_max_entry_count of the free GPU memory, or
+    CPU_KV_CACHE_BYTES. Never more than can be used: a drafter sharing the GPU with its verifier
+    (`specd serve api_server` on one GPU) would otherwise take 80% of the memory for a small
+    draft model's cache and leave the target too little for its activations."""
     if engine_config.num_gpu_blocks > 0:
         return engine_config.num_gpu_blocks
     block_size = engine_config.block_size
@@ -68,11 +72,11 @@ def num_cache_blocks(engine_config: PytorchEngineConfig, config: LlamaArchConfig
                                              num_kv_heads or config.num_key_value_heads,
                                              config.head_dim, dtype)
     blocks_per_seq = -(-session_len // block_size)
+    wanted = engine_config.max_batch_size * blocks_per_seq
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         budget = int(free * engine_config.cache_max_entry_count) // per_block
-        return max(1, budget)
-    wanted = engine_config.max_batch_size * blocks_per_seq
+        return max(1, min(budget, wanted))
     # Never less than one full session, so a single request always fits.
     return max(blocks_per_seq, min(wanted, CPU_KV_CACHE_BYTES // per_block))
 
