@@ -1,7 +1,8 @@
 """The static (CUDA-graph) step's model forward through specd's Triton kernels.
 
 Per decoder layer: RMSNorm (fused with the previous layer's residual add), the fused QKV GEMM,
-RoPE + paged-cache write (one kernel), split-KV paged attention (two), o_proj, residual add +
+RoPE + paged-cache write (one kernel), split-KV paged attention (two; flash-attn's
+flash_attn_with_kvcache instead when it is installed and the blocks suit it), o_proj, residual add +
 RMSNorm (one), the fused gate/up GEMM, silu * up (one), down_proj; the GEMMs take the skinny
 kernel at few rows (linear.py). Ten launches a layer where the PyTorch path takes about thirty,
 and no gathered K/V copies (kernels/*.py say why each exists).
@@ -19,7 +20,7 @@ import torch
 
 from specd.models.kernels import norm_act, paged_decode_attention, rope_cache
 from specd.models.kv_cache import PagedKVCache
-from specd.models.static_attention import StaticAttentionMetadata
+from specd.models.static_attention import StaticAttentionMetadata, flash_kvcache_applies, static_paged_attention
 
 
 def applies(model, kv_cache: PagedKVCache) -> bool:
@@ -54,9 +55,12 @@ def fused_forward(model, input_ids: torch.Tensor, positions: torch.Tensor, meta:
         cache_k, cache_v = kv_cache.k_caches[i], kv_cache.v_caches[i]
         q = rope_cache.rope_and_cache_write(attn.qkv_proj(h), cos, sin, meta.slot_mapping, cache_k, cache_v,
                                             attn.num_heads, attn.num_kv_heads)  # [T, Hq, D]
-        o = paged_decode_attention.paged_decode_attention(
-            q, cache_k, cache_v, meta.ctx_lens, meta.block_tables, meta.query_len, attn.scale,
-            attn.sliding_window)  # [T, Hq, D]
+        if flash_kvcache_applies(q, meta):  # flash-attn installed and 256-token blocks: its kernel
+            o = static_paged_attention(q, cache_k, cache_v, meta, attn.scale, attn.sliding_window)
+        else:
+            o = paged_decode_attention.paged_decode_attention(
+                q, cache_k, cache_v, meta.ctx_lens, meta.block_tables, meta.query_len, attn.scale,
+                attn.sliding_window)  # [T, Hq, D]
         x, h = norm_act.rms_norm(x, layer.post_attention_layernorm.weight, eps,
                                  attn.o_proj(o.view(tokens, -1)))
         delta = layer.mlp.down_proj(norm_act.silu_mul(layer.mlp.gate_up_proj(h)))
