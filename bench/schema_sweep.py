@@ -8,17 +8,14 @@ greedy and sampled (temperature 1, a fixed seed per schema), from a chat-templat
 for JSON for the schema, and every output is parsed (strict json.loads: raw control characters
 are invalid JSON) and validated with `jsonschema`.
 
-Validation: the validator class of the schema's `$schema` (Draft 2020-12 when it names none),
-with that draft's FormatChecker. xgrammar enforces the formats date, time, date-time, email, uri,
-hostname, uuid, ipv4, ipv6 (and duration) and ignores others (annotations in JSON Schema); the
-FormatChecker checks those of them that jsonschema can check with the installed packages (date,
-email, uuid, ipv4, ipv6; date-time and time are checked here by RFC 3339 checkers added below,
-because jsonschema's need the optional rfc3339-validator package), and ignores unknown formats,
-as xgrammar does.
+Validation: bench/schema_validation.py (the draft's validator, with format checking).
 
 Outcomes: valid; invalid (not JSON, or not valid against the schema); unfinished (finish_reason
-"length": the budget ran out before the grammar terminated; the user sees truncated JSON, as with
-OpenAI's finish_reason "length"); crash (an exception anywhere but a 400).
+"length": the budget ran out before the grammar terminated, which budget-aware closing,
+specd/grammar/budget.py, is there to prevent: the grammar forces a short completion when the
+tokens left get few); crash (an exception anywhere but a 400). Apart from the outcome, "closed"
+counts the responses that closing shaped (rows forced, or tokens that could not close in time
+taken out, for some of their tokens).
 
     .venv/bin/python bench/schema_sweep.py                    # all six configurations
     .venv/bin/python bench/schema_sweep.py --configs off ngram --limit 50
@@ -35,11 +32,12 @@ import sys
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from datetime import date
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from bench.schema_validation import judge, validator_for  # noqa: E402  (after the path setup)
 
 SCHEMAS = ROOT.parent / "shared" / "data" / "jsonschemabench"
 MODELS = ROOT / "models"
@@ -114,59 +112,6 @@ class GatewayCheck:
         self.gateway._tokenize_pool.shutdown(wait=False)
 
 
-# ---- validation -----------------------------------------------------------------------------
-_RFC3339_TIME = r"([01]\d|2[0-3]):[0-5]\d:([0-5]\d|60)(\.\d+)?([Zz]|[+-]([01]\d|2[0-3]):[0-5]\d)"
-_TIME = re.compile(_RFC3339_TIME)
-_DATE_TIME = re.compile(r"(\d{4}-\d{2}-\d{2})[Tt]" + _RFC3339_TIME)
-
-
-def _is_time(value) -> bool:
-    return not isinstance(value, str) or _TIME.fullmatch(value) is not None
-
-
-def _is_date_time(value) -> bool:
-    if not isinstance(value, str):
-        return True
-    m = _DATE_TIME.fullmatch(value)
-    if m is None:
-        return False
-    try:
-        date.fromisoformat(m.group(1))  # the calendar: no 2023-02-30, no year 0
-    except ValueError:
-        return False
-    return True
-
-
-def validator_for(schema):
-    """The schema's draft's validator, with format checking (see the module docstring)."""
-    import jsonschema
-    from jsonschema import validators
-
-    cls = validators.validator_for(schema, default=jsonschema.Draft202012Validator)
-    checker = cls.FORMAT_CHECKER
-    if "date-time" not in checker.checkers:
-        checker = jsonschema.FormatChecker()
-        checker.checkers = dict(cls.FORMAT_CHECKER.checkers)
-        checker.checks("date-time")(_is_date_time)
-        checker.checks("time")(_is_time)
-    return cls(schema, format_checker=checker)
-
-
-def judge(text: str, finish_reason: str | None, validator) -> tuple[str, str]:
-    """(outcome, detail): outcome is valid, invalid or unfinished."""
-    if finish_reason != "stop":
-        return "unfinished", f"finish_reason {finish_reason!r} after {len(text)} characters"
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        return "invalid", f"not JSON: {e}"
-    error = next(iter(validator.iter_errors(value)), None)
-    if error is not None:
-        where = "/".join(str(p) for p in error.absolute_path)
-        return "invalid", f"at /{where}: {error.message[:200]}"
-    return "valid", ""
-
-
 # ---- generation -----------------------------------------------------------------------------
 @dataclass
 class Case:
@@ -186,6 +131,7 @@ class ConfigReport:
     name: str
     counts: dict[str, Counter] = field(default_factory=lambda: {"greedy": Counter(), "sampled": Counter()})
     problems: list[tuple[str, str, str, str, str]] = field(default_factory=list)  # mode, name, outcome, detail, text
+    closed: Counter = field(default_factory=Counter)  # mode -> responses budget-aware closing ended
     seconds: float = 0.0
     num_output_tokens: int = 0
     num_steps: int = 0
@@ -270,6 +216,7 @@ def run_config(config: SweepConfig, cases: list[Case], tokenizer, cache, *, max_
         text = tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
         outcome, detail = judge(text, seq.finish_reason, cases[i].validator)
         record(mode, cases[i], outcome, detail, text)
+        report.closed[mode] += seq.num_closing_tokens > 0
         report.num_output_tokens += seq.num_output_tokens
         report.max_output_tokens = max(report.max_output_tokens, seq.num_output_tokens)
         stats.merge(seq.stats)
@@ -365,13 +312,13 @@ def format_report(targets: dict[Path, TargetCases], reports: list[ConfigReport],
         for reason, n in Counter(reason_of(m) for m in tc.rejected.values()).most_common():
             lines.append(f"  {n:4d}  {reason}")
     lines.append(f"{'configuration':14}{'mode':>9}{'valid':>7}{'invalid':>9}{'unfinished':>12}{'crashes':>9}"
-                 f"{'tokens':>9}{'max':>6}{'MAL':>6}{'seconds':>9}")
+                 f"{'closed':>8}{'tokens':>9}{'max':>6}{'MAL':>6}{'seconds':>9}")
     for r in reports:
         for mode, c in r.counts.items():
             if not sum(c.values()):
                 continue
             lines.append(f"{r.name:14}{mode:>9}{c['valid']:>7}{c['invalid']:>9}{c['unfinished']:>12}"
-                         f"{c['crash']:>9}{r.num_output_tokens:>9}{r.max_output_tokens:>6}"
+                         f"{c['crash']:>9}{r.closed[mode]:>8}{r.num_output_tokens:>9}{r.max_output_tokens:>6}"
                          f"{r.mean_acceptance_length:>6.2f}{r.seconds:>9.0f}")
     lines.append(f"total {seconds:.0f} s")
     for r in reports:
@@ -404,7 +351,8 @@ def main() -> int:
         args.json.write_text(json.dumps({
             "targets": {t.name: {"compiled": len(tc.compiled), "rejected": tc.rejected, "crashed": tc.crashed}
                         for t, tc in targets.items()},
-            "configs": {r.name: {"counts": {m: dict(c) for m, c in r.counts.items()}, "seconds": r.seconds,
+            "configs": {r.name: {"counts": {m: dict(c) for m, c in r.counts.items()}, "closed": dict(r.closed),
+                                 "seconds": r.seconds,
                                  "tokens": r.num_output_tokens, "max_tokens": r.max_output_tokens,
                                  "mal": r.mean_acceptance_length, "problems": r.problems} for r in reports},
         }, indent=1))

@@ -135,7 +135,8 @@ class GrammarServicer(grammar_pb2_grpc.GrammarServicer):
             for seq_id, spec, replay in opens:
                 backend.open(seq_id, spec, replay)
                 self.num_sequences_opened += 1
-            step = GrammarStep(commits=self._commits(backend, request), drafts=self._drafts(backend, request))
+            step = GrammarStep(commits=self._commits(backend, request), drafts=self._drafts(backend, request),
+                               budgets=self._budgets(request))
             t1 = time.perf_counter()
             results = backend.step(step)
             t2 = time.perf_counter()
@@ -145,7 +146,8 @@ class GrammarServicer(grammar_pb2_grpc.GrammarServicer):
         response = grammar_pb2.GrammarStepResponse(step_id=request.step_id, terminated=terminated,
                                                    mask_time_us=int((t2 - t1) * 1e6))
         for seq_id, result in results.items():  # step.drafts order: the request's order
-            out = response.masks.add(seq_id=seq_id, num_valid_drafts=result.num_valid_drafts)
+            out = response.masks.add(seq_id=seq_id, num_valid_drafts=result.num_valid_drafts,
+                                     num_closing_rows=result.num_closing_rows)
             tensor_to_pb(result.bitmask, out.bitmask)
         response.handle_time_us = int((time.perf_counter() - t0) * 1e6)
         return response
@@ -187,6 +189,17 @@ class GrammarServicer(grammar_pb2_grpc.GrammarServicer):
                 raise _invalid(f"masks: unknown seq id {item.seq_id} (open it first)")
             drafts[item.seq_id] = self._check_ids("masks.draft_token_ids", item.seq_id, item.draft_token_ids)
         return drafts
+
+    @staticmethod
+    def _budgets(request: grammar_pb2.GrammarStepRequest) -> dict[int, int]:
+        """remaining_tokens per sequence (0: unbounded, left out); negative is refused."""
+        budgets: dict[int, int] = {}
+        for item in request.masks:
+            if item.remaining_tokens < 0:
+                raise _invalid(f"masks: seq {item.seq_id} has remaining_tokens {item.remaining_tokens} (must be >= 0)")
+            if item.remaining_tokens:
+                budgets[item.seq_id] = item.remaining_tokens
+        return budgets
 
     # ---- stream end ---------------------------------------------------------------------------
     def _close_stream(self, stream: _Stream, reason: str) -> None:

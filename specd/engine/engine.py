@@ -66,7 +66,7 @@ class SpecEngine:
         self.stats = EngineStats()
         self._ids = itertools.count()
         self._hidden_kind = proposer.hidden_kind if proposer is not None else "none"
-        self.constraints = ConstraintTracker(grammar_backend)
+        self.constraints = ConstraintTracker(grammar_backend, max_model_len)
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,

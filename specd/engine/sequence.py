@@ -34,6 +34,9 @@ class Sequence:
     finish_reason: str | None = None  # "stop" | "length"
     stats: SpecStats = field(default_factory=SpecStats)
     grammar: GrammarSpec | None = None  # structured output: the grammar every token must follow
+    # Output tokens from rows that budget-aware closing changed (forced, or tokens that could not
+    # close in time taken out); 0: the output ended on its own, or it is unconstrained.
+    num_closing_tokens: int = 0
     # Committed since the drafter last saw this sequence, with the target hidden rows that go with
     # them (one row fewer than tokens before the first draft step, as many afterwards).
     undrafted_token_ids: list[int] = field(default_factory=list)

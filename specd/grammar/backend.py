@@ -36,6 +36,9 @@ class MaskResult:
     bitmask: torch.Tensor  # [num_valid_drafts + 1, ceil(vocab / 32)] int32 (xgrammar's layout)
     num_valid_drafts: int
     terminated: bool = False  # the real matcher has terminated after the commits
+    # The last num_closing_rows rows start at the first row that budget-aware closing changed (it
+    # forced the closing suffix's next token or took out tokens that could not close in time).
+    num_closing_rows: int = 0
 
 
 @dataclass
@@ -44,6 +47,9 @@ class GrammarStep:
 
     commits: dict[int, list[int]] = field(default_factory=dict)  # seq_id -> tokens accepted last step
     drafts: dict[int, list[int]] = field(default_factory=dict)  # seq_id -> this step's draft tokens
+    # seq_id -> tokens the sequence may still emit at row 0 of this step, its stop token included
+    # (absent: no limit). Rows near the end are shaped so the grammar terminates in budget.
+    budgets: dict[int, int] = field(default_factory=dict)
 
 
 class GrammarBackend(Protocol):
@@ -53,7 +59,8 @@ class GrammarBackend(Protocol):
         """Create a matcher (replaying already accepted tokens when rebuilding one)."""
 
     def step(self, step: GrammarStep) -> dict[int, MaskResult]:
-        """Apply the commits, then mask along the drafts; one result per seq in step.drafts."""
+        """Apply the commits, then mask along the drafts (within step.budgets); one result per seq
+        in step.drafts."""
 
     def close(self, seq_id: int) -> None:
         """Drop the matcher."""

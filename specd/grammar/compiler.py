@@ -23,7 +23,10 @@ import torch
 import xgrammar as xgr
 
 from specd.grammar.backend import GrammarSpec
+from specd.grammar.budget import ClosingConfig
+from specd.grammar.closing import ClosingPreference
 from specd.grammar.errors import GrammarCompileError
+from specd.grammar.masking import bool_to_bitmask
 from specd.grammar.schema_gaps import find_schema_gaps
 from specd.messages import ConfigError
 
@@ -97,7 +100,10 @@ class GrammarCompilerCache:
 
     def __init__(self, tokenizer, vocab_size: int, *, eos_token_ids: Sequence[int] | int | None = None,
                  max_entries: int = 256, max_threads: int | None = None,
-                 max_schema_depth: int = 128, reject_inexact: bool = True) -> None:
+                 max_schema_depth: int = 128, reject_inexact: bool = True,
+                 closing: ClosingConfig | None = ClosingConfig()) -> None:
+        # closing: how rows near the end of a budget are shaped (specd/grammar/budget.py); None:
+        # never (a budget then ends constrained output mid-value, finish_reason "length").
         # reject_inexact: a schema xgrammar can only approximate (it ignores a keyword, or reads
         # oneOf as anyOf) is refused, so every constrained response validates against its schema.
         self.reject_inexact = reject_inexact
@@ -131,6 +137,10 @@ class GrammarCompilerCache:
         self._cache: OrderedDict[GrammarSpec, xgr.CompiledGrammar] = OrderedDict()
         self._lock = threading.Lock()
         self._control_free_row = None  # built on first use (control_free_row)
+        self._closing_preference = None  # built on first use (closing_preference)
+        if closing is not None and not isinstance(closing, ClosingConfig):
+            raise ConfigError(f"closing: expected a ClosingConfig or None, got {type(closing).__name__}")
+        self.closing = closing
         self.num_compiles = 0  # specs compiled successfully (cache misses that succeeded)
         self.num_hits = 0
 
@@ -182,7 +192,14 @@ class GrammarCompilerCache:
         from specd.grammar.matcher import SequenceGrammar
 
         allowed = self.control_free_row() if spec.kind in ("json_schema", "json_object") else None
-        return SequenceGrammar(self.compile(spec), allowed)
+        return SequenceGrammar(self.compile(spec), allowed, closing=self.closing,
+                               closing_preference=self.closing_preference)
+
+    def closing_preference(self) -> ClosingPreference:
+        """The closing walk's token order for this vocabulary (built on first use, then shared)."""
+        if self._closing_preference is None:
+            self._closing_preference = ClosingPreference.from_tokenizer_info(self.tokenizer_info)
+        return self._closing_preference
 
     def control_free_row(self) -> torch.Tensor:
         """[bitmask_width] int32: the tokens whose bytes hold no raw control character (< 0x20).
@@ -196,10 +213,8 @@ class GrammarCompilerCache:
             special = set(self.tokenizer_info.special_token_ids)
             ok = torch.tensor([i in special or not any(b < 0x20 for b in token)
                                for i, token in enumerate(vocab[:self.vocab_size])], dtype=torch.bool)
-            ok = torch.nn.functional.pad(ok, (0, self.bitmask_width * 32 - ok.shape[0]))
-            bits = ok.view(self.bitmask_width, 32).to(torch.int64) << torch.arange(32)
-            words = bits.sum(dim=1)  # [W] unsigned 32-bit values
-            self._control_free_row = torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
+            ok = torch.nn.functional.pad(ok, (0, self.vocab_size - ok.shape[0]))  # ids past the tokenizer's
+            self._control_free_row = bool_to_bitmask(ok[None])[0]
         return self._control_free_row
 
     def validate(self, spec: GrammarSpec) -> None:

@@ -47,12 +47,14 @@ class LocalGrammarBackend:
     def step(self, step: GrammarStep) -> dict[int, MaskResult]:
         """Commit every sequence's accepted tokens, then mask along each sequence's drafts.
 
-        Every seq in step.drafts gets a result, an empty draft list included (row 0 only).
+        Every seq in step.drafts gets a result, an empty draft list included (row 0 only); rows
+        near the end of a step.budgets entry close the output (SequenceGrammar.mask_along).
         """
         for seq_id, tokens in step.commits.items():
             if tokens:
                 self.get(seq_id).commit(tokens)
-        return {seq_id: self.get(seq_id).mask_along(drafts) for seq_id, drafts in step.drafts.items()}
+        return {seq_id: self.get(seq_id).mask_along(drafts, step.budgets.get(seq_id))
+                for seq_id, drafts in step.drafts.items()}
 
     def close(self, seq_id: int) -> None:
         """Drop seq_id's matcher (closing an unknown id is a no-op: aborts may race finishes)."""

@@ -34,6 +34,17 @@ def bitmask_to_bool(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return torch.cat([bits, padding], dim=1)
 
 
+def bool_to_bitmask(allowed: torch.Tensor) -> torch.Tensor:
+    """allowed [N, V] bool -> bitmask [N, ceil(V / 32)] int32 (bitmask_to_bool's inverse)."""
+    if allowed.ndim != 2 or allowed.dtype != torch.bool:
+        raise ValueError(f"allowed: expected [N, V] bool, got {list(allowed.shape)} {allowed.dtype}")
+    n, vocab = allowed.shape
+    width = bitmask_width(vocab)
+    padded = torch.nn.functional.pad(allowed, (0, width * 32 - vocab)).view(n, width, 32)
+    words = (padded.to(torch.int64) << torch.arange(32, device=allowed.device)).sum(dim=-1)  # unsigned
+    return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
+
+
 def apply_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     """In place: logits [N, V] with the ids bitmask [N, W] forbids set to -inf; returns logits.
 

@@ -12,16 +12,23 @@ logits row would turn softmax into NaN).
 A grammar may come with an allowed-token row ANDed into every mask and checked on every accepted
 token: JSON grammars (compact separators) get the tokens without raw control characters, which no
 JSON text contains but xgrammar's bounded-string rule admits (xgrammar issue #800).
+
+Given the tokens a sequence may still emit, mask_along also shapes the rows near the end of that
+budget (budget-aware closing, budget.py): the output is made to terminate within the budget, so a
+constrained response ends complete and valid (finish_reason "stop") instead of being truncated.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import copy
+from collections.abc import Callable, Sequence
 
 import torch
 import xgrammar as xgr
 
 from specd.grammar.backend import MaskResult
+from specd.grammar.budget import BudgetCloser, ClosingConfig
+from specd.grammar.closing import ClosingPreference
 from specd.grammar.errors import GrammarViolation
 
 
@@ -96,6 +103,15 @@ class _MatcherRows:
         self._fill(bitmask, 0)
         return bitmask[0]
 
+    def forced_text(self) -> bytes:
+        """The text the grammar forces next (xgrammar's jump-forward string; b"" when none)."""
+        if self.is_terminated():
+            return b""
+        try:
+            return self.matcher.find_jump_forward_string().encode()
+        except UnicodeDecodeError:  # it stops inside a character: no use for spelling tokens
+            return b""
+
     def is_terminated(self) -> bool:
         """Whether a stop token has been accepted (nothing may follow)."""
         return self._stopped_at_dead_end or self.matcher.is_terminated()
@@ -108,7 +124,12 @@ class SequenceGrammar(_MatcherRows):
     unlimited), so drafts of any length can be masked and rolled back.
     """
 
-    def __init__(self, compiled: xgr.CompiledGrammar, allowed_row: torch.Tensor | None = None) -> None:
+    def __init__(self, compiled: xgr.CompiledGrammar, allowed_row: torch.Tensor | None = None, *,
+                 closing: ClosingConfig | None = ClosingConfig(),
+                 closing_preference: ClosingPreference | Callable[[], ClosingPreference] | None = None) -> None:
+        # closing: how rows near the end of a budget are shaped (budget.py; None: never);
+        # closing_preference: the vocabulary's, or a factory of it (GrammarCompilerCache shares
+        # one); None: built from the tokenizer info the first time a row is shaped.
         info = compiled.tokenizer_info
         self.vocab_size = info.vocab_size
         self.bitmask_width = (self.vocab_size + 31) // 32
@@ -121,6 +142,8 @@ class SequenceGrammar(_MatcherRows):
         if allowed_row is not None and tuple(allowed_row.shape) != (self.bitmask_width,):
             raise ValueError(f"allowed_row: expected [{self.bitmask_width}] int32, got {tuple(allowed_row.shape)}")
         self._allowed_row = allowed_row
+        self.closer = None if closing is None else BudgetCloser(
+            closing, closing_preference or (lambda: ClosingPreference.from_tokenizer_info(info)))
 
     def commit(self, token_ids: Sequence[int]) -> None:
         """Advance the real matcher by verified tokens; all or nothing.
@@ -141,34 +164,57 @@ class SequenceGrammar(_MatcherRows):
                                        f"of the output) is not allowed {state}")
             num_in_matcher += not self._stopped_at_dead_end
         self.num_committed += len(token_ids)
+        if self.closer is not None:
+            self.closer.committed([int(t) for t in token_ids])
 
-    def mask_along(self, draft_token_ids: Sequence[int]) -> MaskResult:
+    def mask_along(self, draft_token_ids: Sequence[int], tokens_left: int | None = None) -> MaskResult:
         """Masks at positions 0..num_valid_drafts along the drafts; the real state is unchanged.
 
         Row 0 is the mask after the committed tokens, row j the mask after drafts 0..j-1. The walk
         stops at the first draft the previous row forbids (or the matcher rejects).
+
+        tokens_left: how many tokens the sequence may still emit at row 0, its stop token included
+        (None: no limit); row j may emit tokens_left - j. Rows near the end are shaped so that the
+        grammar terminates within them (budget.py): a constrained output that would otherwise run
+        out of max_tokens mid-value is closed, ending complete and valid with finish_reason "stop".
+        The result's last num_closing_rows rows start at the first row that closing changed.
         """
+        if tokens_left is not None and (not isinstance(tokens_left, int) or tokens_left < 1):
+            raise ValueError(f"tokens_left: must be an integer >= 1 or None, got {tokens_left!r}")
+        drafts = [int(t) for t in draft_token_ids]
         terminated = self.is_terminated()
-        bitmask = torch.empty((len(draft_token_ids) + 1, self.bitmask_width), dtype=torch.int32)
+        bitmask = torch.empty((len(drafts) + 1, self.bitmask_width), dtype=torch.int32)
         self._fill(bitmask, 0)
+        first_closing = None if not self._shape(bitmask, drafts, 0, tokens_left) else 0
         num_valid = 0
-        for token in draft_token_ids:
+        for token in drafts:
             # Checking the row first skips accept_token on forbidden tokens (xgrammar logs those).
             # A stop token at a dead end is allowed by its row but not accepted here: the verifier
             # takes it from that row as the recovered token, and commit() accepts it.
-            if self.is_terminated() or not _is_allowed(bitmask[num_valid], int(token)):
+            if self.is_terminated() or not _is_allowed(bitmask[num_valid], token):
                 break
-            if not self.matcher.accept_token(int(token)):
+            if not self.matcher.accept_token(token):
                 break
             num_valid += 1
             self._fill(bitmask, num_valid)
+            if self._shape(bitmask, drafts, num_valid, tokens_left) and first_closing is None:
+                first_closing = num_valid
         if num_valid:
             self.matcher.rollback(num_valid)
-        rows = bitmask if num_valid == len(draft_token_ids) else bitmask[:num_valid + 1].clone()
-        return MaskResult(bitmask=rows, num_valid_drafts=num_valid, terminated=terminated)
+        rows = bitmask if num_valid == len(drafts) else bitmask[:num_valid + 1].clone()
+        return MaskResult(bitmask=rows, num_valid_drafts=num_valid, terminated=terminated,
+                          num_closing_rows=0 if first_closing is None else num_valid + 1 - first_closing)
+
+    def _shape(self, bitmask: torch.Tensor, drafts: list[int], j: int, tokens_left: int | None) -> bool:
+        """Budget-aware closing of row j (the matcher is after drafts[:j]); whether it changed it."""
+        if tokens_left is None or self.closer is None:
+            return False
+        # Rows past the budget (more drafts than tokens left) are shaped as its last row.
+        return self.closer.shape_row(self, bitmask[j], drafts[:j], max(1, tokens_left - j))
 
     def fork_drafts(self) -> "DraftGrammar":
-        """A DraftGrammar starting from the committed state."""
+        """A DraftGrammar starting from the matcher's state: the committed one (inside mask_along,
+        the state after the drafts accepted so far: how closing walks fork)."""
         return DraftGrammar(self)
 
 
@@ -201,3 +247,9 @@ class DraftGrammar(_MatcherRows):
         self.matcher = self.parent.matcher.fork()
         self._stopped_at_dead_end = self.parent._stopped_at_dead_end
         self.num_drafted = 0
+
+    def copy(self) -> "DraftGrammar":
+        """An independent fork of this fork's state (same parent): for trying a token out."""
+        other = copy.copy(self)
+        other.matcher = self.matcher.fork()
+        return other

@@ -182,8 +182,7 @@ class RemoteGrammarBackend:
                 message.commit.add(seq_id=seq_id, token_ids=tokens)
                 self._history[seq_id][1].extend(int(t) for t in tokens)
         self._pending_open, self._pending_close = set(), []
-        for seq_id, drafts in step.drafts.items():
-            message.masks.add(seq_id=seq_id, draft_token_ids=drafts)
+        self._add_masks(message, step)
         give_up_at = time.monotonic() + self.recover_timeout_s
         delay = self.retry_backoff_s
         while True:
@@ -276,9 +275,13 @@ class RemoteGrammarBackend:
         included), then the same masks."""
         message = grammar_pb2.GrammarStepRequest()
         self._add_opens(message, list(self._history))
-        for seq_id, drafts in step.drafts.items():
-            message.masks.add(seq_id=seq_id, draft_token_ids=drafts)
+        self._add_masks(message, step)
         return message
+
+    @staticmethod
+    def _add_masks(message: grammar_pb2.GrammarStepRequest, step: GrammarStep) -> None:
+        for seq_id, drafts in step.drafts.items():  # remaining_tokens 0: no budget
+            message.masks.add(seq_id=seq_id, draft_token_ids=drafts, remaining_tokens=step.budgets.get(seq_id, 0))
 
     def _results(self, response: grammar_pb2.GrammarStepResponse, step: GrammarStep) -> dict[int, MaskResult]:
         if [m.seq_id for m in response.masks] != list(step.drafts):
@@ -287,7 +290,8 @@ class RemoteGrammarBackend:
         try:
             return {m.seq_id: MaskResult(bitmask=tensor_from_pb(m.bitmask, copy=True),  # [n + 1, W] int32
                                          num_valid_drafts=m.num_valid_drafts,
-                                         terminated=m.seq_id in terminated)
+                                         terminated=m.seq_id in terminated,
+                                         num_closing_rows=m.num_closing_rows)
                     for m in response.masks}
         except TensorCodecError as err:
             raise GrammarServiceError(self.address, f"bad bitmask: {err}") from None

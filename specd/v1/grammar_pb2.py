@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from specd.v1 import common_pb2 as specd_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16specd/v1/grammar.proto\x12\x08specd.v1\x1a\x15specd/v1/common.proto\":\n\x0bGrammarSpec\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0e\n\x06source\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\"-\n\x10ValidateResponse\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\r\n\x05\x65rror\x18\x02 \x01(\t\"\xa7\x01\n\x12GrammarStepRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12#\n\x04open\x18\x02 \x03(\x0b\x32\x15.specd.v1.OpenMatcher\x12&\n\x06\x63ommit\x18\x03 \x03(\x0b\x32\x16.specd.v1.CommitTokens\x12$\n\x05masks\x18\x04 \x03(\x0b\x32\x15.specd.v1.MaskRequest\x12\r\n\x05\x63lose\x18\x05 \x03(\x04\"\\\n\x0bOpenMatcher\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12#\n\x04spec\x18\x02 \x01(\x0b\x32\x15.specd.v1.GrammarSpec\x12\x18\n\x10replay_token_ids\x18\x03 \x03(\x03\"1\n\x0c\x43ommitTokens\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\"6\n\x0bMaskRequest\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x17\n\x0f\x64raft_token_ids\x18\x02 \x03(\x03\"\x8d\x01\n\x13GrammarStepResponse\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12#\n\x05masks\x18\x02 \x03(\x0b\x32\x14.specd.v1.TokenMasks\x12\x12\n\nterminated\x18\x03 \x03(\x04\x12\x14\n\x0cmask_time_us\x18\x04 \x01(\x03\x12\x16\n\x0ehandle_time_us\x18\x05 \x01(\x03\"Y\n\nTokenMasks\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12!\n\x07\x62itmask\x18\x02 \x01(\x0b\x32\x10.specd.v1.Tensor\x12\x18\n\x10num_valid_drafts\x18\x03 \x01(\x05\x32\x92\x01\n\x07Grammar\x12=\n\x08Validate\x12\x15.specd.v1.GrammarSpec\x1a\x1a.specd.v1.ValidateResponse\x12H\n\x05Steps\x12\x1c.specd.v1.GrammarStepRequest\x1a\x1d.specd.v1.GrammarStepResponse(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16specd/v1/grammar.proto\x12\x08specd.v1\x1a\x15specd/v1/common.proto\":\n\x0bGrammarSpec\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0e\n\x06source\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\"-\n\x10ValidateResponse\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\r\n\x05\x65rror\x18\x02 \x01(\t\"\xa7\x01\n\x12GrammarStepRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12#\n\x04open\x18\x02 \x03(\x0b\x32\x15.specd.v1.OpenMatcher\x12&\n\x06\x63ommit\x18\x03 \x03(\x0b\x32\x16.specd.v1.CommitTokens\x12$\n\x05masks\x18\x04 \x03(\x0b\x32\x15.specd.v1.MaskRequest\x12\r\n\x05\x63lose\x18\x05 \x03(\x04\"\\\n\x0bOpenMatcher\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12#\n\x04spec\x18\x02 \x01(\x0b\x32\x15.specd.v1.GrammarSpec\x12\x18\n\x10replay_token_ids\x18\x03 \x03(\x03\"1\n\x0c\x43ommitTokens\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\"P\n\x0bMaskRequest\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x17\n\x0f\x64raft_token_ids\x18\x02 \x03(\x03\x12\x18\n\x10remaining_tokens\x18\x03 \x01(\x05\"\x8d\x01\n\x13GrammarStepResponse\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12#\n\x05masks\x18\x02 \x03(\x0b\x32\x14.specd.v1.TokenMasks\x12\x12\n\nterminated\x18\x03 \x03(\x04\x12\x14\n\x0cmask_time_us\x18\x04 \x01(\x03\x12\x16\n\x0ehandle_time_us\x18\x05 \x01(\x03\"s\n\nTokenMasks\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12!\n\x07\x62itmask\x18\x02 \x01(\x0b\x32\x10.specd.v1.Tensor\x12\x18\n\x10num_valid_drafts\x18\x03 \x01(\x05\x12\x18\n\x10num_closing_rows\x18\x04 \x01(\x05\x32\x92\x01\n\x07Grammar\x12=\n\x08Validate\x12\x15.specd.v1.GrammarSpec\x1a\x1a.specd.v1.ValidateResponse\x12H\n\x05Steps\x12\x1c.specd.v1.GrammarStepRequest\x1a\x1d.specd.v1.GrammarStepResponse(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -43,11 +43,11 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_COMMITTOKENS']._serialized_start=430
   _globals['_COMMITTOKENS']._serialized_end=479
   _globals['_MASKREQUEST']._serialized_start=481
-  _globals['_MASKREQUEST']._serialized_end=535
-  _globals['_GRAMMARSTEPRESPONSE']._serialized_start=538
-  _globals['_GRAMMARSTEPRESPONSE']._serialized_end=679
-  _globals['_TOKENMASKS']._serialized_start=681
-  _globals['_TOKENMASKS']._serialized_end=770
-  _globals['_GRAMMAR']._serialized_start=773
-  _globals['_GRAMMAR']._serialized_end=919
+  _globals['_MASKREQUEST']._serialized_end=561
+  _globals['_GRAMMARSTEPRESPONSE']._serialized_start=564
+  _globals['_GRAMMARSTEPRESPONSE']._serialized_end=705
+  _globals['_TOKENMASKS']._serialized_start=707
+  _globals['_TOKENMASKS']._serialized_end=822
+  _globals['_GRAMMAR']._serialized_start=825
+  _globals['_GRAMMAR']._serialized_end=971
 # @@protoc_insertion_point(module_scope)

@@ -58,12 +58,14 @@ class CommitTokens(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class MaskRequest(_message.Message):
-    __slots__ = ("seq_id", "draft_token_ids")
+    __slots__ = ("seq_id", "draft_token_ids", "remaining_tokens")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    REMAINING_TOKENS_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, seq_id: _Optional[int] = ..., draft_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    remaining_tokens: int
+    def __init__(self, seq_id: _Optional[int] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., remaining_tokens: _Optional[int] = ...) -> None: ...
 
 class GrammarStepResponse(_message.Message):
     __slots__ = ("step_id", "masks", "terminated", "mask_time_us", "handle_time_us")
@@ -80,11 +82,13 @@ class GrammarStepResponse(_message.Message):
     def __init__(self, step_id: _Optional[int] = ..., masks: _Optional[_Iterable[_Union[TokenMasks, _Mapping]]] = ..., terminated: _Optional[_Iterable[int]] = ..., mask_time_us: _Optional[int] = ..., handle_time_us: _Optional[int] = ...) -> None: ...
 
 class TokenMasks(_message.Message):
-    __slots__ = ("seq_id", "bitmask", "num_valid_drafts")
+    __slots__ = ("seq_id", "bitmask", "num_valid_drafts", "num_closing_rows")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     BITMASK_FIELD_NUMBER: _ClassVar[int]
     NUM_VALID_DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CLOSING_ROWS_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     bitmask: _common_pb2.Tensor
     num_valid_drafts: int
-    def __init__(self, seq_id: _Optional[int] = ..., bitmask: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., num_valid_drafts: _Optional[int] = ...) -> None: ...
+    num_closing_rows: int
+    def __init__(self, seq_id: _Optional[int] = ..., bitmask: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., num_valid_drafts: _Optional[int] = ..., num_closing_rows: _Optional[int] = ...) -> None: ...

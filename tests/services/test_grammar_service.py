@@ -61,8 +61,10 @@ class Driver:
     grammar (sometimes not), commits of an accepted prefix plus one allowed token, closes of
     terminated sequences. The same calls go to every backend under test."""
 
-    def __init__(self, local: LocalGrammarBackend, seed: int = 0, draft_lengths=(0, K, K, K)) -> None:
+    def __init__(self, local: LocalGrammarBackend, seed: int = 0, draft_lengths=(0, K, K, K),
+                 max_tokens: int | None = None) -> None:
         self.local = local
+        self.max_tokens = max_tokens  # each sequence's budget (None: none is sent)
         self.draft_lengths = draft_lengths
         self.vocab_size = local.compiler_cache.vocab_size
         self.eos = set(local.compiler_cache.eos_token_ids)
@@ -86,7 +88,10 @@ class Driver:
         return out
 
     def step(self, seq_ids: list[int]) -> GrammarStep:
-        step = GrammarStep(commits=dict(self.commits), drafts={s: self.drafts(s) for s in seq_ids})
+        budgets = {} if self.max_tokens is None else {
+            s: max(1, self.max_tokens - len(self.history[s]) - len(self.commits.get(s, []))) for s in seq_ids}
+        step = GrammarStep(commits=dict(self.commits), drafts={s: self.drafts(s)[:budgets.get(s, K + 1) - 1]
+                                                               for s in seq_ids}, budgets=budgets)
         self.commits = {}
         return step
 
@@ -111,7 +116,8 @@ def _assert_same(got: dict[int, MaskResult], want: dict[int, MaskResult]) -> Non
         g, w = got[seq_id], want[seq_id]
         assert g.bitmask.dtype == torch.int32 and g.bitmask.shape == w.bitmask.shape, seq_id
         assert g.bitmask.numpy().tobytes() == w.bitmask.contiguous().numpy().tobytes(), seq_id
-        assert (g.num_valid_drafts, g.terminated) == (w.num_valid_drafts, w.terminated), seq_id
+        assert (g.num_valid_drafts, g.terminated, g.num_closing_rows) == (
+            w.num_valid_drafts, w.terminated, w.num_closing_rows), seq_id
 
 
 def _run_lockstep(backends, local: LocalGrammarBackend, driver: Driver, specs, num_steps: int) -> list[int]:
@@ -155,6 +161,27 @@ def test_remote_masks_equal_local(grammar_server):
     while grammar_server.servicer.num_streams and time.monotonic() < deadline:
         time.sleep(0.01)
     assert grammar_server.servicer.num_open_sequences == 0
+
+
+def test_budgets_cross_the_service(grammar_server):
+    """remaining_tokens reaches the matchers: masks near the end close the grammar, as locally."""
+    cache = grammar_server.servicer.compiler_cache
+    local = LocalGrammarBackend(cache)
+    driver = Driver(local, seed=5, max_tokens=20)
+    closing = []
+    original = local.step
+
+    def step(step: GrammarStep):
+        results = original(step)
+        closing.extend(r.num_closing_rows for r in results.values())
+        return results
+
+    local.step = step
+    with RemoteGrammarBackend(grammar_server.address) as remote:
+        _run_lockstep([remote], local, driver, _specs(), num_steps=20)
+    assert any(closing)
+    finished = [h for h in driver.history.values() if h and h[-1] in driver.eos]
+    assert finished and all(len(h) <= 20 for h in finished)
 
 
 def test_seq_ids_are_scoped_per_stream(grammar_server):
@@ -222,6 +249,7 @@ def _open(seq_id: int, spec: GrammarSpec, replay=()) -> grammar_pb2.OpenMatcher:
     ("bad_grammar", "INVALID_ARGUMENT", "invalid regex"),
     ("duplicate_open", "FAILED_PRECONDITION", "already open"),
     ("token_out_of_vocab", "INVALID_ARGUMENT", "outside [0, 512)"),
+    ("negative_budget", "INVALID_ARGUMENT", "remaining_tokens -2"),
 ])
 def test_malformed_step_ends_only_its_stream(grammar_server, case, code, text):
     spec = GrammarSpec("regex", "(yes|no)-[0-9]{2,6}")
@@ -236,6 +264,7 @@ def test_malformed_step_ends_only_its_stream(grammar_server, case, code, text):
         "bad_grammar": grammar_pb2.GrammarStepRequest(open=[_open(2, GrammarSpec("regex", "(unclosed"))]),
         "duplicate_open": grammar_pb2.GrammarStepRequest(open=[_open(1, spec)]),
         "token_out_of_vocab": grammar_pb2.GrammarStepRequest(masks=[grammar_pb2.MaskRequest(seq_id=1, draft_token_ids=[512])]),
+        "negative_budget": grammar_pb2.GrammarStepRequest(masks=[grammar_pb2.MaskRequest(seq_id=1, remaining_tokens=-2)]),
     }[case]
     bad.step_id = 1
     with pytest.raises(grpc.RpcError) as info:
