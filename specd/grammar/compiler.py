@@ -27,6 +27,7 @@ from specd.grammar.budget import ClosingConfig
 from specd.grammar.closing import ClosingPreference
 from specd.grammar.errors import GrammarCompileError
 from specd.grammar.masking import bool_to_bitmask
+from specd.grammar.calendar import exact_calendar_formats
 from specd.grammar.schema_gaps import find_schema_gaps
 from specd.messages import ConfigError
 
@@ -267,8 +268,9 @@ class GrammarCompilerCache:
     def _compile_with_xgrammar(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
         if spec.kind == "json_schema":
             # Compact separators: free whitespace lets weak models loop on spaces.
+            # Dates as calendar-exact patterns: xgrammar's own admit 2023-02-31 (calendar.py).
             compiled, warnings = _with_native_warnings(lambda: self._compiler.compile_json_schema(
-                spec.source, any_whitespace=False, strict_mode=True))
+                exact_calendar_formats(spec.source), any_whitespace=False, strict_mode=True))
             inexact = list(dict.fromkeys(w for w in warnings if any(m in w for m in _INEXACT_MARKERS)))
             # What xgrammar gets wrong without a warning (schema_gaps.py); the source is valid JSON.
             inexact += find_schema_gaps(json.loads(spec.source))
