@@ -3,6 +3,9 @@ pipeline, on the same model, prompts and speculative method, side by side in one
 the difference goes (drafter RPC, Redis, queueing).
 
     .venv/bin/python bench/services_vs_inprocess.py --method eagle3 --num-prompts 32 --max-tokens 64
+
+--no-async-emit runs the verifier with its result writes on the loop's thread (each step waits for
+its Redis round trip) instead of on the writer thread that overlaps them with the next step.
 """
 
 from __future__ import annotations
@@ -60,18 +63,21 @@ def metric(text: str, name: str, labels: str = "") -> float:
 def phase_seconds(text: str) -> dict[str, float]:
     out = {p: metric(text, "specd:step_duration_seconds_sum", f'phase="{p}"') for p in ("draft", "verify", "other")}
     out["emit"] = metric(text, "specd:emit_duration_seconds_sum")
+    out["emit_wait"] = metric(text, "specd:emit_wait_duration_seconds_sum")
+    out["flush"] = metric(text, "specd:result_flush_duration_seconds_sum")
     out["steps"] = metric(text, "specd:step_duration_seconds_count", 'phase="verify"')
     return out
 
 
-def run_services(target, method, draft, k, prompts, max_tokens, batch):
+def run_services(target, method, draft, k, prompts, max_tokens, batch, async_emit=True):
     import openai
 
     metrics_port = free_port()
     config = StackConfig(model=str(target), server_name="127.0.0.1", server_port=free_port(), grpc_port=free_port(),
                          speculative_algorithm=method, speculative_draft_model=str(draft) if draft else None,
                          speculative_num_draft_tokens=k, max_batch_size=batch, enable_metrics=True,
-                         verifier_metrics_port=metrics_port, log_level="warning")
+                         verifier_metrics_port=metrics_port, log_level="warning",
+                         extra_env={"SPECD_ASYNC_EMIT": "1" if async_emit else "0"})  # read by `specd verifier`
     stack = Stack(config)
     stack.start(timeout=300)
     try:
@@ -104,6 +110,8 @@ def main() -> int:
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--num-prompts", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--async-emit", action=argparse.BooleanOptionalAction, default=True,
+                    help="the verifier's result writes overlap the next step (default; --no-async-emit: not)")
     args = ap.parse_args()
     if not (args.models / "target-llama" / "config.json").exists():
         from specd.tiny_models.make import make_tiny_models
@@ -117,10 +125,10 @@ def main() -> int:
     batch = args.num_prompts
 
     local = run_in_process(target, spec, prompts, args.max_tokens, batch)
-    remote = run_services(target, method, draft, args.k, prompts, args.max_tokens, batch)
+    remote = run_services(target, method, draft, args.k, prompts, args.max_tokens, batch, args.async_emit)
     local_tps, remote_tps = local["tokens"] / local["elapsed"], remote["tokens"] / remote["elapsed"]
     print(f"method={args.method} k={args.k} prompts={args.num_prompts} max_tokens={args.max_tokens} "
-          f"batch={batch} (greedy, ignore_eos)")
+          f"batch={batch} async_emit={'on' if args.async_emit else 'off'} (greedy, ignore_eos)")
     print(f"{'':28}{'in-process':>12}{'services':>12}")
     print(f"{'output tokens':28}{local['tokens']:>12}{remote['tokens']:>12}")
     print(f"{'wall seconds':28}{local['elapsed']:>12.2f}{remote['elapsed']:>12.2f}")
@@ -130,7 +138,12 @@ def main() -> int:
     print(f"{'verify s':28}{local['verify']:>12.2f}{remote['verify']:>12.2f}")
     # The verifier's "other" phase is the rest of its loop: admission (XREADGROUP), commit, Redis writes.
     print(f"{'other s (admit, commit, IO)':28}{local['admit'] + local['commit']:>12.2f}{remote['other']:>12.2f}")
+    # Redis writes on the loop's path: queueing, and blocked on flushes (the whole round trip when
+    # synchronous; only waiting for the writer thread when async). The writer's round trips are
+    # the Redis time itself, overlapped with engine steps when async.
     print(f"{'  of which Redis writes s':28}{0.0:>12.2f}{remote['emit']:>12.2f}")
+    print(f"{'    blocked on flushes s':28}{0.0:>12.2f}{remote['emit_wait']:>12.2f}")
+    print(f"{'result round trips s':28}{0.0:>12.2f}{remote['flush']:>12.2f}")
     accounted = remote["draft"] + remote["verify"] + remote["other"]
     print(f"{'services: idle/queue/HTTP s':28}{'':>12}{remote['elapsed'] - accounted:>12.2f}")
     print(f"ratio services / in-process tokens/s: {remote_tps / local_tps:.2f}")

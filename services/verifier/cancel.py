@@ -3,7 +3,10 @@
 The gateway sets `specd:cancel:<id>` (with a TTL) when a client disconnects or times out
 (Gateway.abandon -> ResultReader.cancel). Each step the verifier MGETs the keys of the requests it
 runs, as one more command of the step's result pipeline, so cancellation costs no extra round
-trip; a hit aborts the request (its KV blocks are freed) and acknowledges its entry.
+trip; a hit aborts the request (its KV blocks are freed) and acknowledges its entry. With the
+result writer thread (services/verifier/writer.py) the answer is read a step later: the request
+runs one more step, whose tokens are dropped, and a request that finished in that step is still
+cancelled (no final).
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ each pending entry has been idle, so liveness needs no extra keys:
     itself with JUSTID, min-idle 0) every `heartbeat_ms`, pipelined with the step's results. The
     script claims only entries still in *its* pending list and returns the others: an entry a
     survivor reclaimed (we stalled past the idle limit, or lost Redis for that long) is its
-    request now, and this verifier drops it instead of racing the new owner.
+    request now, and this verifier drops it instead of racing the new owner (a step later with
+    the result writer thread, services/verifier/writer.py; that step's tokens are not written).
   - reclaim: a verifier with room XAUTOCLAIMs entries idle past `idle_ms` (their owner stopped
     heartbeating: dead, hung, or cut off) and reads each one's result stream in the same round
     trip, which says where the request stands (specd/transport/resume.py). A request is resumed
@@ -79,8 +80,9 @@ class ClaimedEntry:
 class HeartbeatRider:
     """The heartbeat as a part of the emitter's pipeline (see ResultEmitter.flush)."""
 
-    def __init__(self, script, stream: str, group: str, consumer: str) -> None:
+    def __init__(self, script, stream: str, group: str, consumer: str, sent_at: float = 0.0) -> None:
         self.script, self.stream, self.group, self.consumer = script, stream, group, consumer
+        self.sent_at = sent_at  # time.monotonic() when queued: the next one is due heartbeat_ms later
         self.entry_ids: list = []
         self.lost: list = []  # filled by `answer`
         self.answered = False
@@ -115,9 +117,10 @@ class Claims:
     def heartbeat_due(self, now: float) -> bool:
         return self.config.enabled and now >= self._next_heartbeat
 
-    def heartbeat(self, entry_ids: list) -> HeartbeatRider:
-        """A rider for the next result pipeline that refreshes entry_ids (call when due)."""
-        rider = HeartbeatRider(self._script, self.stream, self.group, self.consumer)
+    def heartbeat(self, entry_ids: list, now: float) -> HeartbeatRider:
+        """A rider for the next result pipeline that refreshes entry_ids (call when due); once it
+        is answered, pass its `sent_at` to `heartbeat_sent`."""
+        rider = HeartbeatRider(self._script, self.stream, self.group, self.consumer, now)
         rider.entry_ids = list(entry_ids)
         return rider
 

@@ -13,14 +13,19 @@ Riders are other per-step commands that travel in the same pipeline (the heartbe
 running requests' entries, the cancellation poll): each queues its commands after the results
 and reads its own replies, so a step still costs one round trip. A rider's commands are not
 kept when the flush fails; it asks again next step.
+
+A flush is three phases so that its round trip can run on another thread (services/verifier/
+writer.py): `prepare` takes the queue out into a Flush and fills its pipeline, `Flush.execute`
+is the round trip and touches nothing but the Flush, and `complete` (or `requeue`, when it
+failed) brings the outcome back; prepare, complete and requeue belong to the loop's thread.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict
-from typing import Protocol
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol
 
 from specd.messages import SpecStats
 from specd.transport.redis_streams import CONSUMER_GROUP, RESULT_PREFIX, RESULT_TTL_SECONDS, result_key
@@ -30,13 +35,42 @@ _SEPARATORS = (",", ":")
 
 
 class PipelineRider(Protocol):
-    """Commands that share the result pipeline."""
+    """Commands that share the result pipeline. Both methods run on the loop's thread; with the
+    writer thread, `answer` comes when the loop next waits for the flush (a step later)."""
 
     def queue(self, pipe) -> int:
         """Add commands to the pipeline; returns how many."""
 
     def answer(self, replies: list) -> None:
         """Their replies, in order (exceptions for refused commands)."""
+
+
+@dataclass(slots=True)
+class Flush:
+    """One round trip: the results taken out of the emitter's queue, and the riders' commands."""
+
+    entries: list[tuple[str, dict[str, str]]]  # (result key, fields) in write order
+    keys: dict[str, None]  # touched result streams, insertion-ordered
+    finished_entry_ids: list  # request-stream entries to XACK + XDEL, after the entries
+    deleted_keys: list[str]  # result streams of cancelled requests
+    riders: list  # PipelineRider, answered by ResultEmitter.complete
+    pipe: Any = None  # the filled pipeline (redis-py), sent by execute
+    num_own: int = 0  # commands of the results; the riders' follow
+    rider_counts: list[int] = field(default_factory=list)  # commands per rider, in order
+    replies: list | None = None  # set by execute
+    seconds: float = 0.0  # the round trip, measured by execute
+
+    def execute(self) -> None:
+        """The round trip (any thread: it touches only this Flush). Raises what redis-py raises."""
+        t0 = time.perf_counter()
+        # A command Redis refuses (say, WRONGTYPE on a result key) is reported, not retried: the
+        # pipeline ran, and sending it again would fail the same way.
+        self.replies = self.pipe.execute(raise_on_error=False)
+        self.seconds = time.perf_counter() - t0
+
+    def is_finishing(self, entry_id: bytes | str) -> bool:
+        """Whether this flush acknowledges the entry."""
+        return _sid(entry_id) in {_sid(e) for e in self.finished_entry_ids}
 
 
 class ResultEmitter:
@@ -61,6 +95,10 @@ class ResultEmitter:
     @property
     def has_pending(self) -> bool:
         return bool(self._entries or self._finished_entry_ids or self._deleted_keys)
+
+    def is_finishing(self, entry_id: bytes | str) -> bool:
+        """Whether the entry's XACK + XDEL is queued (its request was answered here)."""
+        return _sid(entry_id) in {_sid(e) for e in self._finished_entry_ids}
 
     # ---- queueing (no I/O) ------------------------------------------------------------------
     def delta(self, request_id: str, pos: int, token_ids: list[int], spec_stats: SpecStats | None = None) -> None:
@@ -106,35 +144,64 @@ class ResultEmitter:
         Raises redis.ConnectionError / TimeoutError when Redis is unreachable, keeping the queue
         for the next flush; replies Redis refused are left in `last_errors`.
         """
+        flush = self.send(riders)
+        return 0 if flush is None else len(flush.entries)
+
+    def send(self, riders: list[PipelineRider] = ()) -> Flush | None:
+        """`flush`, returning the Flush that went out (its riders answered), or None when there was
+        nothing to send."""
+        flush = self.prepare(riders)
+        if flush is None:
+            return None
+        try:
+            flush.execute()
+        except BaseException:
+            self.requeue(flush)
+            raise
+        self.complete(flush)
+        return flush
+
+    def prepare(self, riders: list[PipelineRider] = ()) -> Flush | None:
+        """Take the queue out into a filled pipeline (no I/O); None when there is nothing to send."""
+        flush = Flush(self._entries, self._keys, self._finished_entry_ids, self._deleted_keys, list(riders))
         pipe = self.client.pipeline(transaction=False)
-        for key, fields in self._entries:
+        for key, fields in flush.entries:
             pipe.xadd(key, fields)
-        for key in self._keys:
+        for key in flush.keys:
             pipe.expire(key, self.ttl_seconds)
-        if self._deleted_keys:
-            pipe.delete(*self._deleted_keys)
-        if self._finished_entry_ids:
-            pipe.xack(self.request_stream, self.group, *self._finished_entry_ids)
-            pipe.xdel(self.request_stream, *self._finished_entry_ids)
-        num_own = len(pipe)
-        counts = [rider.queue(pipe) for rider in riders]
+        if flush.deleted_keys:
+            pipe.delete(*flush.deleted_keys)
+        if flush.finished_entry_ids:
+            pipe.xack(self.request_stream, self.group, *flush.finished_entry_ids)
+            pipe.xdel(self.request_stream, *flush.finished_entry_ids)
+        flush.num_own = len(pipe)
+        flush.rider_counts = [rider.queue(pipe) for rider in flush.riders]
         if len(pipe) == 0:
-            return 0
-        t0 = time.perf_counter()
-        # A command Redis refuses (say, WRONGTYPE on a result key) is reported, not retried: the
-        # pipeline ran, and sending it again would fail the same way.
-        replies = pipe.execute(raise_on_error=False)
-        sent = len(self._entries)
+            return None  # the queue was empty: nothing was taken
+        flush.pipe = pipe
         self._entries, self._keys, self._finished_entry_ids, self._deleted_keys = [], {}, [], []
+        return flush
+
+    def complete(self, flush: Flush) -> int:
+        """A flush that went through: count it, keep refused writes in `last_errors`, answer the
+        riders; returns the number of result entries sent."""
+        sent = len(flush.entries)
         self.num_flushes += 1
         self.num_entries_sent += sent
-        self.last_flush_seconds = time.perf_counter() - t0
-        self.last_errors = [r for r in replies[:num_own] if isinstance(r, Exception)]
-        start = num_own
-        for rider, n in zip(riders, counts):
-            rider.answer(replies[start:start + n])
+        self.last_flush_seconds = flush.seconds
+        self.last_errors = [r for r in flush.replies[:flush.num_own] if isinstance(r, Exception)]
+        start = flush.num_own
+        for rider, n in zip(flush.riders, flush.rider_counts):
+            rider.answer(flush.replies[start:start + n])
             start += n
         return sent
+
+    def requeue(self, flush: Flush) -> None:
+        """A flush that failed: its results go back in front of those queued since, in order."""
+        self._entries = flush.entries + self._entries
+        self._keys = {**flush.keys, **self._keys}
+        self._finished_entry_ids = flush.finished_entry_ids + self._finished_entry_ids
+        self._deleted_keys = flush.deleted_keys + self._deleted_keys
 
 
 def _stats(s: SpecStats) -> str:
@@ -142,6 +209,11 @@ def _stats(s: SpecStats) -> str:
     return json.dumps({"num_drafts": s.num_drafts, "num_draft_tokens": s.num_draft_tokens,
                        "num_accepted_tokens": s.num_accepted_tokens,
                        "accepted_per_position": s.accepted_per_position}, separators=_SEPARATORS)
+
+
+def _sid(entry_id) -> str:
+    """Stream ids as text (redis-py hands back bytes unless decode_responses is set)."""
+    return entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
 
 
 def _tokens(token_ids: list[int]) -> str:

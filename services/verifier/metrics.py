@@ -33,7 +33,11 @@ class StepRecord:
     draft_seconds: float = 0.0  # engine draft verb
     verify_seconds: float = 0.0  # engine verify verb (target forward + rejection sampling)
     engine_seconds: float = 0.0  # the whole engine step
-    emit_seconds: float = 0.0  # queueing + the Redis round trip of the results
+    emit_seconds: float = 0.0  # the loop's emit verb: queueing, and waiting on Redis (below)
+    emit_wait_seconds: float = 0.0  # of emit_seconds, blocked on result flushes: the round trip when
+    #                                 synchronous, waiting for the writer thread when async
+    flush_seconds: float = 0.0  # the round trip of the flush that completed in this iteration (on
+    #                             the writer thread when async: overlapped with the engine step)
     total_seconds: float = 0.0  # the whole iteration: admit + step + emit
     spec: SpecStats = field(default_factory=SpecStats)  # speculation within this step
 
@@ -72,8 +76,15 @@ class VerifierMetrics:
                                       "Seconds per loop iteration, by phase (draft, verify, other)",
                                       ["phase"], buckets=STEP_BUCKETS, registry=r)
         self.emit_seconds = Histogram("specd:emit_duration_seconds",
-                                      "Seconds per step writing results (one Redis round trip)",
+                                      "Seconds per step the loop spent writing results (queueing and "
+                                      "waiting on Redis; the round trip itself only when synchronous)",
                                       buckets=STEP_BUCKETS, registry=r)
+        self.emit_wait_seconds = Histogram("specd:emit_wait_duration_seconds",
+                                           "Seconds per step the loop was blocked on result flushes",
+                                           buckets=STEP_BUCKETS, registry=r)
+        self.flush_seconds = Histogram("specd:result_flush_duration_seconds",
+                                       "Seconds per result pipeline round trip (on the writer thread "
+                                       "when async)", buckets=STEP_BUCKETS, registry=r)
         self.output_tokens = Counter("specd:generation_tokens", "Tokens generated", registry=r)
         self.prompt_tokens = Counter("specd:prompt_tokens", "Prompt tokens of admitted requests", registry=r)
         self.requests_finished = Counter("specd:request_success", "Requests finished, by finish reason",
@@ -96,6 +107,9 @@ class VerifierMetrics:
             self._phases["verify"].observe(record.verify_seconds)
             self._phases["other"].observe(record.other_seconds)
             self.emit_seconds.observe(record.emit_seconds)
+            self.emit_wait_seconds.observe(record.emit_wait_seconds)
+        if record.flush_seconds > 0:
+            self.flush_seconds.observe(record.flush_seconds)
         self.spec.observe(record.spec)
 
     def observe_admitted(self, num_prompt_tokens: int) -> None:

@@ -1,14 +1,18 @@
-"""The verifier's loop: admit, step, emit, log — one engine, one Redis connection, one thread.
+"""The verifier's loop: admit, step, emit, log — one engine, driven by one thread (the loop's),
+and a writer thread that does nothing but the result round trips.
 
     admit  XREADGROUP as many requests as the batch has free slots (BLOCK ~100 ms only when the
            engine is idle), decode them, hand them to the engine; bad entries, invalid prompts and
-           requests past their deadline are answered with an error result instead.
+           requests past their deadline are answered with an error result instead
+           (services/verifier/admission.py).
     step   engine.step(): draft, verify, commit for the whole batch (synchronous torch work).
     emit   for every request with tokens committed since the last emit, one delta (with its pos);
            for finished requests the final entry; then XACK + XDEL of their stream entries — all
            in one pipelined Redis round trip per step (services/verifier/emitter.py), which also
            carries the cancellation poll (services/verifier/cancel.py) and, when due, the
-           heartbeat of the running requests' entries (services/verifier/claims.py).
+           heartbeat of the running requests' entries (services/verifier/claims.py). While the
+           engine has work left the round trip runs on the writer thread, overlapping the next
+           step (services/verifier/writer.py); the loop waits for it when it hands over the next.
     log    a periodic summary line; request-level events are logged where they happen.
 
 Redis is touched at most twice per iteration (the read, when the batch has room, and the result
@@ -21,93 +25,28 @@ while idle, keeps computing while busy, and queued results go out when Redis ans
 
 from __future__ import annotations
 
-import copy
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
 
 import redis
 
+from services.verifier.admission import Admission
 from services.verifier.cancel import CancelPoll
-from services.verifier.claims import ClaimConfig, ClaimedEntry, Claims
-from services.verifier.emitter import ResultEmitter
+from services.verifier.claims import Claims, HeartbeatRider
+from services.verifier.emitter import Flush, ResultEmitter
 from services.verifier.metrics import StepRecord, VerifierMetrics, add_spec_difference
+from services.verifier.worker_types import (CLIENT_CLOSED, DEADLINE_EXCEEDED, INTERNAL_ERROR, ActiveRequest,
+                                            WorkerConfig, WorkerSnapshot, sid)
+from services.verifier.writer import ResultWriter
 from specd.engine.engine import SpecEngine
 from specd.engine.sequence import Sequence
-from specd.grammar.response_format import parse_response_format
-from specd.messages import ConfigError, SpecStats
-from specd.transport.redis_streams import (CANCEL_PREFIX, CONSUMER_GROUP, DEFAULT_REQUEST_STREAM, RESULT_PREFIX,
-                                           RESULT_TTL_SECONDS, QueuedRequest)
-from specd.transport.resume import ResumePoint
+from specd.messages import SpecStats
 
 log = logging.getLogger("specd.verifier")
 
-# Error codes written to result streams (HTTP-like, the gateway maps them to its protocols).
-BAD_REQUEST = 400
-CLIENT_CLOSED = 499  # cancelled by the client (nginx's code; the gateway counts it the same)
-INTERNAL_ERROR = 500
-NOT_IMPLEMENTED = 501
-DEADLINE_EXCEEDED = 504
 
-
-@dataclass
-class WorkerConfig:
-    """Where the worker reads requests and writes results, and how it paces itself."""
-
-    consumer: str
-    request_stream: str = DEFAULT_REQUEST_STREAM
-    group: str = CONSUMER_GROUP
-    result_prefix: str = RESULT_PREFIX
-    result_ttl_seconds: int = RESULT_TTL_SECONDS
-    block_ms: int = 100  # XREADGROUP BLOCK while the engine is idle
-    log_interval_s: float = 10.0  # summary line period; 0 disables
-    claims: ClaimConfig = field(default_factory=ClaimConfig)  # heartbeats and reclaiming dead verifiers'
-    cancel_prefix: str = CANCEL_PREFIX
-
-    def __post_init__(self) -> None:
-        if not self.consumer:
-            raise ConfigError("consumer: must be a non-empty name")
-        if self.block_ms < 1:
-            raise ConfigError(f"block_ms: must be >= 1, got {self.block_ms}")
-        if self.result_ttl_seconds < 1:
-            raise ConfigError(f"result_ttl_seconds: must be >= 1, got {self.result_ttl_seconds}")
-
-
-@dataclass(slots=True)
-class ActiveRequest:
-    """A request inside the engine: its stream entry, its sequence and what was sent of it."""
-
-    request_id: str
-    entry_id: bytes | str  # in the request stream; XACK + XDEL when answered
-    seq: Sequence
-    deadline: float | None  # unix time
-    arrival_time: float  # unix time the gateway queued it
-    admitted_at: float  # unix time this verifier read it
-    num_emitted: int = 0  # output tokens already queued as deltas
-    spec_seen: SpecStats = field(default_factory=SpecStats)  # speculation already counted in metrics
-
-
-@dataclass
-class WorkerSnapshot:
-    """Live figures for the admin Stats RPC."""
-
-    consumer: str
-    num_running: int
-    num_waiting: int
-    num_finished: int
-    num_errors: int
-    num_steps: int
-    num_output_tokens: int
-    spec_stats: SpecStats
-    draft_seconds: float
-    verify_seconds: float
-    other_seconds: float
-    draining: bool
-    uptime_seconds: float
-
-
-class VerifierWorker:
+class VerifierWorker(Admission):
     """Drives one SpecEngine from a Redis request stream to per-request result streams."""
 
     def __init__(self, engine: SpecEngine, client: redis.Redis, config: WorkerConfig,
@@ -119,6 +58,7 @@ class VerifierWorker:
         self.clock = clock
         self.emitter = ResultEmitter(client, config.request_stream, config.group, config.result_prefix,
                                      config.result_ttl_seconds)
+        self.writer = ResultWriter(self.emitter)
         self.claims = Claims(client, config.request_stream, config.group, config.consumer, config.claims,
                              config.result_prefix)
         self.active: dict[int, ActiveRequest] = {}  # engine seq id -> request
@@ -146,8 +86,11 @@ class VerifierWorker:
         """Serve until stopped, or until drained when asked to exit then."""
         log.info("verifier serving", extra={"consumer": self.config.consumer,
                                             "stream": self.config.request_stream})
-        while not self.is_done():
-            self.run_once()
+        try:
+            while not self.is_done():
+                self.run_once()
+        finally:
+            self.finish_writes()
         log.info("verifier stopped", extra={"consumer": self.config.consumer,
                                             "num_finished": self.num_finished})
 
@@ -160,7 +103,7 @@ class VerifierWorker:
             finished = self.step(record)
         else:
             finished = []
-            if self.draining and not self.emitter.has_pending:
+            if self.draining and not self.writer.has_pending:
                 self._stop.wait(self.config.block_ms / 1000)  # drained: nothing to read, nothing to do
         self.expire_deadlines()
         self.emit(finished, record)
@@ -193,7 +136,14 @@ class VerifierWorker:
         if self._stop.is_set():
             return True
         return (self.draining and self.exit_when_drained and not self.active
-                and not self.emitter.has_pending)
+                and not self.writer.has_pending)
+
+    def finish_writes(self) -> None:
+        """The flush in flight lands (and is answered) before the worker reports it stopped."""
+        try:
+            self._collect(self.writer.wait, StepRecord())
+        finally:
+            self.writer.close()
 
     def ensure_group(self) -> None:
         """XGROUP CREATE ... MKSTREAM from the stream's start; an existing group is fine."""
@@ -204,123 +154,7 @@ class VerifierWorker:
                 raise
         self._group_ready = True
 
-    # ---- admit ------------------------------------------------------------------------------
-    def admit(self) -> int:
-        """Read up to the batch's free slots from the request stream; returns how many were admitted."""
-        if self.draining:
-            return 0
-        free = self.engine.max_batch_size - len(self.engine.running) - len(self.engine.waiting)
-        if free <= 0:
-            return 0
-        idle = not self.engine.has_unfinished() and not self.emitter.has_pending
-        admitted = 0
-        now = self.clock()
-        try:
-            if not self._group_ready:
-                self.ensure_group()
-            if self.claims.scan_due(time.monotonic()):  # the oldest requests first
-                for claimed in self.claims.reclaim(free, time.monotonic()):
-                    admitted += self._admit_claimed(claimed, now)
-                free = self.engine.max_batch_size - len(self.engine.running) - len(self.engine.waiting)
-                if free <= 0:
-                    self._redis_failures = 0
-                    return admitted
-                idle = idle and not admitted and not self.emitter.has_pending
-            reply = self.client.xreadgroup(self.config.group, self.config.consumer,
-                                           {self.config.request_stream: ">"}, count=free,
-                                           block=self.config.block_ms if idle else None)
-        except redis.ResponseError as e:
-            if "NOGROUP" not in str(e):
-                raise
-            self._group_ready = False  # the stream was deleted under us: create it again next time
-            return admitted
-        except (redis.ConnectionError, redis.TimeoutError) as e:
-            self._on_redis_error("admit", e, idle)
-            return admitted
-        self._redis_failures = 0
-        for _stream, entries in reply or []:
-            for entry_id, fields in entries:
-                admitted += self._admit_entry(entry_id, fields or {}, now)
-        return admitted
-
-    def _admit_claimed(self, claimed: ClaimedEntry, now: float) -> int:
-        """An entry taken over from a verifier that stopped heartbeating: resume, ack or fail it."""
-        entry_id, fields, resume = claimed.entry_id, claimed.fields, claimed.resume
-        if fields is None:  # deleted while pending: it was answered, only the XACK was lost
-            self.emitter.finish_entry(entry_id)
-            return 0
-        raw_id = fields.get(b"id", fields.get("id"))
-        request_id = raw_id.decode(errors="replace") if isinstance(raw_id, bytes) else raw_id
-        mine = next((ar for ar in self.active.values() if ar.request_id == request_id), None)
-        if mine is not None:  # our own, stale after a long stall: it stays ours
-            if _sid(mine.entry_id) != _sid(entry_id):
-                self.emitter.finish_entry(entry_id)  # a second entry for the request: the first answers
-            return 0
-        if resume is not None and resume.is_answered:
-            self.emitter.finish_entry(entry_id)
-            return 0
-        if resume is None:
-            self._reject(entry_id, request_id, INTERNAL_ERROR,
-                         "the request's result stream has a gap; it cannot be resumed")
-            return 0
-        if claimed.num_deliveries > self.config.claims.max_deliveries:
-            self._reject(entry_id, request_id, INTERNAL_ERROR,
-                         f"the request was claimed {claimed.num_deliveries} times: its verifiers keep "
-                         "dying on it", resume.num_output_tokens)
-            return 0
-        log.warning("reclaimed a request from a dead verifier", extra={
-            "request_id": request_id, "resume_at": resume.num_output_tokens,
-            "deliveries": claimed.num_deliveries})
-        admitted = self._admit_entry(entry_id, fields, now, resume)
-        self.num_reclaimed += admitted
-        return admitted
-
-    def _admit_entry(self, entry_id, fields: dict, now: float, resume: ResumePoint | None = None) -> int:
-        """Decode one entry and add it to the engine, or answer it with an error; never raises.
-
-        With `resume` (a reclaimed entry) the request continues after the tokens already written.
-        """
-        try:
-            request = QueuedRequest.from_fields(fields)
-            deadline = None if request.deadline is None else float(request.deadline)
-        except Exception as e:  # any malformed entry: a bad body must not stop the verifier
-            raw_id = fields.get(b"id", fields.get("id"))
-            request_id = raw_id.decode(errors="replace") if isinstance(raw_id, bytes) else raw_id
-            self._reject(entry_id, request_id or None, BAD_REQUEST,
-                         f"malformed request entry: {type(e).__name__}: {e}")
-            return 0
-        if request.request_id in self._request_ids:  # delivered twice: the first copy answers
-            log.warning("duplicate request entry dropped", extra={"request_id": request.request_id})
-            self.emitter.finish_entry(entry_id)
-            return 0
-        if deadline is not None and deadline <= now:
-            self._reject(entry_id, request.request_id, DEADLINE_EXCEEDED,
-                         "deadline exceeded before the request was admitted")
-            return 0
-        try:
-            grammar = parse_response_format(request.response_format)
-            if grammar is not None and self.engine.constraints.backend is None:
-                self._reject(entry_id, request.request_id, NOT_IMPLEMENTED,
-                             "response_format: this verifier runs without a grammar backend")
-                return 0
-            seq = self.engine.add_request(
-                request.prompt_token_ids, request.params, grammar,
-                output_token_ids=resume.output_token_ids if resume else None,
-                spec_stats=resume.spec_stats if resume else None)
-        except ConfigError as e:
-            self._reject(entry_id, request.request_id, BAD_REQUEST, str(e), resume.num_output_tokens if resume else 0)
-            return 0
-        self.active[seq.seq_id] = ActiveRequest(request.request_id, entry_id, seq, deadline,
-                                                request.arrival_time, now,
-                                                num_emitted=seq.num_output_tokens,
-                                                spec_seen=copy.deepcopy(seq.stats))
-        self._request_ids.add(request.request_id)
-        self.metrics.observe_admitted(len(request.prompt_token_ids))
-        log.debug("admitted", extra={"request_id": request.request_id, "seq_id": seq.seq_id,
-                                     "prompt_tokens": len(request.prompt_token_ids),
-                                     "queued_s": round(now - request.arrival_time, 4)})
-        return 1
-
+    # ---- answers ----------------------------------------------------------------------------
     def _reject(self, entry_id, request_id: str | None, code: int, message: str, pos: int = 0) -> None:
         """Answer a request with an error result and take its entry off the stream (next flush)."""
         if request_id is not None:
@@ -358,6 +192,10 @@ class VerifierWorker:
             self._reject(ar.entry_id, ar.request_id, INTERNAL_ERROR, message, ar.num_emitted)
         self.active.clear()
         try:
+            self.writer.wait()  # the step before goes out first (or back in front of the queue)
+        except Exception:
+            log.exception("could not write the previous step's results")
+        try:
             self.emitter.flush()
         except redis.RedisError:
             log.exception("could not write the error results")
@@ -378,48 +216,79 @@ class VerifierWorker:
 
     # ---- emit -------------------------------------------------------------------------------
     def emit(self, finished: list[Sequence], record: StepRecord) -> None:
-        """Queue the step's deltas and finals, then send them in one round trip."""
+        """Queue the step's deltas and finals and send them in one round trip: in the background
+        while the engine has a next step to overlap it with (config.async_emit), else right away.
+
+        The previous step's flush is waited for first and its riders' answers applied, so with
+        async_emit a cancellation or a lost entry seen by step n's pipeline takes effect after
+        step n+1 (one step late): that step's tokens for the request are dropped, not written.
+        """
         t0 = time.perf_counter()
-        spec = record.spec
+        for ar in self.active.values():  # before answers drop any: the step ran for all of them
+            add_spec_difference(record.spec, ar.seq.stats, ar.spec_seen)
+        self._collect(self.writer.wait, record)
         for ar in self.active.values():
             seq = ar.seq
-            add_spec_difference(spec, seq.stats, ar.spec_seen)
             n = len(seq.output_token_ids)
             if n > ar.num_emitted and not seq.is_finished:
                 self.emitter.delta(ar.request_id, ar.num_emitted, seq.output_token_ids[ar.num_emitted:n],
                                    seq.stats)
                 ar.num_emitted = n
         for seq in finished:
-            self._finish(self.active.pop(seq.seq_id))
-        record.num_finished = len(finished)
-        riders, cancel, heartbeat = [], None, None
-        if self.active:
-            cancel = CancelPoll([ar.request_id for ar in self.active.values()], self.config.cancel_prefix)
-            riders.append(cancel)
-            beat_at = time.monotonic()
-            if self.claims.heartbeat_due(beat_at):
-                heartbeat = self.claims.heartbeat([ar.entry_id for ar in self.active.values()])
-                riders.append(heartbeat)
+            ar = self.active.pop(seq.seq_id, None)
+            if ar is not None:  # None: cancelled or lost by the answers of the step before
+                self._finish(ar)
+                record.num_finished += 1
+        riders = self._riders()
+        if self.config.async_emit and self.engine.has_unfinished():
+            self.writer.start(riders)  # answered by the next emit's wait
+        else:
+            self._collect(lambda: self.writer.flush(riders), record)
+        record.emit_seconds = time.perf_counter() - t0
+
+    def _riders(self) -> list:
+        """The step's pipeline riders: the heartbeat when due, then the cancellation poll."""
+        if not self.active:
+            return []
+        riders = []
+        now = time.monotonic()
+        if self.claims.heartbeat_due(now):
+            riders.append(self.claims.heartbeat([ar.entry_id for ar in self.active.values()], now))
+        riders.append(CancelPoll([ar.request_id for ar in self.active.values()], self.config.cancel_prefix))
+        return riders
+
+    def _collect(self, send, record: StepRecord) -> None:
+        """Run or wait for a flush (`send`), then apply what its riders learned, on this thread
+        (the engine's): Redis unreachable is handled here, the queue was kept for the next flush."""
+        t0 = time.perf_counter()
         try:
-            self.emitter.flush(riders)
-            self._redis_failures = 0
+            flush: Flush | None = send()
         except (redis.ConnectionError, redis.TimeoutError) as e:
             self._on_redis_error("emit", e, idle=not self.engine.has_unfinished())
-        if heartbeat is not None and heartbeat.answered:
-            self.claims.heartbeat_sent(beat_at)
-            self._drop_lost(heartbeat.lost)
-        if cancel is not None and cancel.cancelled:
-            self._cancel(cancel.cancelled)
+            return
+        finally:
+            record.emit_wait_seconds += time.perf_counter() - t0
+        if flush is None:
+            return
+        self._redis_failures = 0
+        record.flush_seconds += flush.seconds
+        # The heartbeat first: an entry another verifier took over is dropped, never acknowledged
+        # as cancelled (XACK does not check the consumer).
+        for rider in flush.riders:
+            if isinstance(rider, HeartbeatRider) and rider.answered:
+                self.claims.heartbeat_sent(rider.sent_at)
+                self._drop_lost(rider.lost)
+            elif isinstance(rider, CancelPoll) and rider.cancelled:
+                self._cancel(rider.cancelled)
         for e in self.emitter.last_errors:
             log.error("redis refused a result write: %s", e)
         self.emitter.last_errors = []
-        record.emit_seconds = time.perf_counter() - t0
 
     def _drop_lost(self, entry_ids: list) -> None:
         """Entries another verifier reclaimed while we stalled: theirs now, stop running them."""
-        lost = {_sid(e) for e in entry_ids}
+        lost = {sid(e) for e in entry_ids}
         for seq_id, ar in list(self.active.items()):
-            if _sid(ar.entry_id) in lost:
+            if sid(ar.entry_id) in lost:
                 self.engine.abort(ar.seq, reason="reclaimed")
                 del self.active[seq_id]
                 self._request_ids.discard(ar.request_id)
@@ -504,7 +373,3 @@ class VerifierWorker:
         if idle:
             self._stop.wait(min(1.0, 0.05 * self._redis_failures))
 
-
-def _sid(entry_id) -> str:
-    """Stream ids as text (redis-py hands back bytes unless decode_responses is set)."""
-    return entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)

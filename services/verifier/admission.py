@@ -1,0 +1,152 @@
+"""The verifier loop's admit verb: read entries from the request stream, decode them, hand them
+to the engine, or answer them with an error; reclaim the entries of dead verifiers.
+
+XREADGROUP asks for as many requests as the batch has free slots, with BLOCK (~100 ms) only when
+the engine is idle and no results are waiting to be written, so a busy loop never sleeps here.
+Every `scan_ms` a verifier with room first looks for entries idle past `--reclaim-idle-ms` (their
+verifier died) and resumes them from their result streams (services/verifier/claims.py).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+
+import redis
+
+from services.verifier.claims import ClaimedEntry
+from services.verifier.worker_types import (BAD_REQUEST, DEADLINE_EXCEEDED, INTERNAL_ERROR, NOT_IMPLEMENTED,
+                                            ActiveRequest, sid)
+from specd.grammar.response_format import parse_response_format
+from specd.messages import ConfigError
+from specd.transport.redis_streams import QueuedRequest
+from specd.transport.resume import ResumePoint
+
+log = logging.getLogger("specd.verifier")
+
+
+class Admission:
+    """The admit verb of VerifierWorker (services/verifier/worker.py), which it is mixed into: it
+    uses the worker's engine, config, client, claims, emitter, writer, `active` and `_request_ids`,
+    and answers through the worker's `_reject` and `_on_redis_error`."""
+
+    def admit(self) -> int:
+        """Read up to the batch's free slots from the request stream; returns how many were admitted."""
+        if self.draining:
+            return 0
+        free = self.engine.max_batch_size - len(self.engine.running) - len(self.engine.waiting)
+        if free <= 0:
+            return 0
+        idle = not self.engine.has_unfinished() and not self.writer.has_pending
+        admitted = 0
+        now = self.clock()
+        try:
+            if not self._group_ready:
+                self.ensure_group()
+            if self.claims.scan_due(time.monotonic()):  # the oldest requests first
+                for claimed in self.claims.reclaim(free, time.monotonic()):
+                    admitted += self._admit_claimed(claimed, now)
+                free = self.engine.max_batch_size - len(self.engine.running) - len(self.engine.waiting)
+                if free <= 0:
+                    self._redis_failures = 0
+                    return admitted
+                idle = idle and not admitted and not self.writer.has_pending
+            reply = self.client.xreadgroup(self.config.group, self.config.consumer,
+                                           {self.config.request_stream: ">"}, count=free,
+                                           block=self.config.block_ms if idle else None)
+        except redis.ResponseError as e:
+            if "NOGROUP" not in str(e):
+                raise
+            self._group_ready = False  # the stream was deleted under us: create it again next time
+            return admitted
+        except (redis.ConnectionError, redis.TimeoutError) as e:
+            self._on_redis_error("admit", e, idle)
+            return admitted
+        self._redis_failures = 0
+        for _stream, entries in reply or []:
+            for entry_id, fields in entries:
+                admitted += self._admit_entry(entry_id, fields or {}, now)
+        return admitted
+
+    def _admit_claimed(self, claimed: ClaimedEntry, now: float) -> int:
+        """An entry taken over from a verifier that stopped heartbeating: resume, ack or fail it."""
+        entry_id, fields, resume = claimed.entry_id, claimed.fields, claimed.resume
+        if self.writer.is_finishing(entry_id):
+            # Answered here: its XACK is queued, or in flight on the writer thread while this scan
+            # ran (a step longer than idle_ms left it idle); resuming it would answer it twice.
+            return 0
+        if fields is None:  # deleted while pending: it was answered, only the XACK was lost
+            self.emitter.finish_entry(entry_id)
+            return 0
+        raw_id = fields.get(b"id", fields.get("id"))
+        request_id = raw_id.decode(errors="replace") if isinstance(raw_id, bytes) else raw_id
+        mine = next((ar for ar in self.active.values() if ar.request_id == request_id), None)
+        if mine is not None:  # our own, stale after a long stall: it stays ours
+            if sid(mine.entry_id) != sid(entry_id):
+                self.emitter.finish_entry(entry_id)  # a second entry for the request: the first answers
+            return 0
+        if resume is not None and resume.is_answered:
+            self.emitter.finish_entry(entry_id)
+            return 0
+        if resume is None:
+            self._reject(entry_id, request_id, INTERNAL_ERROR,
+                         "the request's result stream has a gap; it cannot be resumed")
+            return 0
+        if claimed.num_deliveries > self.config.claims.max_deliveries:
+            self._reject(entry_id, request_id, INTERNAL_ERROR,
+                         f"the request was claimed {claimed.num_deliveries} times: its verifiers keep "
+                         "dying on it", resume.num_output_tokens)
+            return 0
+        log.warning("reclaimed a request from a dead verifier", extra={
+            "request_id": request_id, "resume_at": resume.num_output_tokens,
+            "deliveries": claimed.num_deliveries})
+        admitted = self._admit_entry(entry_id, fields, now, resume)
+        self.num_reclaimed += admitted
+        return admitted
+
+    def _admit_entry(self, entry_id, fields: dict, now: float, resume: ResumePoint | None = None) -> int:
+        """Decode one entry and add it to the engine, or answer it with an error; never raises.
+
+        With `resume` (a reclaimed entry) the request continues after the tokens already written.
+        """
+        try:
+            request = QueuedRequest.from_fields(fields)
+            deadline = None if request.deadline is None else float(request.deadline)
+        except Exception as e:  # any malformed entry: a bad body must not stop the verifier
+            raw_id = fields.get(b"id", fields.get("id"))
+            request_id = raw_id.decode(errors="replace") if isinstance(raw_id, bytes) else raw_id
+            self._reject(entry_id, request_id or None, BAD_REQUEST,
+                         f"malformed request entry: {type(e).__name__}: {e}")
+            return 0
+        if request.request_id in self._request_ids:  # delivered twice: the first copy answers
+            log.warning("duplicate request entry dropped", extra={"request_id": request.request_id})
+            self.emitter.finish_entry(entry_id)
+            return 0
+        if deadline is not None and deadline <= now:
+            self._reject(entry_id, request.request_id, DEADLINE_EXCEEDED,
+                         "deadline exceeded before the request was admitted")
+            return 0
+        try:
+            grammar = parse_response_format(request.response_format)
+            if grammar is not None and self.engine.constraints.backend is None:
+                self._reject(entry_id, request.request_id, NOT_IMPLEMENTED,
+                             "response_format: this verifier runs without a grammar backend")
+                return 0
+            seq = self.engine.add_request(
+                request.prompt_token_ids, request.params, grammar,
+                output_token_ids=resume.output_token_ids if resume else None,
+                spec_stats=resume.spec_stats if resume else None)
+        except ConfigError as e:
+            self._reject(entry_id, request.request_id, BAD_REQUEST, str(e), resume.num_output_tokens if resume else 0)
+            return 0
+        self.active[seq.seq_id] = ActiveRequest(request.request_id, entry_id, seq, deadline,
+                                                request.arrival_time, now,
+                                                num_emitted=seq.num_output_tokens,
+                                                spec_seen=copy.deepcopy(seq.stats))
+        self._request_ids.add(request.request_id)
+        self.metrics.observe_admitted(len(request.prompt_token_ids))
+        log.debug("admitted", extra={"request_id": request.request_id, "seq_id": seq.seq_id,
+                                     "prompt_tokens": len(request.prompt_token_ids),
+                                     "queued_s": round(now - request.arrival_time, 4)})
+        return 1

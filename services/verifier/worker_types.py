@@ -1,0 +1,84 @@
+"""The verifier worker's data: its config, the requests it runs, the figures it reports, and the
+error codes it answers with (kept apart from services/verifier/worker.py, which is the loop)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from services.verifier.claims import ClaimConfig
+from specd.engine.sequence import Sequence
+from specd.messages import ConfigError, SpecStats
+from specd.transport.redis_streams import (CANCEL_PREFIX, CONSUMER_GROUP, DEFAULT_REQUEST_STREAM, RESULT_PREFIX,
+                                           RESULT_TTL_SECONDS)
+
+# Error codes written to result streams (HTTP-like, the gateway maps them to its protocols).
+BAD_REQUEST = 400
+CLIENT_CLOSED = 499  # cancelled by the client (nginx's code; the gateway counts it the same)
+INTERNAL_ERROR = 500
+NOT_IMPLEMENTED = 501
+DEADLINE_EXCEEDED = 504
+
+
+@dataclass
+class WorkerConfig:
+    """Where the worker reads requests and writes results, and how it paces itself."""
+
+    consumer: str
+    request_stream: str = DEFAULT_REQUEST_STREAM
+    group: str = CONSUMER_GROUP
+    result_prefix: str = RESULT_PREFIX
+    result_ttl_seconds: int = RESULT_TTL_SECONDS
+    block_ms: int = 100  # XREADGROUP BLOCK while the engine is idle
+    log_interval_s: float = 10.0  # summary line period; 0 disables
+    claims: ClaimConfig = field(default_factory=ClaimConfig)  # heartbeats and reclaiming dead verifiers'
+    cancel_prefix: str = CANCEL_PREFIX
+    # Result round trips on a writer thread, overlapping the next engine step; False: the loop
+    # waits for each one (services/verifier/writer.py says what changes: answers one step late).
+    async_emit: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.consumer:
+            raise ConfigError("consumer: must be a non-empty name")
+        if self.block_ms < 1:
+            raise ConfigError(f"block_ms: must be >= 1, got {self.block_ms}")
+        if self.result_ttl_seconds < 1:
+            raise ConfigError(f"result_ttl_seconds: must be >= 1, got {self.result_ttl_seconds}")
+
+
+@dataclass(slots=True)
+class ActiveRequest:
+    """A request inside the engine: its stream entry, its sequence and what was sent of it."""
+
+    request_id: str
+    entry_id: bytes | str  # in the request stream; XACK + XDEL when answered
+    seq: Sequence
+    deadline: float | None  # unix time
+    arrival_time: float  # unix time the gateway queued it
+    admitted_at: float  # unix time this verifier read it
+    num_emitted: int = 0  # output tokens already queued as deltas
+    spec_seen: SpecStats = field(default_factory=SpecStats)  # speculation already counted in metrics
+
+
+@dataclass
+class WorkerSnapshot:
+    """Live figures for the admin Stats RPC."""
+
+    consumer: str
+    num_running: int
+    num_waiting: int
+    num_finished: int
+    num_errors: int
+    num_steps: int
+    num_output_tokens: int
+    spec_stats: SpecStats
+    draft_seconds: float
+    verify_seconds: float
+    other_seconds: float
+    draining: bool
+    uptime_seconds: float
+
+
+
+def sid(entry_id) -> str:
+    """Stream ids as text (redis-py hands back bytes unless decode_responses is set)."""
+    return entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
