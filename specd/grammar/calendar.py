@@ -19,7 +19,10 @@ _LEAP_YEAR = r"([0-9]{2}(0[48]|[2468][048]|[13579][26])|(0[48]|[2468][048]|[1357
 _MONTH_DAY = (r"((0[13578]|1[02])-(0[1-9]|[12][0-9]|3[01])|(0[469]|11)-(0[1-9]|[12][0-9]|30)"
               r"|02-(0[1-9]|1[0-9]|2[0-8]))")
 DATE = rf"({_YEAR}-{_MONTH_DAY}|{_LEAP_YEAR}-02-29)"
-TIME = r"([01][0-9]|2[0-3]):[0-5][0-9]:([0-5][0-9]|60)(\.[0-9]+)?(Z|[+-]([01][0-9]|2[0-3]):[0-5][0-9])"
+_OFFSET = r"(Z|[+-]([01][0-9]|2[0-3]):[0-5][0-9])"
+# The fraction is spelled as an alternation, not "(\.[0-9]+)?": xgrammar drops the literal of an
+# optional group holding a repetition (it accepts 00:00:0012Z; schema_gaps.py refuses such patterns).
+TIME = rf"([01][0-9]|2[0-3]):[0-5][0-9]:([0-5][0-9]|60)({_OFFSET}|[.][0-9]+{_OFFSET})"
 PATTERNS = {"date": f"^{DATE}$", "date-time": f"^{DATE}T{TIME}$"}
 _DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
 

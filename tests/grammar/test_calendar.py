@@ -31,6 +31,17 @@ def test_only_real_calendar_dates_are_accepted(compiler, fmt, suffix):
         assert accepted == real, (fmt, day)
 
 
+@pytest.mark.parametrize("time,ok", [("T12:00:00Z", True), ("T12:00:00.125-03:30", True), ("T23:59:60Z", True),
+                                     ("T12:00:0012Z", False), ("T12:00:00.Z", False), ("T24:00:00Z", False),
+                                     ("T02:04:0204-20:16", False)])
+def test_date_time_keeps_the_rfc3339_time(compiler, time, ok):
+    """The fraction is no optional group: xgrammar would drop its dot (00:00:0012Z, seen in the sweep)."""
+    compiled = compiler.compile_json_schema(exact_calendar_formats(json.dumps({"type": "string", "format": "date-time"})),
+                                            any_whitespace=False, strict_mode=True)
+    matcher = xgr.GrammarMatcher(compiled)
+    assert (matcher.accept_string(json.dumps("2024-02-29" + time)) and matcher.is_completed()) == ok
+
+
 def test_values_and_explicit_patterns_are_left_alone():
     schema = {"type": "object", "properties": {
         "when": {"type": "string", "format": "date"},
