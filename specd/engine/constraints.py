@@ -111,3 +111,14 @@ def mask_rows(logits: torch.Tensor, row_offsets: list[int], masks: list[MaskResu
         n = m.bitmask.shape[0]
         logits[start:start + n] = apply_bitmask(logits[start:start + n], m.bitmask.to(logits.device))
     return logits
+
+
+def keep_grammar_rows(grammar_logits: torch.Tensor, suppressed: torch.Tensor) -> torch.Tensor:
+    """Rows that min_new_tokens' stop suppression emptied keep the grammar's own row.
+
+    A row is all -inf after both only where the grammar allows nothing but stop tokens, i.e. the
+    constrained output is complete: the grammar wins over min_new_tokens (an all -inf row would
+    turn the probabilities into NaN). Both [rows, V]; no host synchronisation.
+    """
+    emptied = torch.isneginf(suppressed).all(dim=-1, keepdim=True)  # [rows, 1]
+    return torch.where(emptied, grammar_logits, suppressed)

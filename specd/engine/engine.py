@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specd.engine.constraints import ConstraintTracker, mask_rows
+from specd.engine.constraints import ConstraintTracker, keep_grammar_rows, mask_rows
 from specd.engine.sequence import Sequence, SequenceStatus
 from specd.engine.stop import StopChecker
 from specd.engine.verify import pad_drafts, verify_target_probs
@@ -178,14 +178,17 @@ class SpecEngine:
                                   want_aux_hidden=self._hidden_kind == "aux")
         last_rows = torch.tensor([out.offsets[i + 1] - 1 for i in range(len(admitted))], device=out.logits.device)
         st = SamplingTensors.from_params([s.params for s in admitted], out.logits.device)
-        logits = self._suppress_early_stop(out.logits[last_rows], admitted)
+        logits = out.logits[last_rows]
         if any(s.params.repetition_penalty != 1.0 for s in admitted):
             logits = apply_repetition_penalty(
                 logits, [torch.tensor(s.prompt_token_ids) for s in admitted], st.repetition_penalty)
         for seq in admitted:
             self.constraints.open(seq)
         masks = self.constraints.masks(admitted, [[] for _ in admitted])
-        logits = mask_rows(logits, list(range(len(admitted))), masks)
+        grammar_logits = mask_rows(logits, list(range(len(admitted))), masks)
+        logits = self._suppress_early_stop(grammar_logits, admitted)
+        if logits is not grammar_logits and any(m is not None for m in masks):
+            logits = keep_grammar_rows(grammar_logits, logits)  # a complete output stops anyway
         positions = torch.tensor([s.num_tokens for s in admitted], device=out.logits.device)
         first = sample_from_probs(processed_probs(logits, st), st.seeds, positions, SALT_SAMPLE).tolist()
         finished = []

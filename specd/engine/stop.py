@@ -29,7 +29,10 @@ class StopChecker:
         stop_ids = self.stop_token_ids(seq)
         for n, token in enumerate(token_ids, start=1):
             seq.output_token_ids.append(token)
-            if token in stop_ids and seq.num_output_tokens >= seq.params.min_new_tokens:
+            # Under a grammar a stop token is sampled only once the output is complete (min_new_tokens
+            # suppresses it while the grammar allows anything else): it ends the sequence.
+            if token in stop_ids and (seq.num_output_tokens >= seq.params.min_new_tokens
+                                      or seq.grammar is not None):
                 seq.finish("stop")
                 return n
             if seq.params.stop_words and self._hit_stop_word(seq):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from specd.engine.constraints import mask_rows
+from specd.engine.constraints import keep_grammar_rows, mask_rows
 from specd.models.base import ForwardOutput
 from specd.proposers.base import DraftProposal
 from specd.sampling import SamplingTensors, apply_repetition_penalty, processed_probs
@@ -79,7 +79,13 @@ def verify_target_probs(out: ForwardOutput, num_drafts: list[int], st: SamplingT
             drafted = list(draft_token_ids[i][:k])
             histories += [torch.tensor(prev_token_ids[i] + drafted[:j], dtype=torch.long) for j in range(k + 1)]
         logits = apply_repetition_penalty(logits, histories, row_st.repetition_penalty)
+    if masks is not None:
+        starts = [0]
+        for k in num_drafts[:-1]:
+            starts.append(starts[-1] + k + 1)
+        logits = mask_rows(logits, starts, masks)
     if suppress is not None:
+        grammar_logits = logits
         logits = logits.clone()
         r = 0
         for i, k in enumerate(num_drafts):
@@ -87,11 +93,8 @@ def verify_target_probs(out: ForwardOutput, num_drafts: list[int], st: SamplingT
             if n_rows > 0 and token_ids:
                 logits[r:r + min(n_rows, k + 1), token_ids] = float("-inf")
             r += k + 1
-    if masks is not None:
-        starts = [0]
-        for k in num_drafts[:-1]:
-            starts.append(starts[-1] + k + 1)
-        logits = mask_rows(logits, starts, masks)
+        if masks is not None and any(m is not None for m in masks):
+            logits = keep_grammar_rows(grammar_logits, logits)
     if all_greedy:
         probs = greedy_probs(logits)  # [sum(k_i + 1), V]
     else:
