@@ -110,21 +110,29 @@ def test_survivor_resumes_a_dead_verifiers_requests(redis_url, client, target):
 
 def test_heartbeat_keeps_a_slow_verifier_and_a_stalled_one_drops_what_it_lost(redis_url, client, target):
     stream = "reclaim-stall:requests"
-    requests = make_requests(3, seed=12, prefix="rs", max_new_tokens=(60,), ignore_eos=True, stop_token_ids=[])
+    requests = make_requests(3, seed=12, prefix="rs", max_new_tokens=(90,), ignore_eos=True, stop_token_ids=[])
     ids = [r.request_id for r in requests]
-    slow = make_worker(redis_url, target, stream, "slow", idle_ms=400)
-    other = make_worker(redis_url, target, stream, "other", idle_ms=400)
+    # One loop round is the slow one's step, the other's idle XREADGROUP (BLOCK 100 ms) and a
+    # 150 ms sleep: ~0.3 s here, and more on a loaded machine. The idle limit leaves it a wide
+    # margin (a 400 ms limit flaked in CI); the largest gap between the slow one's steps is checked.
+    idle_ms = 1200
+    slow = make_worker(redis_url, target, stream, "slow", idle_ms=idle_ms)
+    other = make_worker(redis_url, target, stream, "other", idle_ms=idle_ms)
     enqueue(client, stream, requests)
     slow.run_once()
     assert len(slow.active) == 3
-    t_end = time.monotonic() + 1.2  # three idle limits: slow steps every 150 ms, heartbeats keep it
+    t_end = time.monotonic() + 2.5 * idle_ms / 1000  # past two idle limits: heartbeats keep it
+    last, widest = time.monotonic(), 0.0
     while time.monotonic() < t_end:
         slow.run_once()
+        now = time.monotonic()
+        last, widest = now, max(widest, now - last)
         other.run_once()
         time.sleep(0.15)
+    assert widest < idle_ms / 1000, f"the machine is too slow for this test: {widest:.2f} s between steps"
     assert other.num_reclaimed == 0 and len(slow.active) == 3
 
-    time.sleep(0.6)  # the slow one stalls past the idle limit: the other takes over
+    time.sleep(1.5 * idle_ms / 1000)  # the slow one stalls past the idle limit: the other takes over
     _run_until(other, lambda: other.num_reclaimed == 3, timeout=10)
     slow.run_once()  # its heartbeat finds the entries gone: it stops running them, once the answer
     slow.run_once()  # is in (a step later: the round trip overlaps the next step, async_emit)
