@@ -170,6 +170,11 @@ class StaticForward:
             self._entries[key] = entry
         return entry
 
+    def drop_graphs(self) -> None:
+        """Forget every captured graph and its buffers; the next batches capture again (what a
+        changed launch setting, e.g. kernels/pdl.py's, needs: a graph keeps its capture's)."""
+        self._entries.clear()
+
     def _capture(self, entry: _Entry, aux_layer_ids: tuple[int, ...]) -> None:
         """Warm up on a side stream (lazy kernel and cuBLAS init must not be captured), then capture."""
         self._padding_fill(entry)

@@ -3,9 +3,11 @@
 Per decoder layer: RMSNorm (fused with the previous layer's residual add), the fused QKV GEMM,
 RoPE + paged-cache write (one kernel), split-KV paged attention (two; flash-attn's
 flash_attn_with_kvcache instead when it is installed and the blocks suit it), o_proj, residual add +
-RMSNorm (one), the fused gate/up GEMM, silu * up (one), down_proj; the GEMMs take the skinny
-kernel at few rows (linear.py). Ten launches a layer where the PyTorch path takes about thirty,
-and no gathered K/V copies (kernels/*.py say why each exists).
+RMSNorm (one), the fused gate/up GEMM with silu * up in its epilogue, down_proj; the GEMMs take
+the skinny kernel at few rows (linear.py; above them cuBLAS, and silu * up is a kernel of its own).
+Nine launches a layer where the PyTorch path takes about thirty, and no gathered K/V copies
+(kernels/*.py say why each exists). On Hopper the kernels launch with PDL (kernels/pdl.py): each
+may start during its predecessor's tail, a GEMM streaming its first weight tile meanwhile.
 
 It computes what LlamaForCausalLM.forward computes (the same modules' weights; the deferred
 residual add changes no value: the residual entering layer i is materialised by layer i's first
@@ -18,8 +20,10 @@ from __future__ import annotations
 
 import torch
 
+from specd.models import skinny_gemm
 from specd.models.kernels import norm_act, paged_decode_attention, rope_cache
 from specd.models.kv_cache import PagedKVCache
+from specd.models.linear import takes_skinny_kernel
 from specd.models.static_attention import StaticAttentionMetadata, flash_kvcache_applies, static_paged_attention
 
 
@@ -63,7 +67,15 @@ def fused_forward(model, input_ids: torch.Tensor, positions: torch.Tensor, meta:
                 attn.sliding_window)  # [T, Hq, D]
         x, h = norm_act.rms_norm(x, layer.post_attention_layernorm.weight, eps,
                                  attn.o_proj(o.view(tokens, -1)))
-        delta = layer.mlp.down_proj(norm_act.silu_mul(layer.mlp.gate_up_proj(h)))
+        delta = layer.mlp.down_proj(_swiglu(layer.mlp.gate_up_proj, h))
     _, hidden = norm_act.rms_norm(x, model.model.norm.weight, eps, delta)
     aux = torch.cat([captured[i] for i in aux_layer_ids], dim=-1) if aux_layer_ids else None
     return hidden, aux
+
+
+def _swiglu(gate_up_proj, h: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of the fused gate/up projection: one kernel where the skinny GEMM takes the
+    product (few rows), else the product and then the activation kernel."""
+    if gate_up_proj.bias is None and takes_skinny_kernel(h, gate_up_proj.weight):
+        return skinny_gemm.skinny_gemm_swiglu(h, gate_up_proj.weight)
+    return norm_act.silu_mul(gate_up_proj(h))

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specd.models import skinny_gemm
 from specd.models.skinny_gemm import skinny_linear
 
 # "auto": the kernel where it applies (skinny_gemm.kernel_applies), else F.linear; "torch": always
@@ -53,6 +54,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if _active_backend == "auto":
         return skinny_linear(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def takes_skinny_kernel(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether linear(x, weight) would run the skinny kernel now (backend and operands)."""
+    return _active_backend == "auto" and skinny_gemm.kernel_applies(x.reshape(-1, x.shape[-1]), weight)
 
 
 class Linear(nn.Linear):

@@ -29,6 +29,7 @@ from specd.models.attention import AttentionMetadata
 from specd.models.base import check_chunks, ForwardOutput, ModelInfo, SequenceChunk
 from specd.models.cuda_graphs import StaticForward
 from specd.models.hf_config import LlamaArchConfig
+from specd.models.kernels.pdl import pdl_launches, resolve_pdl_mode
 from specd.models.kv_cache import CacheFullError, PagedKVCache
 from specd.models.linear import gemm_backend, resolve_gemm_backend
 from specd.models.llama import EAGER_REGIONS, LlamaForCausalLM, load_llama
@@ -87,7 +88,7 @@ class LlamaRunner:
     def __init__(self, model_dir: str | Path, engine_config: PytorchEngineConfig | None = None, *,
                  model: LlamaForCausalLM | None = None, config: LlamaArchConfig | None = None,
                  use_static_path: bool | None = None, compile_mode: str | None = None,
-                 gemm: str | None = None, kernels: str | None = None) -> None:
+                 gemm: str | None = None, kernels: str | None = None, pdl: str | None = None) -> None:
         """model/config: an already built model (the bench's random weights) instead of loading.
 
         use_static_path: None follows the config (static path with CUDA graphs on CUDA unless
@@ -96,11 +97,13 @@ class LlamaRunner:
         None reads SPECD_COMPILE ("0" or unset: off). Applies only where the static path runs.
         gemm: "auto" | "torch" (linear.py); None reads SPECD_GEMM, default "auto".
         kernels: "auto" | "off" (fused_forward.py); None reads SPECD_KERNELS, default "auto".
+        pdl: "auto" | "off" (kernels/pdl.py); None reads SPECD_PDL, default "auto".
         """
         kernels = kernels or os.environ.get(KERNELS_ENV) or "auto"
         if kernels not in ("auto", "off"):
             raise ValueError(f"kernels: expected auto or off, got {kernels!r}")
         self.gemm = resolve_gemm_backend(gemm)
+        self.pdl = resolve_pdl_mode(pdl)
         engine_config = engine_config or PytorchEngineConfig()
         self.model_dir = Path(model_dir)
         self.engine_config = engine_config
@@ -214,7 +217,7 @@ class LlamaRunner:
     def forward(self, chunks: list[SequenceChunk], *, want_hidden: bool = False,
                 want_aux_hidden: bool = False) -> ForwardOutput:
         """Append every chunk to its cache in one model call; logits for every new token."""
-        with gemm_backend(self.gemm):
+        with gemm_backend(self.gemm), pdl_launches(self.pdl):
             return self._forward(chunks, want_hidden, want_aux_hidden)
 
     def _forward(self, chunks: list[SequenceChunk], want_hidden: bool, want_aux_hidden: bool
@@ -273,5 +276,5 @@ class LlamaRunner:
 
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
         """[n, hidden] -> [n, vocab] float32."""
-        with torch.no_grad(), gemm_backend(self.gemm):
+        with torch.no_grad(), gemm_backend(self.gemm), pdl_launches(self.pdl):
             return self.model.compute_logits(hidden.to(device=self.device, dtype=self.dtype))

@@ -23,6 +23,8 @@ import os
 import torch
 import torch.nn.functional as F
 
+from specd.models.kernels.pdl import launch_options, use_pdl
+
 MAX_ROWS = 32
 MIN_BLOCK_K = 64
 
@@ -48,55 +50,96 @@ def _configs():
 
 
 if triton is not None:
+    from specd.models.kernels.pdl import gdc_wait_and_release
+
     def _divides_k(configs, named_args, **kwargs):
         """Only block shapes whose BLOCK_K divides K (the loop has no K mask)."""
         return [c for c in configs if named_args["K"] % c.kwargs["BLOCK_K"] == 0] or configs[-1:]
 
-    @triton.autotune(configs=_configs(), key=["M_BUCKET", "N", "K"],
+    @triton.autotune(configs=_configs(), key=["M_BUCKET", "N", "K", "SWIGLU"],
                      prune_configs_by={"early_config_prune": _divides_k})
     @triton.jit
     def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
-                            M_BUCKET: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                            M_BUCKET: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                            SWIGLU: tl.constexpr, USE_PDL: tl.constexpr):
         pid = tl.program_id(0)
         rows = tl.arange(0, M_BUCKET)  # [M_BUCKET] x rows (>= 16 for tl.dot; masked past M)
         cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] output columns = rows of W
         ks = tl.arange(0, BLOCK_K)
         x_ptrs = x_ptr + rows[:, None] * stride_xm + ks[None, :]  # [M_BUCKET, BLOCK_K]
         w_ptrs = w_ptr + cols[:, None] * stride_wn + ks[None, :]  # [BLOCK_N, BLOCK_K]
+        u_ptrs = w_ptrs + N * stride_wn  # SWIGLU: the up rows, N below the gate rows
         row_ok = rows[:, None] < M
         col_ok = cols[:, None] < N
-        acc = tl.zeros((M_BUCKET, BLOCK_N), dtype=tl.float32)
-        for _ in range(0, K, BLOCK_K):  # K % BLOCK_K == 0 (skinny_linear checks)
+        # The first weight tile is read before waiting for the previous kernel (PDL, pdl.py):
+        # no kernel writes weights, and the read overlaps the previous kernel's tail.
+        w = tl.load(w_ptrs, mask=col_ok, other=0.0)
+        u = w
+        if SWIGLU:
+            u = tl.load(u_ptrs, mask=col_ok, other=0.0)
+        gdc_wait_and_release(USE_PDL)
+        x = tl.load(x_ptrs, mask=row_ok, other=0.0)
+        acc = tl.dot(x, tl.trans(w))  # [M_BUCKET, BLOCK_N] float32
+        acc_up = tl.zeros((M_BUCKET, BLOCK_N), dtype=tl.float32)
+        if SWIGLU:
+            acc_up = tl.dot(x, tl.trans(u))
+        for _ in range(BLOCK_K, K, BLOCK_K):  # K % BLOCK_K == 0 (skinny_linear checks)
+            x_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
             x = tl.load(x_ptrs, mask=row_ok, other=0.0)
             w = tl.load(w_ptrs, mask=col_ok, other=0.0)
             acc += tl.dot(x, tl.trans(w))
-            x_ptrs += BLOCK_K
-            w_ptrs += BLOCK_K
+            if SWIGLU:
+                u_ptrs += BLOCK_K
+                u = tl.load(u_ptrs, mask=col_ok, other=0.0)
+                acc_up += tl.dot(x, tl.trans(u))
+        out = acc.to(y_ptr.dtype.element_ty)
+        if SWIGLU:  # silu(gate) * up, rounded as the unfused path rounds (norm_act.silu_mul)
+            gate = out.to(tl.float32)
+            up = acc_up.to(y_ptr.dtype.element_ty).to(tl.float32)
+            act = (gate / (1.0 + tl.exp(-gate))).to(y_ptr.dtype.element_ty).to(tl.float32)
+            out = (act * up).to(y_ptr.dtype.element_ty)
         y_ptrs = y_ptr + rows[:, None] * stride_ym + cols[None, :]
-        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok & (cols[None, :] < N))
+        tl.store(y_ptrs, out, mask=row_ok & (cols[None, :] < N))
 
 
 def _row_bucket(m: int) -> int:
     return 16 if m <= 16 else 32
 
 
-@torch.library.custom_op("specd::skinny_gemm", mutates_args=())
-def skinny_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [M, K] @ weight[N, K]^T -> [M, N] in x's dtype (float32 accumulation)."""
+def _launch(x: torch.Tensor, weight: torch.Tensor, n: int, swiglu: bool) -> torch.Tensor:
     m, k = x.shape
-    n = weight.shape[0]
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return y
     grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731 - Triton's grid idiom
     _skinny_gemm_kernel[grid](x, weight, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
-                              M_BUCKET=_row_bucket(m))
+                              M_BUCKET=_row_bucket(m), SWIGLU=swiglu, **launch_options(use_pdl(x)))
     return y
+
+
+@torch.library.custom_op("specd::skinny_gemm", mutates_args=())
+def skinny_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ weight[N, K]^T -> [M, N] in x's dtype (float32 accumulation)."""
+    return _launch(x, weight, weight.shape[0], swiglu=False)
 
 
 @skinny_gemm.register_fake
 def _(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return x.new_empty((x.shape[0], weight.shape[0]))
+
+
+@torch.library.custom_op("specd::skinny_gemm_swiglu", mutates_args=())
+def skinny_gemm_swiglu(x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's product and activation in one kernel: gate_up [2 I, K] (gate rows, then up rows);
+    returns silu(x @ gate^T) * (x @ up^T) [M, I], each product rounded to x's dtype first, as
+    norm_act.silu_mul over the unfused product rounds (one launch and no [M, 2 I] round trip)."""
+    return _launch(x, gate_up, gate_up.shape[0] // 2, swiglu=True)
+
+
+@skinny_gemm_swiglu.register_fake
+def _(x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
+    return x.new_empty((x.shape[0], gate_up.shape[0] // 2))
 
 
 def kernel_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:

@@ -22,8 +22,17 @@ def test_kernels_compile_to_sm90_ptx():
     tgt = GPUTarget("cuda", 90, 32)
 
     def comp(fn, sig, consts):
-        k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=tgt)
-        assert ".target sm_90" in k.asm["ptx"]
+        """Compile with and without PDL (kernels/pdl.py): the wait and the release are there only
+        with it, and come before any store."""
+        sig = dict(sig, USE_PDL="constexpr")
+        for use_pdl in (False, True):
+            ptx = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=dict(consts, USE_PDL=use_pdl)),
+                                 target=tgt).asm["ptx"]
+            assert ".target sm_90" in ptx
+            assert ("griddepcontrol.wait" in ptx) == use_pdl
+            assert ("griddepcontrol.launch_dependents" in ptx) == use_pdl
+            if use_pdl:
+                assert ptx.index("griddepcontrol.wait") < ptx.index("st.global"), fn
 
     P = "*bf16"
     comp(rope_cache._rope_cache_kernel, {"qkv_ptr":P,"cos_ptr":P,"sin_ptr":P,"slots_ptr":"*i64","q_out_ptr":P,"k_cache_ptr":P,"v_cache_ptr":P,
@@ -37,4 +46,5 @@ def test_kernels_compile_to_sm90_ptx():
       {"QLEN":4,"GROUP":4,"ROWS":16,"D":128,"BLOCK_SIZE":64,"BLOCK_N":64,"HAS_WINDOW":True})
     comp(pda._combine_kernel, {"acc_ptr":"*fp32","ml_ptr":"*fp32","out_ptr":P,"stride_ot":"i32","stride_oh":"i32","num_splits":"i32",
       "QLEN":"constexpr","GROUP":"constexpr","ROWS":"constexpr","D":"constexpr","SPLITS_POW2":"constexpr"},{"QLEN":4,"GROUP":4,"ROWS":16,"D":128,"SPLITS_POW2":32})
-    comp(skinny_gemm._skinny_gemm_kernel.fn, {"x_ptr":P,"w_ptr":P,"y_ptr":P,"M":"i32","N":"i32","K":"i32","stride_xm":"i32","stride_wn":"i32","stride_ym":"i32","M_BUCKET":"constexpr","BLOCK_N":"constexpr","BLOCK_K":"constexpr"},{"M_BUCKET":16,"BLOCK_N":32,"BLOCK_K":128})
+    for swiglu in (False, True):
+        comp(skinny_gemm._skinny_gemm_kernel.fn, {"x_ptr":P,"w_ptr":P,"y_ptr":P,"M":"i32","N":"i32","K":"i32","stride_xm":"i32","stride_wn":"i32","stride_ym":"i32","M_BUCKET":"constexpr","BLOCK_N":"constexpr","BLOCK_K":"constexpr","SWIGLU":"constexpr"},{"M_BUCKET":16,"BLOCK_N":32,"BLOCK_K":128,"SWIGLU":swiglu})

@@ -37,6 +37,30 @@ def test_kernel_matches_float64_for_few_rows_and_ragged_columns():
     assert out.strip().endswith("ok")
 
 
+def test_swiglu_epilogue_equals_the_product_then_the_activation_kernel():
+    """skinny_gemm_swiglu rounds as the unfused path does: its output is silu_mul over the plain
+    kernel's product exactly (same block shapes), and near float64's silu(x g^T) * (x u^T)."""
+    out = run_interpreted("""
+        import torch
+        from specd.models.kernels.norm_act import silu_mul
+        from specd.models.skinny_gemm import skinny_gemm, skinny_gemm_swiglu
+        for seed, (m, inter, k) in enumerate([(1, 48, 128), (4, 100, 192), (19, 64, 256)]):
+            g = torch.Generator().manual_seed(seed)
+            x = torch.randn(m, k, generator=g).half()
+            w = (torch.randn(2 * inter, k, generator=g) / k ** 0.5).half()
+            fused = skinny_gemm_swiglu(x, w)
+            unfused = silu_mul(skinny_gemm(x, w))
+            assert fused.shape == (m, inter) and torch.isfinite(fused).all()
+            assert torch.equal(fused, unfused), (m, inter, k, (fused - unfused).abs().max())
+            gate, up = (x.double() @ w.double().T).split(inter, dim=1)
+            ref = torch.nn.functional.silu(gate) * up
+            err = ((fused.double() - ref).norm() / ref.norm()).item()
+            assert err < 5e-3, (m, inter, k, err)
+        print("ok")
+    """)
+    assert out.strip().endswith("ok")
+
+
 def test_static_path_logits_with_the_kernel_equal_cublas_within_rounding():
     """A whole runner forward (float16 on CPU, static path): "auto" GEMMs vs "torch" GEMMs."""
     out = run_interpreted("""
@@ -46,12 +70,15 @@ def test_static_path_logits_with_the_kernel_equal_cublas_within_rounding():
         from specd.models.base import SequenceChunk
         from specd.models import linear as linear_module, skinny_gemm
         from specd.models.llama_runner import LlamaRunner
-        calls = []
-        kernel = skinny_gemm.skinny_gemm
+        calls, swiglu_calls = [], []
+        kernel, swiglu = skinny_gemm.skinny_gemm, skinny_gemm.skinny_gemm_swiglu
         def counting(x, w):
             calls.append(tuple(x.shape))
             return kernel(x, w)
-        skinny_gemm.skinny_gemm = counting
+        def counting_swiglu(x, w):
+            swiglu_calls.append(tuple(x.shape))
+            return swiglu(x, w)
+        skinny_gemm.skinny_gemm, skinny_gemm.skinny_gemm_swiglu = counting, counting_swiglu
         cfg = arch_config("small")
         model = random_model(cfg, torch.float16, torch.device("cpu"))
         ec = PytorchEngineConfig(max_batch_size=2, block_size=16, num_gpu_blocks=32, session_len=128,
@@ -67,9 +94,11 @@ def test_static_path_logits_with_the_kernel_equal_cublas_within_rounding():
         err = ((a - b).norm() / b.norm()).item()
         print(err)
         assert a.shape == (8, cfg.vocab_size) and err < 5e-3, err
-        # every layer's 4 GEMMs and the lm_head went through the kernel, in the "auto" runner only
-        assert len(calls) == 4 * cfg.num_hidden_layers + 1 and set(calls) == {(8, cfg.hidden_size),
+        # every layer's 4 GEMMs and the lm_head went through the kernel, in the "auto" runner only:
+        # qkv, o, down and the lm_head as plain products, gate/up with SwiGLU in its epilogue
+        assert len(calls) == 3 * cfg.num_hidden_layers + 1 and set(calls) == {(8, cfg.hidden_size),
             (8, cfg.intermediate_size), (8, cfg.num_attention_heads * cfg.head_dim)}, calls
+        assert swiglu_calls == [(8, cfg.hidden_size)] * cfg.num_hidden_layers, swiglu_calls
         print("ok")
     """)
     assert out.strip().endswith("ok")

@@ -15,6 +15,8 @@ import os
 
 import torch
 
+from specd.models.kernels.pdl import launch_options, use_pdl
+
 try:
     import triton
     import triton.language as tl
@@ -23,12 +25,17 @@ except Exception:  # ImportError, or a broken install
 
 
 if triton is not None:
+    from specd.models.kernels.pdl import gdc_wait_and_release
+
     @triton.jit
     def _rmsnorm_kernel(x_ptr, delta_ptr, w_ptr, res_out_ptr, out_ptr, stride_x, stride_d, stride_r,
-                        stride_o, eps, H: tl.constexpr, BLOCK: tl.constexpr, HAS_DELTA: tl.constexpr):
+                        stride_o, eps, H: tl.constexpr, BLOCK: tl.constexpr, HAS_DELTA: tl.constexpr,
+                        USE_PDL: tl.constexpr):
         t = tl.program_id(0)
         c = tl.arange(0, BLOCK)
         ok = c < H
+        w = tl.load(w_ptr + c, mask=ok, other=0.0).to(tl.float32)  # a weight: read before the wait
+        gdc_wait_and_release(USE_PDL)
         x = tl.load(x_ptr + t * stride_x + c, mask=ok, other=0.0)
         if HAS_DELTA:
             d = tl.load(delta_ptr + t * stride_d + c, mask=ok, other=0.0)
@@ -37,11 +44,12 @@ if triton is not None:
         xf = x.to(tl.float32)
         rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / H + eps)
         normed = (xf * rstd).to(out_ptr.dtype.element_ty).to(tl.float32)
-        w = tl.load(w_ptr + c, mask=ok, other=0.0).to(tl.float32)
         tl.store(out_ptr + t * stride_o + c, (normed * w).to(out_ptr.dtype.element_ty), mask=ok)
 
     @triton.jit
-    def _silu_mul_kernel(gu_ptr, out_ptr, stride_gu, stride_o, inter, BLOCK: tl.constexpr):
+    def _silu_mul_kernel(gu_ptr, out_ptr, stride_gu, stride_o, inter, BLOCK: tl.constexpr,
+                         USE_PDL: tl.constexpr):
+        gdc_wait_and_release(USE_PDL)
         t = tl.program_id(0)
         c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         ok = c < inter
@@ -68,7 +76,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch.Ten
             x, delta if delta is not None else x, weight, residual, out, x.stride(0),
             (delta if delta is not None else x).stride(0), residual.stride(0), out.stride(0), eps,
             H=hidden, BLOCK=triton.next_power_of_2(hidden), HAS_DELTA=delta is not None,
-            num_warps=4 if hidden <= 4096 else 8)
+            num_warps=4 if hidden <= 4096 else 8, **launch_options(use_pdl(x)))
     return residual, out
 
 
@@ -80,5 +88,6 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     block = 1024
     if tokens:
         _silu_mul_kernel[(tokens, triton.cdiv(inter, block))](
-            gate_up, out, gate_up.stride(0), out.stride(0), inter, BLOCK=block, num_warps=4)
+            gate_up, out, gate_up.stride(0), out.stride(0), inter, BLOCK=block, num_warps=4,
+            **launch_options(use_pdl(gate_up)))
     return out

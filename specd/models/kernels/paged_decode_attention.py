@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import torch
 
+from specd.models.kernels.pdl import launch_options, use_pdl
+
 try:
     import triton
     import triton.language as tl
@@ -38,12 +40,16 @@ def num_splits(batch: int, num_kv_heads: int, width: int, block_n: int) -> int:
 
 
 if triton is not None:
+    from specd.models.kernels.pdl import gdc_wait_and_release
+
     @triton.jit
     def _partials_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, ctx_ptr, acc_ptr, ml_ptr,
                          stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_tb,
                          scale, window, tiles_per_split,
                          QLEN: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr,
-                         BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr):
+                         BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                         USE_PDL: tl.constexpr):
+        gdc_wait_and_release(USE_PDL)
         b = tl.program_id(0)
         kv = tl.program_id(1)
         split = tl.program_id(2)
@@ -91,7 +97,8 @@ if triton is not None:
     @triton.jit
     def _combine_kernel(acc_ptr, ml_ptr, out_ptr, stride_ot, stride_oh, num_splits,
                         QLEN: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr,
-                        SPLITS_POW2: tl.constexpr):
+                        SPLITS_POW2: tl.constexpr, USE_PDL: tl.constexpr):
+        gdc_wait_and_release(USE_PDL)
         b = tl.program_id(0)
         kv = tl.program_id(1)
         r = tl.program_id(2)  # one tile row (query head kv * GROUP + r // QLEN, row r % QLEN)
@@ -143,15 +150,16 @@ def paged_decode_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torc
     acc = torch.empty((batch, num_kv_heads, splits, tile_rows, head_dim), dtype=torch.float32,
                       device=q.device)
     ml = torch.empty((batch, num_kv_heads, splits, tile_rows, 2), dtype=torch.float32, device=q.device)
+    pdl = use_pdl(q)
     _partials_kernel[(batch, num_kv_heads, splits)](
         q, cache_k, cache_v, block_tables, ctx_lens, acc, ml,
         q.stride(0), q.stride(1), cache_k.stride(0), cache_k.stride(1), cache_k.stride(2),
         block_tables.stride(0), scale, sliding_window or 0, tiles_per_split,
         QLEN=query_len, GROUP=group, ROWS=tile_rows, D=head_dim, BLOCK_SIZE=block_size, BLOCK_N=block_n,
-        HAS_WINDOW=sliding_window is not None, num_warps=4, num_stages=2)
+        HAS_WINDOW=sliding_window is not None, num_warps=4, num_stages=2, **launch_options(pdl))
     out = torch.empty((rows, num_heads, head_dim), dtype=q.dtype, device=q.device)
     _combine_kernel[(batch, num_kv_heads, group * query_len)](
         acc, ml, out, out.stride(0), out.stride(1), splits,
         QLEN=query_len, GROUP=group, ROWS=tile_rows, D=head_dim,
-        SPLITS_POW2=triton.next_power_of_2(splits), num_warps=1)
+        SPLITS_POW2=triton.next_power_of_2(splits), num_warps=1, **launch_options(pdl))
     return out

@@ -17,6 +17,8 @@ import os
 
 import torch
 
+from specd.models.kernels.pdl import launch_options, use_pdl
+
 try:
     import triton
     import triton.language as tl
@@ -25,10 +27,14 @@ except Exception:  # ImportError, or a broken install
 
 
 if triton is not None:
+    from specd.models.kernels.pdl import gdc_wait_and_release
+
     @triton.jit
     def _rope_cache_kernel(qkv_ptr, cos_ptr, sin_ptr, slots_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
                            stride_qkv, stride_cos, stride_qo_t, stride_qo_h, stride_slot, stride_cache_h,
-                           NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr):
+                           NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr,
+                           USE_PDL: tl.constexpr):
+        gdc_wait_and_release(USE_PDL)
         t = tl.program_id(0)
         h = tl.program_id(1)  # 0..Hq-1: a q head; Hq..Hq+Hkv-1: a KV head
         j = tl.arange(0, HALF)
@@ -82,5 +88,6 @@ def rope_and_cache_write(qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch
         qkv, cos, signed_sin, slot_mapping, q_out, cache_k, cache_v,
         qkv.stride(0), cos.stride(0), q_out.stride(0), q_out.stride(1),
         cache_k.stride(1), cache_k.stride(2),  # a slot (block * block_size + offset) is one row step
-        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HALF=head_dim // 2, num_warps=1)
+        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HALF=head_dim // 2, num_warps=1,
+        **launch_options(use_pdl(qkv)))
     return q_out

@@ -1,0 +1,118 @@
+"""Programmatic dependent launch (PDL) for the verify step's Triton kernels (Hopper and later).
+
+Why: a verify step at small batch is a chain of ~300 short kernels, each reading its weights once
+(a few to a few hundred microseconds). Between two dependent kernels the GPU idles while the
+second launches and ramps up, about a microsecond and a half even inside a CUDA graph: ~0.5 ms of
+a ~4.9 ms 8B step (BENCHMARKS.md, issue 5). With PDL a kernel is launched with the
+programmatic-serialization attribute, so it may start while its predecessor still runs. It then
+must wait (griddepcontrol.wait) before it reads anything an earlier kernel wrote or writes
+anything; what it reads from memory no kernel writes (the weights) it may read before the wait,
+which lets a GEMM start streaming its weights during its predecessor's tail. Each kernel also
+signals (griddepcontrol.launch_dependents) right after its wait, so the next one can be scheduled
+as early as resources allow.
+
+The contract every kernel here keeps, so that PDL never changes a result:
+  - it calls `gdc_wait` before its first read of an activation and before its first store, in
+    every program, unconditionally (a kernel that skipped the wait could finish before its
+    predecessor, and the kernel after it, which waits only for its own predecessor, would then
+    read unfinished data);
+  - before the wait it only reads weights (memory no kernel writes).
+A kernel launched without the attribute waits for its predecessor as usual, and a wait with no
+programmatic predecessor returns at once, so PDL and non-PDL launches mix freely (torch's own
+kernels and cuBLAS sit between ours at the step's start and end).
+
+The setting is process-wide and scoped like the GEMM backend (linear.py): a runner holds it
+around its forward; a CUDA graph keeps what was active at capture. `SPECD_PDL=0` turns it off;
+on CPU, in Triton's interpreter, before Hopper or where the installed Triton lacks it, the
+kernels run without it (the same code minus the two instructions).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+try:
+    import triton
+    import triton.language as tl
+except Exception:  # ImportError, or a broken install
+    triton = None
+
+PDL_ENV = "SPECD_PDL"
+_MODES = ("auto", "off")
+_active_mode = "off"  # outside a runner's scope: plain launches
+_supported: dict[int, bool] = {}  # CUDA device index -> PDL launches work here
+
+
+def resolve_pdl_mode(mode: str | None) -> str:
+    """mode, or the environment's SPECD_PDL ("0" reads as "off"), or "auto"; validated."""
+    mode = mode or os.environ.get(PDL_ENV) or "auto"
+    mode = {"0": "off", "1": "auto"}.get(mode, mode)
+    if mode not in _MODES:
+        raise ValueError(f"pdl: expected one of {', '.join(_MODES)} (or 0/1), got {mode!r}")
+    return mode
+
+
+class pdl_launches:
+    """Context manager: the step's Triton kernels launch with PDL inside, where supported."""
+
+    def __init__(self, mode: str | None) -> None:
+        self.mode = resolve_pdl_mode(mode)
+
+    def __enter__(self) -> None:
+        global _active_mode
+        self._saved, _active_mode = _active_mode, self.mode
+
+    def __exit__(self, *exc) -> None:
+        global _active_mode
+        _active_mode = self._saved
+
+
+def use_pdl(tensor: torch.Tensor) -> bool:
+    """Whether a kernel over `tensor` launches with PDL now (the scope's mode, the device, Triton)."""
+    if _active_mode != "auto" or not tensor.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    index = tensor.device.index if tensor.device.index is not None else torch.cuda.current_device()
+    if index not in _supported:
+        _supported[index] = _probe(index)
+    return _supported[index]
+
+
+def launch_options(enabled: bool) -> dict:
+    """Keyword arguments of a kernel launch: USE_PDL (the kernel's constexpr) and launch_pdl."""
+    return {"USE_PDL": True, "launch_pdl": True} if enabled else {"USE_PDL": False}
+
+
+if triton is not None:
+    @triton.jit
+    def gdc_wait_and_release(USE_PDL: tl.constexpr):
+        """Wait for the predecessor kernel (its writes visible), then let the successor launch."""
+        if USE_PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+
+    @triton.jit
+    def _probe_kernel(x_ptr, USE_PDL: tl.constexpr):
+        gdc_wait_and_release(USE_PDL)
+        tl.store(x_ptr, tl.load(x_ptr) + 1)
+
+
+def _probe(index: int) -> bool:
+    """One tiny PDL launch on the device: compute capability >= 9 and a Triton that has it."""
+    if triton is None or torch.cuda.get_device_capability(index)[0] < 9:
+        return False
+    if not hasattr(tl.extra, "cuda") or not hasattr(tl.extra.cuda, "gdc_wait"):
+        logger.info("Triton %s has no griddepcontrol: kernels launch without PDL", triton.__version__)
+        return False
+    try:
+        x = torch.zeros(1, dtype=torch.int32, device=torch.device("cuda", index))
+        _probe_kernel[(1,)](x, **launch_options(True))
+        torch.cuda.synchronize(index)
+        return int(x.item()) == 1
+    except Exception as e:  # an older launcher without launch_pdl, a driver without the attribute
+        logger.info("PDL launches unavailable (%s): kernels launch without it", e)
+        return False

@@ -1,0 +1,46 @@
+"""The PDL switch (specd/models/kernels/pdl.py): its modes, its scope, and where it stays off.
+
+What PDL changes on the GPU (the griddepcontrol instructions, before any store) is checked in
+test_kernels_compile.py on the compiled PTX; the kernels' values with it off run everywhere else.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specd.models.kernels import pdl
+
+
+def test_modes_are_validated_and_read_from_the_environment(monkeypatch):
+    monkeypatch.delenv(pdl.PDL_ENV, raising=False)
+    assert pdl.resolve_pdl_mode(None) == "auto"
+    monkeypatch.setenv(pdl.PDL_ENV, "0")
+    assert pdl.resolve_pdl_mode(None) == "off"
+    assert pdl.resolve_pdl_mode("auto") == "auto"  # an explicit mode wins over the environment
+    with pytest.raises(ValueError, match="pdl"):
+        pdl.resolve_pdl_mode("sometimes")
+
+
+def test_scope_restores_the_outer_mode():
+    assert pdl._active_mode == "off"  # outside any runner: plain launches
+    with pdl.pdl_launches("auto"):
+        assert pdl._active_mode == "auto"
+        with pdl.pdl_launches("off"):
+            assert pdl._active_mode == "off"
+        assert pdl._active_mode == "auto"
+    assert pdl._active_mode == "off"
+
+
+def test_never_on_cpu_and_launch_options_follow():
+    with pdl.pdl_launches("auto"):
+        assert not pdl.use_pdl(torch.zeros(2))
+    assert pdl.launch_options(False) == {"USE_PDL": False}  # no launch_pdl: the interpreter's path
+    assert pdl.launch_options(True) == {"USE_PDL": True, "launch_pdl": True}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_probe_on_the_device_matches_its_capability():
+    with pdl.pdl_launches("auto"):
+        on = pdl.use_pdl(torch.zeros(2, device="cuda"))
+    assert on == (torch.cuda.get_device_capability()[0] >= 9)
