@@ -32,6 +32,8 @@ class E2ERow:
     acceptance_length: float  # measured: tokens per verify step with drafts (1.0 when off)
     expected_acceptance_length: float | None = None  # replay only
     speedup_vs_off: float | None = None
+    rounds_tokens_per_s: list[float] | None = None  # every timed round; the row is the median one
+    step_ms: dict | None = None  # the verifier's mean ms per step in the median round, by phase
 
 
 def make_prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -94,17 +96,45 @@ def _row(method: str, batch: int, wall: float, replies) -> E2ERow:
                   1.0 + accepted / drafts if drafts else 1.0)
 
 
+def scrape_step_phases(port: int) -> dict[str, tuple[float, float]]:
+    """The verifier's specd:step_duration_seconds histogram: {phase: (sum seconds, count)}."""
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    out: dict[str, list[float]] = {}
+    for line in text.splitlines():
+        for suffix, slot in (("_sum", 0), ("_count", 1)):
+            prefix = f"specd:step_duration_seconds{suffix}{{phase=\""
+            if line.startswith(prefix):
+                phase = line[len(prefix):line.index('"', len(prefix))]
+                out.setdefault(phase, [0.0, 0.0])[slot] = float(line.rsplit(" ", 1)[1])
+    return {phase: (v[0], v[1]) for phase, v in out.items()}
+
+
+def step_split_ms(before: dict, after: dict) -> dict[str, float]:
+    """Mean milliseconds per verifier step between two scrapes, by phase, and the step count."""
+    steps = max((after.get(p, (0, 0))[1] - before.get(p, (0, 0))[1] for p in after), default=0)
+    split = {p: round((after[p][0] - before.get(p, (0, 0))[0]) / steps * 1e3, 3) if steps else 0.0
+             for p in after}
+    return split | {"steps": int(steps)}
+
+
 def run_method(method: str, target: Path, draft: Path | None, batches: list[int], prompts, max_tokens: int,
-               k: int, device: str, extra_env: dict | None = None, log_level: str = "warning") -> tuple[list[E2ERow], dict]:
+               k: int, device: str, extra_env: dict | None = None, log_level: str = "warning",
+               rounds: int = 3) -> tuple[list[E2ERow], dict]:
+    """Per batch size: one warm-up round, then `rounds` timed rounds; the row is the round of
+    median tokens/s (host work on the step's critical path makes single rounds vary by 15-25%)."""
     from services.launcher.supervisor import Stack, StackConfig
     from specd.transport.embedded_redis import free_port
 
     spec = None if method == "off" else method
+    metrics_port = free_port()
     config = StackConfig(model=str(target), server_name="127.0.0.1", server_port=free_port(),
                          grpc_port=free_port(), speculative_algorithm=spec,
                          speculative_draft_model=str(draft) if draft else None,
                          speculative_num_draft_tokens=k, max_batch_size=max(batches), device=device,
-                         log_level=log_level, extra_env=dict(extra_env or {}))
+                         log_level=log_level, extra_env=dict(extra_env or {}), enable_metrics=True,
+                         verifier_metrics_port=metrics_port)
     stack = Stack(config)
     rows, outputs, start_s = [], {}, None
     try:  # start inside the try: a stack that fails to start still stops what it started
@@ -113,8 +143,17 @@ def run_method(method: str, target: Path, draft: Path | None, batches: list[int]
         start_s = time.perf_counter() - t0
         for batch in batches:
             _generate_all(stack, prompts[:batch], max_tokens)  # warm-up: graph captures
-            wall, replies = _generate_all(stack, prompts[:batch], max_tokens)
-            rows.append(_row(method, batch, wall, replies))
+            timed = []
+            for _ in range(rounds):
+                before = scrape_step_phases(metrics_port)
+                wall, replies = _generate_all(stack, prompts[:batch], max_tokens)
+                row = _row(method, batch, wall, replies)
+                row.step_ms = step_split_ms(before, scrape_step_phases(metrics_port))
+                timed.append((row, replies))
+            timed.sort(key=lambda t: t[0].tokens_per_s)
+            row, replies = timed[len(timed) // 2]
+            row.rounds_tokens_per_s = [round(t[0].tokens_per_s, 1) for t in timed]
+            rows.append(row)
             for p, r in zip(prompts[:batch], replies):
                 outputs[tuple(p)] = list(r.token_ids)
             print(format_row(rows[-1]), flush=True)
@@ -123,15 +162,19 @@ def run_method(method: str, target: Path, draft: Path | None, batches: list[int]
     return rows, {"stack_start_s": round(start_s, 1), "outputs": outputs}
 
 
-HEADER = ("| method | batch | output tokens | wall s | tokens/s | TPOT ms | acceptance length "
-          "(expected) | tokens/s vs off |")
+HEADER = ("| method | batch | output tokens | wall s | tokens/s (rounds) | TPOT ms | acceptance length "
+          "(expected) | tokens/s vs off | verifier ms per step: draft / verify / other (steps) |")
 
 
 def format_row(r: E2ERow) -> str:
     expected = f" ({r.expected_acceptance_length:.2f})" if r.expected_acceptance_length is not None else ""
     speedup = f"{r.speedup_vs_off:.2f}x" if r.speedup_vs_off is not None else "-"
-    return (f"| {r.method} | {r.batch} | {r.output_tokens} | {r.wall_s:.2f} | {r.tokens_per_s:.1f} | "
-            f"{r.tpot_ms:.2f} | {r.acceptance_length:.2f}{expected} | {speedup} |")
+    rounds = f" ({', '.join(f'{v:.0f}' for v in r.rounds_tokens_per_s)})" if r.rounds_tokens_per_s else ""
+    split = ("-" if not r.step_ms else
+             f"{r.step_ms.get('draft', 0):.2f} / {r.step_ms.get('verify', 0):.2f} / "
+             f"{r.step_ms.get('other', 0):.2f} ({r.step_ms.get('steps', 0)})")
+    return (f"| {r.method} | {r.batch} | {r.output_tokens} | {r.wall_s:.2f} | {r.tokens_per_s:.1f}{rounds} | "
+            f"{r.tpot_ms:.2f} | {r.acceptance_length:.2f}{expected} | {speedup} | {split} |")
 
 
 def run_e2e_bench(target: Path, drafts: dict, methods: list[str], batches: list[int],
@@ -180,7 +223,7 @@ def write_e2e_results(rows: list[E2ERow], info: dict, out_dir: Path) -> str:
     lines = [f"end to end through the services, k = {info['k']}, {info['max_tokens']} output tokens per "
              f"request (greedy, ignore_eos), device {info['device']}, compile {info.get('compile_mode') or 'off'}; "
              f"stack start s: {info['stack_start_s']}",
-             "", HEADER, "|---|---|---|---|---|---|---|---|"]
+             "", HEADER, "|---|---|---|---|---|---|---|---|---|"]
     lines += [format_row(r) for r in rows]
     table = "\n".join(lines) + "\n"
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -51,6 +51,7 @@ class StepRow:
     floor_ms: float
     specd_compiled_ms: float | None = None  # graphs + torch.compile'd layer regions
     specd_torch_ops_ms: float | None = None  # graphs over PyTorch ops only (cuBLAS, SDPA): the twin
+    specd_no_pdl_ms: float | None = None  # graphs over the kernels, launched without PDL (CUDA only)
 
     @property
     def compiled_over_floor(self) -> float | None:
@@ -151,6 +152,20 @@ def time_specd(runner: LlamaRunner, batch: int, q: int, context: int, warmup: in
             runner.free(s)
 
 
+def time_without_pdl(runner: LlamaRunner, batch: int, q: int, context: int, warmup: int, iters: int) -> float:
+    """The same runner with its kernels launched without PDL (kernels/pdl.py): its graphs are
+    dropped and captured again both ways, so the two columns differ in nothing else (and no second
+    KV cache takes the memory another runner would)."""
+    saved = runner.pdl
+    runner.pdl = "off"
+    runner.static.drop_graphs()
+    try:
+        return time_specd(runner, batch, q, context, warmup, iters)
+    finally:
+        runner.pdl = saved
+        runner.static.drop_graphs()
+
+
 def time_transformers(hf, config: LlamaArchConfig, batch: int, q: int, context: int, device, dtype,
                       warmup: int, iters: int) -> float:
     """transformers' forward with a DynamicCache of `context` tokens, cropped back after each step."""
@@ -207,11 +222,12 @@ def run_step_bench(shape: str = "8b", batches=(1, 8, 32, 64, 128), qs=(1, 4), co
     for batch in batches:
         for q in qs:
             g = time_specd(graphs, batch, q, context, warmup, iters)
+            n = time_without_pdl(graphs, batch, q, context, warmup, iters) if dev.type == "cuda" else None
             c = time_specd(torch_ops, batch, q, context, warmup, iters)
             e = time_specd(eager, batch, q, context, warmup, iters)
             h = (time_transformers(hf, config, batch, q, context, dev, dtype, warmup, iters)
                  if hf is not None else None)
-            rows.append(StepRow(batch, q, g, e, h, floor_ms, specd_torch_ops_ms=c))
+            rows.append(StepRow(batch, q, g, e, h, floor_ms, specd_torch_ops_ms=c, specd_no_pdl_ms=n))
             print(format_row(rows[-1]), flush=True)
     compile_info = time_compiled_column(compiled, rows, context, warmup, iters, compile_budget_s)
     info = {"shape": shape, "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
@@ -261,7 +277,7 @@ def sdpa_backend(config: LlamaArchConfig, dtype: torch.dtype, device: torch.devi
         return f"unknown ({type(e).__name__})"
 
 
-HEADER = ("| batch | q | specd graphs ms | specd graphs+compile ms | specd graphs torch-ops ms "
+HEADER = ("| batch | q | specd graphs ms | specd graphs no-PDL ms | specd graphs+compile ms | specd graphs torch-ops ms "
           "| specd eager ms | transformers ms | floor ms | graphs / floor | graphs+compile / floor | transformers / graphs "
           "| transformers / graphs+compile |")
 
@@ -273,7 +289,7 @@ def format_row(r: StepRow) -> str:
     def times(num, den, digits):
         return f"{num / den:.{digits}f}x" if num is not None and den is not None else "-"
 
-    return (f"| {r.batch} | {r.q} | {ms(r.specd_graphs_ms)} | {ms(r.specd_compiled_ms)} | "
+    return (f"| {r.batch} | {r.q} | {ms(r.specd_graphs_ms)} | {ms(r.specd_no_pdl_ms)} | {ms(r.specd_compiled_ms)} | "
             f"{ms(r.specd_torch_ops_ms)} | {ms(r.specd_eager_ms)} | {ms(r.transformers_ms)} | {r.floor_ms:.2f} | "
             f"{r.graphs_over_floor:.2f}x | {times(r.specd_compiled_ms, r.floor_ms, 2)} | "
             f"{times(r.transformers_ms, r.specd_graphs_ms, 1)} | "

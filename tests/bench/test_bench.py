@@ -64,6 +64,10 @@ def test_small_suite_has_every_row(tmp_path, tiny_models):
         assert r["tokens_per_s"] > 0 and r["speedup_vs_off"] > 0
         if method == "off":
             assert r["acceptance_length"] == 1.0
+        # three timed rounds, the median one reported; the verifier's own step split for it
+        assert len(r["rounds_tokens_per_s"]) == 3 and sorted(r["rounds_tokens_per_s"])[1] == round(r["tokens_per_s"], 1)
+        assert r["step_ms"]["steps"] > 0 and r["step_ms"]["verify"] > 0
+        assert r["step_ms"]["draft"] > 0 if method != "off" else r["step_ms"]["draft"] >= 0
     assert rows[("replay", 1)]["expected_acceptance_length"] == 3.0
     assert rows[("replay", 1)]["acceptance_length"] > 1.5  # the replayed drafts are accepted
     summary = (out / "summary.md").read_text()
