@@ -166,6 +166,47 @@ def time_without_pdl(runner: LlamaRunner, batch: int, q: int, context: int, warm
         runner.static.drop_graphs()
 
 
+def step_logits(runner: LlamaRunner, batch: int, q: int, context: int) -> torch.Tensor:
+    """The logits [batch * q, V] of one step as time_specd runs it (rolled back after)."""
+    ids = list(range(batch))
+    for s in ids:
+        runner.add_sequence(s)
+        runner.kv_cache.append_slots(s, context)
+    vocab = runner.config.vocab_size
+    try:
+        return runner.forward([SequenceChunk(s, [(7 * s + j) % vocab for j in range(q)]) for s in ids]).logits
+    finally:
+        for s in ids:
+            runner.free(s)
+
+
+def check_step_outputs(graphs: LlamaRunner, torch_ops: LlamaRunner, context: int, shapes) -> list[dict]:
+    """What the timed columns compute, compared on the same cached keys and values (both caches
+    filled with the same N(0, 1) draws): the kernels with PDL against the same graphs without it
+    (a missing wait would be a race: must be bit-identical) and against the PyTorch-ops twin
+    (bf16 rounding: relative error ~1e-2)."""
+    for runner in (graphs, torch_ops):
+        gen = torch.Generator(device=runner.device).manual_seed(1)
+        for cache in runner.kv_cache.k_caches + runner.kv_cache.v_caches:
+            cache.normal_(generator=gen)
+    out = []
+    for batch, q in shapes:
+        with_pdl = step_logits(graphs, batch, q, context)
+        saved, graphs.pdl = graphs.pdl, "off"
+        graphs.static.drop_graphs()
+        try:
+            without = step_logits(graphs, batch, q, context)
+        finally:
+            graphs.pdl = saved
+            graphs.static.drop_graphs()
+        twin = step_logits(torch_ops, batch, q, context).double()
+        rel = ((with_pdl.double() - twin).norm() / twin.norm()).item()
+        out.append({"batch": batch, "q": q, "pdl_vs_no_pdl_max_abs": (with_pdl - without).abs().max().item(),
+                    "kernels_vs_torch_ops_rel_err": rel, "finite": bool(torch.isfinite(with_pdl).all())})
+        print(f"check batch {batch} q {q}: {out[-1]}", flush=True)
+    return out
+
+
 def time_transformers(hf, config: LlamaArchConfig, batch: int, q: int, context: int, device, dtype,
                       warmup: int, iters: int) -> float:
     """transformers' forward with a DynamicCache of `context` tokens, cropped back after each step."""
@@ -229,12 +270,15 @@ def run_step_bench(shape: str = "8b", batches=(1, 8, 32, 64, 128), qs=(1, 4), co
                  if hf is not None else None)
             rows.append(StepRow(batch, q, g, e, h, floor_ms, specd_torch_ops_ms=c, specd_no_pdl_ms=n))
             print(format_row(rows[-1]), flush=True)
+    checks = check_step_outputs(graphs, torch_ops, context, [(b, q) for b in (1, 8, 64) if b <= max(batches)
+                                                            for q in (max(qs),)])
     compile_info = time_compiled_column(compiled, rows, context, warmup, iters, compile_budget_s)
     info = {"shape": shape, "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
             "dtype": str(dtype), "context": context, "weight_bytes": weight_bytes,
             "bandwidth_tbs": bandwidth_tbs, "init_s": round(init_s, 2),
             "graph_captures": graphs.static.num_captures, "fused_kernels": graphs.static.fused, "torch": torch.__version__,
-            "compile_mode": compile_mode, "sdpa_backend": sdpa_backend(config, dtype, dev), **compile_info}
+            "compile_mode": compile_mode, "sdpa_backend": sdpa_backend(config, dtype, dev),
+            "output_checks": checks, **compile_info}
     return rows, info
 
 
@@ -302,6 +346,10 @@ def write_step_results(rows: list[StepRow], info: dict, out_dir: Path) -> str:
              f"{info['bandwidth_tbs']} TB/s; compile mode {info.get('compile_mode') or 'off'}, "
              f"SDPA kernel {info.get('sdpa_backend')}", "", HEADER, "|" + "---|" * HEADER.count(" | ") + "---|"]
     lines += [format_row(r) for r in rows]
+    lines += ["", "outputs on the same cached keys and values (batch, q: PDL vs no-PDL max |diff|; kernels vs "
+              "PyTorch-ops relative error):"]
+    lines += [f"- {c['batch']}, {c['q']}: {c['pdl_vs_no_pdl_max_abs']:.3g}; {c['kernels_vs_torch_ops_rel_err']:.3g}"
+              f"{'' if c['finite'] else ' (NOT FINITE)'}" for c in info.get("output_checks", [])]
     table = "\n".join(lines) + "\n"
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "step.md").write_text(table)

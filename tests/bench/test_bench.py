@@ -56,6 +56,10 @@ def test_small_suite_has_every_row(tmp_path, tiny_models):
         assert r["specd_compiled_ms"] > 0 and r["compiled_over_floor"] > 0  # the --compile column
         assert r["floor_ms"] > 0
     assert step["info"]["compile_mode"] == "default" and step["info"]["compile_column_s"] > 0
+    checks = step["info"]["output_checks"]  # the timed paths compute the same logits
+    assert [(c["batch"], c["q"]) for c in checks] == [(1, 4)]
+    assert checks[0]["finite"] and checks[0]["pdl_vs_no_pdl_max_abs"] == 0.0
+    assert checks[0]["kernels_vs_torch_ops_rel_err"] < 1e-4  # float32 on CPU (no Triton there: one body)
     e2e = json.loads((out / "e2e.json").read_text())
     rows = {(r["method"], r["batch"]): r for r in e2e["rows"]}
     assert set(rows) == {(m, b) for m in METHODS for b in (1, 2)}
