@@ -102,17 +102,34 @@ if triton is not None:
 
 
 def _probe(index: int) -> bool:
-    """One tiny PDL launch on the device: compute capability >= 9 and a Triton that has it."""
+    """Compute capability >= 9 and a Triton that has PDL; then a chain of PDL launches, run
+    directly and captured in a CUDA graph (as the step runs them), must count correctly."""
     if triton is None or torch.cuda.get_device_capability(index)[0] < 9:
         return False
     if not hasattr(tl.extra, "cuda") or not hasattr(tl.extra.cuda, "gdc_wait"):
         logger.info("Triton %s has no griddepcontrol: kernels launch without PDL", triton.__version__)
         return False
+    device = torch.device("cuda", index)
     try:
-        x = torch.zeros(1, dtype=torch.int32, device=torch.device("cuda", index))
-        _probe_kernel[(1,)](x, **launch_options(True))
-        torch.cuda.synchronize(index)
-        return int(x.item()) == 1
-    except Exception as e:  # an older launcher without launch_pdl, a driver without the attribute
+        with torch.cuda.device(device):
+            x = torch.zeros(1, dtype=torch.int32, device=device)
+            stream = torch.cuda.Stream(device)
+            stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(stream):  # eager (compiles), then captured
+                for _ in range(3):
+                    _probe_kernel[(1,)](x, **launch_options(True))
+            torch.cuda.current_stream(device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                for _ in range(3):
+                    _probe_kernel[(1,)](x, **launch_options(True))
+            graph.replay()
+            graph.replay()
+            torch.cuda.synchronize(device)
+            ok = int(x.item()) == 9
+        if not ok:
+            logger.warning("PDL probe counted %d, not 9: kernels launch without PDL", int(x.item()))
+        return ok
+    except Exception as e:  # an older launcher without launch_pdl, a driver or capture without it
         logger.info("PDL launches unavailable (%s): kernels launch without it", e)
         return False
