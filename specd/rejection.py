@@ -63,7 +63,8 @@ def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 
 def rejection_sample(target_probs: torch.Tensor, draft_token_ids: torch.Tensor,
                      draft_probs: torch.Tensor | None, num_draft_tokens: torch.Tensor,
-                     seeds: torch.Tensor, positions: torch.Tensor) -> RejectionResult:
+                     seeds: torch.Tensor, positions: torch.Tensor, *,
+                     one_hot_target: bool = False) -> RejectionResult:
     """Verify each request's drafts and pick the token after the accepted ones, without host sync.
 
     target_probs: [B, K + 1, V] processed target distributions; row j is the distribution of the
@@ -73,6 +74,12 @@ def rejection_sample(target_probs: torch.Tensor, draft_token_ids: torch.Tensor,
     num_draft_tokens: [B] int64 in [0, K]; 0 just samples one token from target_probs[:, 0].
     seeds: [B] int64; positions: [B] int64, absolute position of the first token this step emits
         (the token at draft index j sits at positions + j).
+    one_hot_target: the caller knows every target row is one-hot (all requests greedy). Then no
+        noise is drawn: a draft is accepted iff it is the target's token (u * q(d) < p(d) holds
+        for every u < 1 exactly when p(d) = 1), and the next token is the one-hot row's own (the
+        exponential race over a one-hot row returns it; the residual of a one-hot p and a
+        rejected draft is p's token again). Same result, without the vocabulary-wide hashing
+        (~1.5 ms at batch 128 on the H200's 128K vocabulary) and ~50 small kernels per step.
     """
     assert target_probs.ndim == 3, \
         f"target_probs must be [B, K + 1, V], got {tuple(target_probs.shape)}"
@@ -93,21 +100,26 @@ def rejection_sample(target_probs: torch.Tensor, draft_token_ids: torch.Tensor,
     is_draft = draft_index[None, :] < num_drafts[:, None]  # [B, K]
     drafts = torch.where(is_draft, draft_token_ids.to(device), 0)  # [B, K], padding -> a valid id
     p_draft = target_probs[:, :max_drafts].gather(2, drafts[:, :, None]).squeeze(2)  # [B, K]
-    if draft_probs is None:
-        q_draft = torch.ones_like(p_draft)
+    if one_hot_target:
+        is_accepted = (p_draft > 0) & is_draft  # [B, K]: the target's token (see above)
     else:
-        q_draft = draft_probs.gather(2, drafts[:, :, None]).squeeze(2)  # [B, K]
-    uniforms = hashed_uniform(seeds.repeat_interleave(max_drafts),
-                              (positions[:, None] + draft_index[None, :]).reshape(-1),
-                              SALT_ACCEPT, 1).view(batch, max_drafts)  # [B, K]
-    is_accepted = accept_drafts(p_draft, q_draft, uniforms) & is_draft  # [B, K]
+        if draft_probs is None:
+            q_draft = torch.ones_like(p_draft)
+        else:
+            q_draft = draft_probs.gather(2, drafts[:, :, None]).squeeze(2)  # [B, K]
+        uniforms = hashed_uniform(seeds.repeat_interleave(max_drafts),
+                                  (positions[:, None] + draft_index[None, :]).reshape(-1),
+                                  SALT_ACCEPT, 1).view(batch, max_drafts)  # [B, K]
+        is_accepted = accept_drafts(p_draft, q_draft, uniforms) & is_draft  # [B, K]
     num_accepted = is_accepted.long().cumprod(dim=1).sum(dim=1)  # [B]
 
     # The token after the accepted drafts: recovered if a draft was rejected, else the bonus.
     p_next = target_probs[rows, num_accepted]  # [B, V]
     is_rejected = num_accepted < num_drafts  # [B]
     next_probs = p_next
-    if max_drafts > 0:
+    if one_hot_target:
+        next_token = p_next.argmax(dim=-1)  # [B]: also the recovered token (see above)
+    elif max_drafts > 0:
         slot = num_accepted.clamp(max=max_drafts - 1)  # [B], the rejected slot where is_rejected
         if draft_probs is None:
             q_next = torch.zeros_like(p_next).scatter_(1, drafts[rows, slot][:, None], 1.0)
@@ -115,8 +127,9 @@ def rejection_sample(target_probs: torch.Tensor, draft_token_ids: torch.Tensor,
             q_next = draft_probs[rows, slot].to(p_next.dtype)  # [B, V]
         residual = residual_distribution(p_next, q_next)  # [B, V]
         next_probs = torch.where(is_rejected[:, None], residual, p_next)
-    salt = torch.where(is_rejected, SALT_RESIDUAL, SALT_SAMPLE)  # [B]
-    next_token = sample_from_probs(next_probs, seeds, positions + num_accepted, salt)  # [B]
+    if not one_hot_target:
+        salt = torch.where(is_rejected, SALT_RESIDUAL, SALT_SAMPLE)  # [B]
+        next_token = sample_from_probs(next_probs, seeds, positions + num_accepted, salt)  # [B]
 
     out_index = torch.arange(k_plus_1, device=device)[None, :]  # [1, K + 1]
     drafts_and_slot = torch.cat([drafts, drafts.new_zeros(batch, 1)], dim=1)  # [B, K + 1]

@@ -99,6 +99,38 @@ def test_greedy_exact_at_extreme_uniforms(monkeypatch, u):
     assert r.output_token_ids.tolist() == [[3, 1, 4, 1], [3, 1, -1, -1]]
 
 
+def test_one_hot_target_shortcut_equals_the_general_path():
+    """one_hot_target=True (all requests greedy) draws no noise and returns exactly what the
+    general path returns, for one-hot and sampled drafts, every acceptance pattern and padding."""
+    gen = torch.Generator().manual_seed(5)
+    for trial in range(200):
+        batch, k = int(torch.randint(1, 6, (1,), generator=gen)), int(torch.randint(0, 5, (1,), generator=gen))
+        target_ids = torch.randint(0, VOCAB, (batch, k + 1), generator=gen)
+        # drafts that often agree with the target, so long accepted runs are exercised too
+        agree = torch.rand(batch, k, generator=gen) < 0.7
+        drafts = torch.where(agree, target_ids[:, :k], torch.randint(0, VOCAB, (batch, k), generator=gen))
+        num_drafts = torch.randint(0, k + 1, (batch,), generator=gen)
+        draft_probs = (torch.rand(batch, k, VOCAB, generator=gen) + 0.01) if trial % 2 else None
+        if draft_probs is not None:
+            draft_probs /= draft_probs.sum(-1, keepdim=True)
+        args = (one_hot(target_ids.tolist()), drafts, draft_probs, num_drafts,
+                torch.randint(0, 2**62, (batch,), generator=gen), torch.randint(0, 1000, (batch,), generator=gen))
+        general, shortcut = rejection_sample(*args), rejection_sample(*args, one_hot_target=True)
+        assert torch.equal(general.output_token_ids, shortcut.output_token_ids), trial
+        assert torch.equal(general.num_accepted, shortcut.num_accepted), trial
+
+
+def test_one_hot_target_shortcut_draws_no_noise(monkeypatch):
+    def no_noise(*args, **kwargs):
+        raise AssertionError("noise drawn for a one-hot target")
+
+    monkeypatch.setattr(rejection, "hashed_uniform", no_noise)
+    monkeypatch.setattr(rejection, "sample_from_probs", no_noise)
+    out = rejection_sample(one_hot([[1, 2, 3]]), torch.tensor([[1, 4]]), None, torch.tensor([2]),
+                           torch.tensor([7]), torch.tensor([START]), one_hot_target=True)
+    assert out.output_token_ids.tolist() == [[1, 2, -1]] and out.num_accepted.tolist() == [1]
+
+
 def test_result_independent_of_batch_composition():
     gen = torch.Generator().manual_seed(2)
     target = torch.softmax(torch.randn(5, 4, VOCAB, generator=gen), -1)

@@ -190,7 +190,10 @@ class SpecEngine:
         if logits is not grammar_logits and any(m is not None for m in masks):
             logits = keep_grammar_rows(grammar_logits, logits)  # a complete output stops anyway
         positions = torch.tensor([s.num_tokens for s in admitted], device=out.logits.device)
-        first = sample_from_probs(processed_probs(logits, st), st.seeds, positions, SALT_SAMPLE).tolist()
+        if all(s.params.is_greedy for s in admitted):  # one-hot rows: their token, no noise drawn
+            first = logits.float().argmax(dim=-1).tolist()
+        else:
+            first = sample_from_probs(processed_probs(logits, st), st.seeds, positions, SALT_SAMPLE).tolist()
         finished = []
         for i, seq in enumerate(admitted):
             seq.status = SequenceStatus.RUNNING
@@ -256,10 +259,12 @@ class SpecEngine:
         suppress = [(s.params.min_new_tokens - s.num_output_tokens, sorted(self.stop.stop_token_ids(s)))
                     for s in batch]
         masks = self.constraints.masks(batch, host_drafts)
+        all_greedy = all(s.params.is_greedy for s in batch)
         target_probs = verify_target_probs(out, num_drafts, st, history, host_drafts,
                                            suppress if any(n > 0 for n, _ in suppress) else None, masks,
-                                           all_greedy=all(s.params.is_greedy for s in batch))
-        result = rejection_sample(target_probs, draft_ids, draft_probs, num_drafts_t, st.seeds, positions)
+                                           all_greedy=all_greedy)
+        result = rejection_sample(target_probs, draft_ids, draft_probs, num_drafts_t, st.seeds, positions,
+                                  one_hot_target=all_greedy)
         return out, result
 
     def commit(self, batch: list[Sequence], proposals: list[DraftProposal], verdict) -> list[Sequence]:
