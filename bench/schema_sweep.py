@@ -19,6 +19,7 @@ taken out, for some of their tokens).
 
     .venv/bin/python bench/schema_sweep.py                    # all six configurations
     .venv/bin/python bench/schema_sweep.py --configs off ngram --limit 50
+    .venv/bin/python bench/schema_sweep.py --configs qwen3_5_mtp --schemas Github_easy/o83161
 """
 
 from __future__ import annotations
@@ -122,6 +123,7 @@ class Case:
     source: str  # the GrammarSpec source the gateway compiled
     prompt: list[int]
     validator: object = None
+    position: int = 0  # among all the schemas, sorted: the sampled seed is SAMPLED_SEED + position
 
 
 @dataclass
@@ -179,7 +181,7 @@ def run_config(config: SweepConfig, cases: list[Case], tokenizer, cache, *, max_
     def params(mode: str, i: int) -> SamplingParams:
         if mode == "greedy":
             return SamplingParams(max_new_tokens=max_tokens)
-        return SamplingParams(temperature=1.0, seed=SAMPLED_SEED + i, max_new_tokens=max_tokens)
+        return SamplingParams(temperature=1.0, seed=SAMPLED_SEED + cases[i].position, max_new_tokens=max_tokens)
 
     def record(mode: str, case: Case, outcome: str, detail: str, text: str) -> None:
         report.counts[mode][outcome] += 1
@@ -244,6 +246,9 @@ def check_schemas(target: Path, files: list[Path]) -> TargetCases:
 
     check = GatewayCheck(target)
     compiled, rejected, crashed = [], {}, {}
+    # A schema's sampled seed follows its place among all of them, so that a sweep of a few
+    # (--schemas, --stride, --limit) samples each as the full sweep does.
+    positions = {f"{f.parent.name}/{f.name}": i for i, f in enumerate(schema_files())}
     try:
         for path in files:
             name = f"{path.parent.name}/{path.name}"
@@ -261,7 +266,7 @@ def check_schemas(target: Path, files: list[Path]) -> TargetCases:
 
             schema = rf["json_schema"]["schema"]
             compiled.append(Case(name, schema, parse_response_format(rf).source, check.prompt(source_text),
-                                 validator_for(schema)))
+                                 validator_for(schema), positions[name]))
         tokenizer = check.gateway.tokenizer
     finally:
         check.close()
@@ -280,9 +285,21 @@ def reason_of(message: str) -> str:
     return re.sub(r"\s+", " ", message)[:110]
 
 
-def schema_files(limit: int | None = None, stride: int = 1) -> list[Path]:
-    """The jsonschemabench schemas, sorted; every stride-th, the first limit of those."""
-    files = sorted(SCHEMAS.glob("*/*.json"))[::stride]
+def schema_files(limit: int | None = None, stride: int = 1, names: list[str] | None = None) -> list[Path]:
+    """The jsonschemabench schemas, sorted; every stride-th, the first limit of those.
+
+    names: only these ("Folder/file" or "Folder/file.json", as the reports name them); a name
+    that matches no schema is an error, not an empty sweep.
+    """
+    files = sorted(SCHEMAS.glob("*/*.json"))
+    if names is not None:
+        wanted = {n if n.endswith(".json") else n + ".json" for n in names}
+        by_name = {f"{f.parent.name}/{f.name}": f for f in files}
+        unknown = sorted(wanted - by_name.keys())
+        if unknown:
+            raise ValueError(f"no such schema: {', '.join(unknown)}")
+        files = [f for name, f in by_name.items() if name in wanted]
+    files = files[::stride]
     return files[:limit] if limit else files
 
 
@@ -333,18 +350,24 @@ def main() -> int:
     ap.add_argument("--configs", nargs="+", default=names, choices=names)
     ap.add_argument("--limit", type=int, default=None, help="only the first N schemas (sorted)")
     ap.add_argument("--stride", type=int, default=1, help="every N-th schema only")
+    ap.add_argument("--schemas", nargs="+", default=None, metavar="FOLDER/FILE",
+                    help="only these schemas (e.g. Github_easy/o83161)")
     ap.add_argument("--sampled-stride", type=int, default=1, help="sampled runs for every N-th compiled schema")
     ap.add_argument("--max-tokens", type=int, default=MAX_TOKENS)
     ap.add_argument("--modes", nargs="+", default=["greedy", "sampled"], choices=["greedy", "sampled"])
     ap.add_argument("--json", type=Path, default=None, help="write the counts and problems here")
     args = ap.parse_args()
     configs = [c for c in default_configs() if c.name in args.configs]
+    try:
+        files = schema_files(args.limit, args.stride, args.schemas)
+    except ValueError as e:
+        ap.error(f"--schemas: {e}")
     if any(not c.target.exists() for c in configs):
         from specd.tiny_models.make import make_tiny_models
 
         make_tiny_models(configs[-1].target.parent)
     t0 = time.perf_counter()
-    targets, reports = sweep(configs, schema_files(args.limit, args.stride), max_tokens=args.max_tokens,
+    targets, reports = sweep(configs, files, max_tokens=args.max_tokens,
                              modes=tuple(args.modes), sampled_stride=args.sampled_stride, log=lambda s: print(s, file=sys.stderr, flush=True))
     print(format_report(targets, reports, time.perf_counter() - t0))
     if args.json:
