@@ -19,14 +19,13 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
 
-import torch
 import xgrammar as xgr
 
+from specd.grammar.allowed_rows import AllowedRows, VocabBytes
 from specd.grammar.backend import GrammarSpec
 from specd.grammar.budget import ClosingConfig
 from specd.grammar.closing import ClosingPreference
 from specd.grammar.errors import GrammarCompileError
-from specd.grammar.masking import bool_to_bitmask
 from specd.grammar.calendar import exact_calendar_formats
 from specd.grammar.schema_gaps import find_schema_gaps
 from specd.messages import ConfigError
@@ -137,7 +136,8 @@ class GrammarCompilerCache:
                                              cache_enabled=False)
         self._cache: OrderedDict[GrammarSpec, xgr.CompiledGrammar] = OrderedDict()
         self._lock = threading.Lock()
-        self._control_free_row = None  # built on first use (control_free_row)
+        self._vocab_bytes: VocabBytes | None = None  # built on first use (allowed_rows)
+        self._allowed_rows: dict[bool, AllowedRows] = {}  # is a JSON kind -> its rows
         self._closing_preference = None  # built on first use (closing_preference)
         if closing is not None and not isinstance(closing, ClosingConfig):
             raise ConfigError(f"closing: expected a ClosingConfig or None, got {type(closing).__name__}")
@@ -189,11 +189,10 @@ class GrammarCompilerCache:
         return compiled
 
     def sequence_grammar(self, spec: GrammarSpec) -> "SequenceGrammar":
-        """A fresh matcher for one sequence, with the token row its grammar kind needs."""
+        """A fresh matcher for one sequence, with the token rows its grammar kind needs."""
         from specd.grammar.matcher import SequenceGrammar
 
-        allowed = self.control_free_row() if spec.kind in ("json_schema", "json_object") else None
-        return SequenceGrammar(self.compile(spec), allowed, closing=self.closing,
+        return SequenceGrammar(self.compile(spec), self.allowed_rows(spec.kind), closing=self.closing,
                                closing_preference=self.closing_preference)
 
     def closing_preference(self) -> ClosingPreference:
@@ -202,21 +201,20 @@ class GrammarCompilerCache:
             self._closing_preference = ClosingPreference.from_tokenizer_info(self.tokenizer_info)
         return self._closing_preference
 
-    def control_free_row(self) -> torch.Tensor:
-        """[bitmask_width] int32: the tokens whose bytes hold no raw control character (< 0x20).
-
-        Our JSON grammars use compact separators, so no valid output contains one; xgrammar's
-        bounded-string rule admits them (issue #800), and masking them here keeps minLength /
-        maxLength schemas servable. Special tokens (stop tokens) have no bytes and stay allowed.
-        """
-        if self._control_free_row is None:
-            vocab = self.tokenizer_info.decoded_vocab
-            special = set(self.tokenizer_info.special_token_ids)
-            ok = torch.tensor([i in special or not any(b < 0x20 for b in token)
-                               for i, token in enumerate(vocab[:self.vocab_size])], dtype=torch.bool)
-            ok = torch.nn.functional.pad(ok, (0, self.vocab_size - ok.shape[0]))  # ids past the tokenizer's
-            self._control_free_row = bool_to_bitmask(ok[None])[0]
-        return self._control_free_row
+    def allowed_rows(self, kind: str) -> AllowedRows:
+        """The rows ANDed into every mask of a grammar of this kind (allowed_rows.py): no encoded
+        UTF-16 surrogates for every kind; JSON kinds also no raw control characters (our JSON
+        grammars use compact separators, so no valid output holds one, while xgrammar's
+        bounded-string rule admits them: issue #800). Built on first use, then shared."""
+        is_json = kind in ("json_schema", "json_object")
+        with self._lock:
+            if is_json not in self._allowed_rows:
+                if self._vocab_bytes is None:
+                    info = self.tokenizer_info
+                    self._vocab_bytes = VocabBytes.from_vocab(info.decoded_vocab, info.special_token_ids,
+                                                              self.vocab_size)
+                self._allowed_rows[is_json] = self._vocab_bytes.allowed_rows(mask_control_characters=is_json)
+            return self._allowed_rows[is_json]
 
     def validate(self, spec: GrammarSpec) -> None:
         """Compile spec (warming the cache) or raise GrammarCompileError."""

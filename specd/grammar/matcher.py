@@ -9,9 +9,11 @@ token i is allowed. Once the matcher has accepted a stop token (it is terminated
 next mask; we return a row allowing only the stop tokens, so a row is never all-zero (an all -inf
 logits row would turn softmax into NaN).
 
-A grammar may come with an allowed-token row ANDed into every mask and checked on every accepted
-token: JSON grammars (compact separators) get the tokens without raw control characters, which no
-JSON text contains but xgrammar's bounded-string rule admits (xgrammar issue #800).
+A grammar may come with allowed rows (allowed_rows.py), one ANDed into every mask and checked on
+every accepted token: the tokens xgrammar admits but no valid output holds (raw control characters
+in JSON, UTF-8-encoded UTF-16 surrogates). Which row applies depends on the token before the mask's
+position (the last committed token, or the last draft along the drafts), so every matcher keeps
+the last token it accepted.
 
 Given the tokens a sequence may still emit, mask_along also shapes the rows near the end of that
 budget (budget-aware closing, budget.py): the output is made to terminate within the budget, so a
@@ -26,6 +28,7 @@ from collections.abc import Callable, Sequence
 import torch
 import xgrammar as xgr
 
+from specd.grammar.allowed_rows import AllowedRows
 from specd.grammar.backend import MaskResult
 from specd.grammar.budget import BudgetCloser, ClosingConfig
 from specd.grammar.closing import ClosingPreference
@@ -61,7 +64,12 @@ class _MatcherRows:
     _stop_row: torch.Tensor  # [bitmask_width] int32: the row once terminated
     _tail_word: int | None  # the last word's valid bits, when vocab_size % 32 != 0
     _stopped_at_dead_end = False  # a stop token ended a dead end (see _fill); xgrammar never saw it
-    _allowed_row: torch.Tensor | None = None  # [bitmask_width] int32 ANDed into every mask
+    _allowed: AllowedRows | None = None  # the rows ANDed into every mask
+    _last_token: int | None = None  # the last token self.matcher accepted (None: none yet)
+
+    def _allowed_row(self) -> torch.Tensor | None:
+        """[bitmask_width] int32: the allowed row at the matcher's state, or None."""
+        return None if self._allowed is None else self._allowed.row_after(self._last_token)
 
     def _fill(self, bitmask: torch.Tensor, index: int) -> None:
         if self.is_terminated():
@@ -70,8 +78,9 @@ class _MatcherRows:
         self.matcher.fill_next_token_bitmask(bitmask, index)
         if self._tail_word is not None:  # xgrammar may set the bits of ids >= vocab_size
             bitmask[index, -1] &= self._tail_word
-        if self._allowed_row is not None:
-            bitmask[index] &= self._allowed_row
+        allowed = self._allowed_row()
+        if allowed is not None:
+            bitmask[index] &= allowed
         if not bool(bitmask[index].any()):
             # A dead end: the grammar allows nothing here (regex a[^\s\S] after "a"). An all-zero
             # row makes every logit -inf (NaN probabilities); let a stop token end the output.
@@ -79,9 +88,11 @@ class _MatcherRows:
 
     def _accept(self, token_id: int) -> bool:
         """accept_token, and also a stop token at a dead end (which then terminates)."""
-        if self._allowed_row is not None and not _is_allowed(self._allowed_row, token_id):
+        allowed = self._allowed_row()
+        if allowed is not None and not _is_allowed(allowed, token_id):
             return False
         if self.matcher.accept_token(token_id):
+            self._last_token = token_id
             return True
         if token_id in self.stop_token_ids and self._is_dead_end():
             self._stopped_at_dead_end = True
@@ -93,8 +104,9 @@ class _MatcherRows:
         self.matcher.fill_next_token_bitmask(bitmask, 0)
         if self._tail_word is not None:
             bitmask[0, -1] &= self._tail_word
-        if self._allowed_row is not None:
-            bitmask[0] &= self._allowed_row
+        allowed = self._allowed_row()
+        if allowed is not None:
+            bitmask[0] &= allowed
         return not bool(bitmask.any())
 
     def next_mask(self) -> torch.Tensor:
@@ -124,7 +136,7 @@ class SequenceGrammar(_MatcherRows):
     unlimited), so drafts of any length can be masked and rolled back.
     """
 
-    def __init__(self, compiled: xgr.CompiledGrammar, allowed_row: torch.Tensor | None = None, *,
+    def __init__(self, compiled: xgr.CompiledGrammar, allowed: AllowedRows | None = None, *,
                  closing: ClosingConfig | None = ClosingConfig(),
                  closing_preference: ClosingPreference | Callable[[], ClosingPreference] | None = None) -> None:
         # closing: how rows near the end of a budget are shaped (budget.py; None: never);
@@ -139,9 +151,9 @@ class SequenceGrammar(_MatcherRows):
         self._tail_word = None if num_tail_bits == 0 else _as_int32((1 << num_tail_bits) - 1)
         self.matcher = xgr.GrammarMatcher(compiled)
         self.num_committed = 0
-        if allowed_row is not None and tuple(allowed_row.shape) != (self.bitmask_width,):
-            raise ValueError(f"allowed_row: expected [{self.bitmask_width}] int32, got {tuple(allowed_row.shape)}")
-        self._allowed_row = allowed_row
+        if allowed is not None and allowed.bitmask_width != self.bitmask_width:
+            raise ValueError(f"allowed: rows of {allowed.bitmask_width} words, expected {self.bitmask_width}")
+        self._allowed = allowed
         self.closer = None if closing is None else BudgetCloser(
             closing, closing_preference or (lambda: ClosingPreference.from_tokenizer_info(info)))
 
@@ -151,7 +163,7 @@ class SequenceGrammar(_MatcherRows):
         A token the grammar does not allow raises GrammarViolation (the engine sampled outside the
         mask: a bug) and leaves the matcher where it was before this call.
         """
-        was_stopped = self._stopped_at_dead_end
+        was_stopped, last_token = self._stopped_at_dead_end, self._last_token
         num_in_matcher = 0  # tokens xgrammar accepted (a dead-end stop token is not one)
         for i, token in enumerate(token_ids):
             token = int(token)
@@ -159,7 +171,7 @@ class SequenceGrammar(_MatcherRows):
                 state = "after the stop token" if self.is_terminated() else "by the grammar"
                 if num_in_matcher:
                     self.matcher.rollback(num_in_matcher)
-                self._stopped_at_dead_end = was_stopped
+                self._stopped_at_dead_end, self._last_token = was_stopped, last_token
                 raise GrammarViolation(f"grammar: committed token {token} (position {self.num_committed + i} "
                                        f"of the output) is not allowed {state}")
             num_in_matcher += not self._stopped_at_dead_end
@@ -183,6 +195,7 @@ class SequenceGrammar(_MatcherRows):
             raise ValueError(f"tokens_left: must be an integer >= 1 or None, got {tokens_left!r}")
         drafts = [int(t) for t in draft_token_ids]
         terminated = self.is_terminated()
+        committed_last_token = self._last_token
         bitmask = torch.empty((len(drafts) + 1, self.bitmask_width), dtype=torch.int32)
         self._fill(bitmask, 0)
         first_closing = None if not self._shape(bitmask, drafts, 0, tokens_left) else 0
@@ -195,12 +208,14 @@ class SequenceGrammar(_MatcherRows):
                 break
             if not self.matcher.accept_token(token):
                 break
+            self._last_token = token  # the next row's allowed row (and a closing walk's fork) follow it
             num_valid += 1
             self._fill(bitmask, num_valid)
             if self._shape(bitmask, drafts, num_valid, tokens_left) and first_closing is None:
                 first_closing = num_valid
         if num_valid:
             self.matcher.rollback(num_valid)
+        self._last_token = committed_last_token
         rows = bitmask if num_valid == len(drafts) else bitmask[:num_valid + 1].clone()
         return MaskResult(bitmask=rows, num_valid_drafts=num_valid, terminated=terminated,
                           num_closing_rows=0 if first_closing is None else num_valid + 1 - first_closing)
@@ -232,7 +247,7 @@ class DraftGrammar(_MatcherRows):
         self.stop_token_ids = parent.stop_token_ids
         self._stop_row = parent._stop_row
         self._tail_word = parent._tail_word
-        self._allowed_row = parent._allowed_row
+        self._allowed = parent._allowed
         self.reset()
 
     def advance(self, token_id: int) -> bool:
@@ -246,6 +261,7 @@ class DraftGrammar(_MatcherRows):
         """Forget the drafted tokens: fork the parent's current committed state again."""
         self.matcher = self.parent.matcher.fork()
         self._stopped_at_dead_end = self.parent._stopped_at_dead_end
+        self._last_token = self.parent._last_token
         self.num_drafted = 0
 
     def copy(self) -> "DraftGrammar":

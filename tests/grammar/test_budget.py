@@ -26,7 +26,7 @@ def grammar(cache, text: str = "", tokenizer=None, **kwargs):
     if kwargs:
         from specd.grammar.matcher import SequenceGrammar
 
-        g = SequenceGrammar(cache.compile(SPEC), cache.control_free_row(), closing_preference=cache.closing_preference,
+        g = SequenceGrammar(cache.compile(SPEC), cache.allowed_rows(SPEC.kind), closing_preference=cache.closing_preference,
                             **kwargs)
     if text:
         g.commit(tokenizer.encode(text, add_special_tokens=False))

@@ -184,6 +184,28 @@ def test_budgets_cross_the_service(grammar_server):
     assert finished and all(len(h) <= 20 for h in finished)
 
 
+def test_the_service_masks_encoded_surrogates(grammar_server):
+    """The allowed rows (specd/grammar/allowed_rows.py) hold on the service's matchers, for a JSON
+    schema and a regex: after a drafted or committed byte ED no byte A0..BF (a UTF-16 surrogate)."""
+    vocab = grammar_server.servicer.compiler_cache.tokenizer_info.decoded_vocab
+    byte = {bytes(t)[0]: i for i, t in enumerate(vocab) if len(t) == 1}
+    lead, surrogate_second, valid_second = byte[0xED], byte[0xA0], byte[0x9F]
+    specs = {0: GrammarSpec("json_schema", '{"type": "string"}'), 1: GrammarSpec("regex", r'".{0,8}"')}
+    quote = byte[ord('"')]
+    with RemoteGrammarBackend(grammar_server.address) as remote:
+        for seq_id, spec in specs.items():
+            remote.open(seq_id, spec)
+        results = remote.step(GrammarStep(commits={}, drafts={s: [quote, lead, surrogate_second] for s in specs}))
+        for result in results.values():
+            assert result.num_valid_drafts == 2
+            assert surrogate_second not in _allowed(result.bitmask[2], 512)
+            assert valid_second in _allowed(result.bitmask[2], 512)
+        results = remote.step(GrammarStep(commits={s: [quote, lead] for s in specs}, drafts={s: [] for s in specs}))
+        assert all(surrogate_second not in _allowed(r.bitmask[0], 512) for r in results.values())
+        with pytest.raises(GrammarRejectedError, match="not allowed"):
+            remote.step(GrammarStep(commits={0: [surrogate_second]}, drafts={0: []}))
+
+
 def test_seq_ids_are_scoped_per_stream(grammar_server):
     """Two verifiers both use seq 0 with different grammars."""
     cache = grammar_server.servicer.compiler_cache
