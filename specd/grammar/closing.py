@@ -11,7 +11,8 @@ The closing suffix is found by a greedy walk on a fork of the matcher. At each s
     enum value: xgrammar's jump-forward string), the longest token spelling a prefix of it;
   - otherwise the allowed token that the fixed ClosingPreference ranks first, unless accepting it
     leaves the mask as it was (a loop: the `1` of regex `[0-9]+#`, a `null` inside a uri): then
-    the next one in the preference that changes the mask (among the first MAX_TRIALS).
+    the next one in the preference that changes the mask (among the first MAX_TRIALS); and when
+    none does, one that changes it two tokens on (the `.` of `@[\\w.-]+\\.[\\w.-]+`: _progress).
 Consecutive picks merge into one token when the vocabulary has it (` ` and `1` make ` 1`). Each
 pick depends on the grammar state alone (no history, no randomness), so the suffix from the state
 reached by following a suffix's first tokens is the rest of that suffix: once closing is engaged
@@ -56,6 +57,8 @@ _CHAR_ORDER = (b'"}],:Z@#.1023456789-/_T' + bytes(range(ord("a"), ord("z") + 1))
                + bytes(range(ord("A"), ord("Z") + 1)))
 _SHIFTS = torch.arange(32, dtype=torch.int32)
 MAX_TRIALS = 32  # tokens tried per walk step for one that makes progress (_progress)
+LOOP_PROBE = 16  # repeats of a walk step's first token that tell a bound from a loop (_progress)
+LOOKAHEAD_WIDTH = 8  # first tokens tried two tokens deep when the first one loops (_progress)
 _HEAD = 256  # best() looks among this many most preferred tokens first
 
 
@@ -275,27 +278,57 @@ def _picks(fork: ClosingWalker, preference: ClosingPreference, max_trials: int):
 
 def _progress(fork: ClosingWalker, mask: torch.Tensor, preference: ClosingPreference, max_trials: int):
     """(fork after the token, its next mask or None, the token): the first of the preference's
-    tokens whose acceptance changes the mask (or terminates), among its first max_trials; else the
-    first. A token that leaves the mask as it was most likely loops (the `1` of `[0-9]+#`, a
-    `null` inside a uri): the walk would repeat it for ever."""
+    tokens whose acceptance changes the mask (or terminates), among its first max_trials. A token
+    that leaves the mask as it was most likely loops (the `1` of `[0-9]+#`, a `null` inside a uri):
+    the walk would repeat it for ever.
+
+    When no single token changes the mask, the change is further away, for one of two reasons. The
+    first token counts towards a bound: the mask of `[0-9]{4}` changes after the fourth digit, and
+    repeating the first token gets there (LOOP_PROBE tokens at most). Or it loops, and the change
+    takes other tokens: after `@` in `@[\\w.-]+\\.[\\w.-]+` the mask allows the same characters until
+    a `.` and one more character have come, and `Z` (the first token) leaves the state as it was.
+    Then the first of the LOOKAHEAD_WIDTH most preferred tokens after which a second token changes
+    the mask is taken. Else the first token (the walk goes on, and may end at its max_tokens)."""
     candidates = [preference.best(mask)]
     if preference.is_progress(candidates[0], mask):  # a `}` may leave the mask as it was (the
         _advance(fork, candidates[0])  # enclosing object allows `,` and `}` too): no trial
         return fork, None, candidates[0]
-    i = 0
-    while i < len(candidates):
+    unchanged = []  # the forks after candidates[:len(unchanged)], each with the mask as it was
+    while len(unchanged) < len(candidates):
+        token = candidates[len(unchanged)]
         trial = fork.copy()
-        _advance(trial, candidates[i])
-        if trial.is_terminated() or preference.is_progress(candidates[i], mask):
-            return trial, None, candidates[i]
+        _advance(trial, token)
+        if trial.is_terminated() or preference.is_progress(token, mask):
+            return trial, None, token
         after = trial.next_mask()
         if not torch.equal(after, mask):
-            return trial, after, candidates[i]
-        if i == 0 and max_trials > 1:
+            return trial, after, token
+        unchanged.append(trial)
+        if len(unchanged) == 1 and max_trials > 1:
             candidates = preference.ranked(mask, max_trials)
-        i += 1
-    _advance(fork, candidates[0])
-    return fork, None, candidates[0]
+    if _changes_when_repeated(unchanged[0], candidates[0], mask, LOOP_PROBE):
+        return unchanged[0], mask, candidates[0]
+    for token, trial in zip(candidates[:LOOKAHEAD_WIDTH], unchanged):
+        if any(_changes_after(trial, second, mask) for second in candidates):
+            return trial, mask, token
+    return unchanged[0], mask, candidates[0]
+
+
+def _changes_after(fork: ClosingWalker, token: int, mask: torch.Tensor) -> bool:
+    """Whether accepting token (allowed by mask, fork's mask) on a copy of fork changes its mask."""
+    trial = fork.copy()
+    _advance(trial, token)
+    return trial.is_terminated() or not torch.equal(trial.next_mask(), mask)
+
+
+def _changes_when_repeated(fork: ClosingWalker, token: int, mask: torch.Tensor, max_repeats: int) -> bool:
+    """Whether repeating token (allowed by mask, fork's mask) changes the mask within max_repeats."""
+    trial = fork.copy()
+    for _ in range(max_repeats):
+        _advance(trial, token)
+        if trial.is_terminated() or not torch.equal(trial.next_mask(), mask):
+            return True
+    return False
 
 
 def _advance(fork: ClosingWalker, token: int) -> None:

@@ -116,6 +116,25 @@ def test_closing_is_lossless_under_speculation_tiny(tiny_models, method):
     assert sum(s.stats.num_draft_tokens for s in got) > 0 and any(s.num_closing_tokens for s in got)
 
 
+def test_the_random_qwen_target_closes_inside_a_pattern_that_needs_two_tokens_to_progress(tiny_models):
+    """Github_easy/o83161 on the tiny random Qwen3.5 target: every closing walk goes through
+    "hasEmail" (`^mailto:...@[\\w.-]+\\.[\\w.-]+?$`), where it used to find no suffix (closing.py,
+    _progress): nothing was closed, and the full sweep's responses ran out of tokens (as this one
+    did, finish_reason "length"). Closed now, greedy, and the same under qwen3_5_mtp speculation."""
+    target = tiny_models["target-qwen3_5-mtp"]
+    schema = json.loads((BENCH / "Github_easy/o83161.json").read_text())
+    spec = parse_response_format({"type": "json_schema", "json_schema": {"name": "t", "schema": schema, "strict": True}})
+    cache = GrammarCompilerCache.from_model_dir(target)
+    params = [SamplingParams(max_new_tokens=96)]
+    want = engine(target, cache).generate([[5, 9, 13]], params, [spec])[0]
+    got = engine(target, cache, "qwen3_5_mtp").generate([[5, 9, 13]], params, [spec])[0]
+    assert got.output_token_ids == want.output_token_ids
+    text = load_tokenizer(target).decode(want.output_token_ids, skip_special_tokens=True)
+    assert want.finish_reason == "stop" and want.num_closing_tokens > 0, text
+    assert '"hasEmail": "mailto:' in text
+    jsonschema.validate(json.loads(text), schema)
+
+
 def test_sampled_closing_stays_complete_and_valid(trained, tiny_models):
     schemas, specs, prompts, tokenizer = trained
     for max_tokens in (32, 96):

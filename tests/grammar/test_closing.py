@@ -150,3 +150,42 @@ def test_from_vocab_on_a_hand_made_vocabulary():
     assert torch.argsort(pref.rank)[:9].tolist() == [0, 2, 1, 3, 7, 6, 4, 8, 5]
     assert pref.by_text[b"ab"] == 8 and pref.max_token_bytes == 4
     assert pref.closers == {0, 2} and pref.string_closers == {0, 1, 3}
+
+
+@pytest.fixture(scope="module")
+def qwen_cache(tiny_models):
+    """The tiny Qwen3.5 target's compiler cache: a byte-level vocabulary of 512 tokens, so the walk
+    spells nearly everything one character at a time."""
+    from specd.grammar.compiler import GrammarCompilerCache
+
+    return GrammarCompilerCache.from_model_dir(tiny_models["target-qwen3_5-mtp"])
+
+
+@pytest.mark.parametrize("prefix", ["", '{"fn": "x", "hasEmail": "mailto:keystr', '{"fn": "x", "hasEmail": "mailto:a@',
+                                    '{"fn": "x", "hasEmail": "mailto:a@b', '{"fn": "x", "hasEmail": "mailto:a@b.'])
+def test_walk_leaves_a_class_that_holds_its_own_terminator(qwen_cache, load_schema, prefix):
+    """Github_easy/o83161's `@[\\w.-]+\\.[\\w.-]+?`: after `@` the mask stays the same until a `.` and
+    one more character have come, so no single token changes it, and the walk used to repeat its
+    first pick (`Z`) for ever: no suffix, no closing, the sweep's responses ran out of tokens."""
+    schema = load_schema("Github_easy/o83161.json")
+    grammar = qwen_cache.sequence_grammar(GrammarSpec("json_schema", json.dumps(schema)))
+    info = qwen_cache.tokenizer_info
+    spelled = {bytes(t): i for i, t in enumerate(info.decoded_vocab) if len(t) == 1}
+    grammar.commit([spelled[bytes([b])] for b in prefix.encode()])  # one byte at a time
+    suffix = closing_suffix(grammar.fork_drafts(), qwen_cache.closing_preference(), 128)
+    assert suffix is not None, prefix
+    text = prefix.encode() + b"".join(bytes(info.decoded_vocab[t]) for t in suffix[:-1])
+    jsonschema.validate(json.loads(text), schema)
+    grammar.commit(suffix[:1])  # each pick depends on the state only: the walk goes on as it went
+    assert closing_suffix(grammar.fork_drafts(), qwen_cache.closing_preference(), 128) == suffix[1:]
+
+
+def test_walk_still_repeats_a_token_that_counts_towards_a_bound(cache, tokenizer):
+    """`[0-9]{6}`: no digit changes the mask before the sixth, and repeating the first pick gets there."""
+    grammar = cache.sequence_grammar(GrammarSpec("regex", r"id-[0-9]{6}-[a-z]+\.(com|org)"))
+    prefix = tokenizer.encode("id-", add_special_tokens=False)
+    grammar.commit(prefix)
+    suffix = closing_suffix(grammar.fork_drafts(), cache.closing_preference(), 64)
+    assert suffix is not None
+    text = tokenizer.decode(prefix + suffix[:-1])
+    assert re.fullmatch(r"id-111111-[a-z]+\.(com|org)", text), text
