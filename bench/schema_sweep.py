@@ -91,7 +91,7 @@ class GatewayCheck:
 
         Anything but a GatewayError(400) propagates: that is a crash, not a rejection.
         """
-        from services.gateway.results import GatewayError
+        from services.gateway.errors import GatewayError
 
         try:
             self.gateway.check_values({"response_format": response_format})

@@ -40,8 +40,9 @@ from services.common.tls import PLAINTEXT, TLSConfig, channel_credentials
 from services.gateway import openai_api as oai
 from services.gateway.body_limit import BodySizeLimit
 from services.gateway.metrics import CONTENT_TYPE_LATEST, GatewayMetrics
-from services.gateway.results import (REDIS_ERRORS, GatewayError, GenerationOutput, RequestStream,
-                                      RequestTimings, ResultReader, redis_unavailable)
+from services.gateway.errors import REDIS_ERRORS, GatewayError, redis_unavailable
+from services.gateway.request_stream import GenerationOutput, RequestStream, RequestTimings
+from services.gateway.result_reader import ResultReader
 from services.gateway.validation import find_invalid_value
 
 logger = logging.getLogger(__name__)

@@ -30,7 +30,8 @@ from services.common.api_keys import ApiKeyInterceptor
 from services.common.grpc_server import NO_PORT_SHARING
 from services.common.tls import add_port
 from services.gateway.app import Gateway, collect, first_output
-from services.gateway.results import REDIS_ERRORS, GatewayError, RequestTimings, redis_unavailable
+from services.gateway.errors import REDIS_ERRORS, GatewayError, redis_unavailable
+from services.gateway.request_stream import RequestTimings
 from services.gateway.validation import MAX_STOP_WORDS
 
 logger = logging.getLogger(__name__)

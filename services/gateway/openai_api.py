@@ -21,7 +21,8 @@ from specd.messages import ConfigError, SpecStats
 from specd.sampling_params import SamplingParams
 from specd.transport.redis_streams import QueuedRequest
 
-from services.gateway.results import GatewayError, GenerationOutput, RequestStream
+from services.gateway.errors import GatewayError
+from services.gateway.request_stream import GenerationOutput, RequestStream
 from services.gateway.validation import MAX_STOP_WORDS
 
 

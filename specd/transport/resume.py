@@ -3,7 +3,7 @@
 The result stream is the only record of what the client may already have seen, so a verifier
 that reclaims a dead one's request continues from exactly the tokens written there: it
 re-prefills prompt + those tokens and samples the rest with the same (seed, position) noise.
-Replaying applies the reader's rule (services/gateway/results.py): an entry at `pos` keeps only
+Replaying applies the reader's rule (services/gateway/result_reader.py): an entry at `pos` keeps only
 its tokens past what is already known, so duplicate deltas of a partly sent pipeline count once.
 """
 

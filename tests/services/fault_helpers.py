@@ -1,5 +1,5 @@
 """Helpers shared by the fault-tolerance tests: in-process verifier workers on a real Redis, and
-the gateway's own result reader (services/gateway/results.py) as the client that deduplicates."""
+the gateway's own result reader (services/gateway/result_reader.py) as the client that deduplicates."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import redis
 import redis.asyncio
 
-from services.gateway.results import ResultReader
+from services.gateway.result_reader import ResultReader
 from services.verifier.claims import ClaimConfig
 from services.verifier.worker import VerifierWorker, WorkerConfig
 from specd.engine.builder import build_engine

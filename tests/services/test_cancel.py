@@ -12,7 +12,7 @@ import pytest
 import redis
 
 from services.gateway.app import Gateway, GatewayConfig
-from services.gateway.results import RequestTimings
+from services.gateway.request_stream import RequestTimings
 from specd.sampling_params import SamplingParams
 from specd.transport.redis_streams import QueuedRequest, cancel_key, result_key
 from tests.services.fault_helpers import make_worker, read_like_the_gateway

@@ -27,7 +27,7 @@ import pytest
 import redis
 
 from services.gateway.app import GatewayConfig
-from services.gateway.results import IncrementalDetokenizer, StopStringFilter
+from services.gateway.detokenize import IncrementalDetokenizer, StopStringFilter
 from services.gateway.server import GatewayServer
 from specd.messages import ConfigError, SpeculativeConfig
 from specd.sampling_params import SamplingParams
