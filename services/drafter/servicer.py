@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from services.common.step_streams import StepError, invalid, serve_steps
 from specd.grammar.backend import GrammarSpec
 from specd.messages import ConfigError
 from specd.proposers.base import DraftRequest, Proposer
@@ -33,18 +34,6 @@ logger = logging.getLogger(__name__)
 
 HIDDEN_KIND_TO_PB = {"none": drafter_pb2.HIDDEN_KIND_NONE, "final": drafter_pb2.HIDDEN_KIND_FINAL,
                      "aux": drafter_pb2.HIDDEN_KIND_AUX}
-
-
-class StepError(Exception):
-    """A step the drafter refuses; `code` is the gRPC status the stream ends with."""
-
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-
-
-def _invalid(message: str) -> StepError:
-    return StepError(grpc.StatusCode.INVALID_ARGUMENT, message)
 
 
 def _status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
@@ -118,19 +107,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             self._streams[stream.stream_id] = stream
         logger.info("event=stream_open stream=%d peer=%s method=%s", stream.stream_id, stream.peer,
                     self.proposer.method)
-        # Runs however the RPC ends, also when the client vanishes while we wait on it.
-        context.add_callback(lambda: self._close_stream(stream, "rpc_done"))
-        try:
-            for request in request_iterator:
-                yield self._step(stream, request)
-        except Exception as exc:  # noqa: BLE001 - every failure ends this stream, not the server
-            code, message = _status_of(exc)
-            if code == grpc.StatusCode.INTERNAL:
-                logger.exception("stream %d: step failed", stream.stream_id)
-            self._close_stream(stream, f"error:{code.name}")
-            context.abort(code, message)
-        finally:
-            self._close_stream(stream, "end")
+        yield from serve_steps(stream, request_iterator, context, self._step, self._close_stream, _status_of)
 
     # ---- one step ---------------------------------------------------------------------------
     def _step(self, stream: _Stream, request: drafter_pb2.DraftStepRequest
@@ -157,7 +134,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                 stream.seqs[item.seq_id] = state
                 self.num_sequences_opened += 1
             if len({item.seq_id for item in request.sequences}) != len(request.sequences):
-                raise _invalid("sequences: a seq id appears twice in one step")
+                raise invalid("sequences: a seq id appears twice in one step")
             requests = [self._draft_request(stream, item) for item in request.sequences]
             t1 = time.perf_counter()
             proposals = self.proposer.propose(requests) if requests else []
@@ -178,14 +155,14 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         """Validate one sequence's input against its state and the proposer's contract."""
         state = stream.seqs.get(item.seq_id)
         if state is None:
-            raise _invalid(f"sequences: unknown seq id {item.seq_id} (open it first)")
+            raise invalid(f"sequences: unknown seq id {item.seq_id} (open it first)")
         k = item.num_draft_tokens
         if not 0 <= k <= self.max_num_draft_tokens:
-            raise _invalid(f"num_draft_tokens: seq {item.seq_id} asks for {k}; this drafter drafts "
+            raise invalid(f"num_draft_tokens: seq {item.seq_id} asks for {k}; this drafter drafts "
                            f"0..{self.max_num_draft_tokens}")
         tokens = list(item.new_token_ids)
         if tokens and (min(tokens) < 0 or max(tokens) >= self.vocab_size):
-            raise _invalid(f"new_token_ids: seq {item.seq_id} has ids outside [0, {self.vocab_size})")
+            raise invalid(f"new_token_ids: seq {item.seq_id} has ids outside [0, {self.vocab_size})")
         hidden = None
         if self.proposer.hidden_kind != "none":
             hidden = tensor_from_pb(item.new_hidden_states) if item.HasField("new_hidden_states") else None
@@ -193,15 +170,15 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             want_rows = len(tokens) - (1 if state.num_tokens == 0 and tokens else 0)
             got_rows = 0 if hidden is None else hidden.shape[0]
             if hidden is not None and hidden.ndim != 2:
-                raise _invalid(f"new_hidden_states: seq {item.seq_id}: expected [n, H*], got "
+                raise invalid(f"new_hidden_states: seq {item.seq_id}: expected [n, H*], got "
                                f"shape {list(hidden.shape)}")
             if hidden is not None and not hidden.is_floating_point():
-                raise _invalid(f"new_hidden_states: seq {item.seq_id}: expected floats, got {hidden.dtype}")
+                raise invalid(f"new_hidden_states: seq {item.seq_id}: expected floats, got {hidden.dtype}")
             if got_rows != want_rows:
-                raise _invalid(f"new_hidden_states: seq {item.seq_id} sends {len(tokens)} tokens "
+                raise invalid(f"new_hidden_states: seq {item.seq_id} sends {len(tokens)} tokens "
                                f"and {got_rows} hidden rows; expected {want_rows} rows")
             if hidden is not None and self.hidden_size and hidden.shape[1] != self.hidden_size:
-                raise _invalid(f"new_hidden_states: seq {item.seq_id}: rows of width {hidden.shape[1]}, "
+                raise invalid(f"new_hidden_states: seq {item.seq_id}: rows of width {hidden.shape[1]}, "
                                f"this drafter expects {self.hidden_size}")
         return DraftRequest(state.internal_id, tokens, hidden, k, num_output_tokens=item.num_output_tokens)
 

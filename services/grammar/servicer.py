@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from services.common.step_streams import StepError, invalid, serve_steps
 from specd.grammar.backend import GrammarSpec, GrammarStep
 from specd.grammar.compiler import GrammarCompilerCache
 from specd.grammar.errors import GrammarCompileError, GrammarNotOpenError, GrammarViolation
@@ -32,18 +33,6 @@ from specd.transport.tensor_codec import tensor_to_pb
 from specd.v1 import grammar_pb2, grammar_pb2_grpc
 
 logger = logging.getLogger(__name__)
-
-
-class StepError(Exception):
-    """A step the service refuses; `code` is the gRPC status the stream ends with."""
-
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-
-
-def _invalid(message: str) -> StepError:
-    return StepError(grpc.StatusCode.INVALID_ARGUMENT, message)
 
 
 def _status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
@@ -105,19 +94,7 @@ class GrammarServicer(grammar_pb2_grpc.GrammarServicer):
             stream = _Stream(next(self._stream_ids), context.peer(), LocalGrammarBackend(self.compiler_cache))
             self._streams[stream.stream_id] = stream
         logger.info("event=stream_open stream=%d peer=%s", stream.stream_id, stream.peer)
-        # Runs however the RPC ends, also when the client vanishes while we wait on it.
-        context.add_callback(lambda: self._close_stream(stream, "rpc_done"))
-        try:
-            for request in request_iterator:
-                yield self._step(stream, request)
-        except Exception as exc:  # noqa: BLE001 - every failure ends this stream, not the server
-            code, message = _status_of(exc)
-            if code == grpc.StatusCode.INTERNAL:
-                logger.exception("stream %d: step failed", stream.stream_id)
-            self._close_stream(stream, f"error:{code.name}")
-            context.abort(code, message)
-        finally:
-            self._close_stream(stream, "end")
+        yield from serve_steps(stream, request_iterator, context, self._step, self._close_stream, _status_of)
 
     # ---- one step ---------------------------------------------------------------------------
     def _step(self, stream: _Stream, request: grammar_pb2.GrammarStepRequest
@@ -131,7 +108,7 @@ class GrammarServicer(grammar_pb2_grpc.GrammarServicer):
                 backend.close(seq_id)
             opens = [self._open_args(backend, item) for item in request.open]
             if len({seq_id for seq_id, _, _ in opens}) != len(opens):
-                raise _invalid("open: a seq id appears twice in one step")
+                raise invalid("open: a seq id appears twice in one step")
             for seq_id, spec, replay in opens:
                 backend.open(seq_id, spec, replay)
                 self.num_sequences_opened += 1
@@ -155,7 +132,7 @@ class GrammarServicer(grammar_pb2_grpc.GrammarServicer):
     def _check_ids(self, what: str, seq_id: int, token_ids) -> list[int]:
         tokens = [int(t) for t in token_ids]
         if tokens and (min(tokens) < 0 or max(tokens) >= self.vocab_size):
-            raise _invalid(f"{what}: seq {seq_id} has token ids outside [0, {self.vocab_size})")
+            raise invalid(f"{what}: seq {seq_id} has token ids outside [0, {self.vocab_size})")
         return tokens
 
     def _open_args(self, backend: LocalGrammarBackend, item: grammar_pb2.OpenMatcher
@@ -164,7 +141,7 @@ class GrammarServicer(grammar_pb2_grpc.GrammarServicer):
             raise StepError(grpc.StatusCode.FAILED_PRECONDITION,
                             f"open: seq {item.seq_id} is already open on this stream (close it first)")
         if not item.HasField("spec"):
-            raise _invalid(f"open: seq {item.seq_id} has no grammar spec")
+            raise invalid(f"open: seq {item.seq_id} has no grammar spec")
         return item.seq_id, spec_from_pb(item.spec), self._check_ids("open.replay_token_ids", item.seq_id,
                                                                      item.replay_token_ids)
 
@@ -173,9 +150,9 @@ class GrammarServicer(grammar_pb2_grpc.GrammarServicer):
         commits: dict[int, list[int]] = {}
         for item in request.commit:
             if item.seq_id in commits:
-                raise _invalid(f"commit: seq {item.seq_id} appears twice in one step")
+                raise invalid(f"commit: seq {item.seq_id} appears twice in one step")
             if item.seq_id not in backend:
-                raise _invalid(f"commit: unknown seq id {item.seq_id} (open it first)")
+                raise invalid(f"commit: unknown seq id {item.seq_id} (open it first)")
             commits[item.seq_id] = self._check_ids("commit.token_ids", item.seq_id, item.token_ids)
         return commits
 
@@ -184,9 +161,9 @@ class GrammarServicer(grammar_pb2_grpc.GrammarServicer):
         drafts: dict[int, list[int]] = {}
         for item in request.masks:
             if item.seq_id in drafts:
-                raise _invalid(f"masks: seq {item.seq_id} appears twice in one step")
+                raise invalid(f"masks: seq {item.seq_id} appears twice in one step")
             if item.seq_id not in backend:
-                raise _invalid(f"masks: unknown seq id {item.seq_id} (open it first)")
+                raise invalid(f"masks: unknown seq id {item.seq_id} (open it first)")
             drafts[item.seq_id] = self._check_ids("masks.draft_token_ids", item.seq_id, item.draft_token_ids)
         return drafts
 
@@ -196,7 +173,7 @@ class GrammarServicer(grammar_pb2_grpc.GrammarServicer):
         budgets: dict[int, int] = {}
         for item in request.masks:
             if item.remaining_tokens < 0:
-                raise _invalid(f"masks: seq {item.seq_id} has remaining_tokens {item.remaining_tokens} (must be >= 0)")
+                raise invalid(f"masks: seq {item.seq_id} has remaining_tokens {item.remaining_tokens} (must be >= 0)")
             if item.remaining_tokens:
                 budgets[item.seq_id] = item.remaining_tokens
         return budgets
