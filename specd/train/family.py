@@ -141,29 +141,26 @@ def train_family(out_dir: str | Path, budget: Budget | None = None, device: str 
         return DrafterBatches(WindowSampler(stream, stage.seq_len, stage.batch_size, stage_seed),
                               pool, dev, budget.self_fraction, stage_seed)
 
+    def train_head(name: str, stage: StageBudget, stage_seed: int, task, save) -> None:
+        """One TTT-trained head (EAGLE-3 or MTP): train, record, save (save(head) -> path)."""
+        task.head.to(dev)
+        result, agree = train_pair_head(task, target, aux_ids, drafter_batches(stage, stage_seed),
+                                        stage.loop(budget.log_every), dev, name, log)
+        record[name] = dict(result.to_dict(), top1_agreement_per_step=agree,
+                            parameters=sum(p.numel() for p in task.head.parameters() if p.requires_grad))
+        paths[name] = save(task.head)
+
     # EAGLE-3 -------------------------------------------------------------------------------------
-    b = budget.eagle3
     draft_ids = frequent_token_ids(stream, budget.target_shape.vocab_size, budget.draft_vocab_size)
     task, raw = build_eagle3_task(target, draft_ids, aux_ids, budget.ttt_steps)
-    task.head.to(dev)
-    result, agree = train_pair_head(task, target, aux_ids, drafter_batches(b, seed + 1),
-                                    b.loop(budget.log_every), dev, "eagle3", log)
-    record["eagle3"] = dict(result.to_dict(), top1_agreement_per_step=agree,
-                            parameters=sum(p.numel() for p in task.head.parameters()
-                                           if p.requires_grad))
-    paths["eagle3"] = save_eagle3(task.head, raw, out / NAMES["eagle3"], tokenizer)
+    train_head("eagle3", budget.eagle3, seed + 1, task,
+               lambda head: save_eagle3(head, raw, out / NAMES["eagle3"], tokenizer))
     del task
 
     # DeepSeek-style MTP --------------------------------------------------------------------------
-    b = budget.mtp
     task, config = build_mtp_task(target, budget.ttt_steps)
-    task.head.to(dev)
-    result, agree = train_pair_head(task, target, aux_ids, drafter_batches(b, seed + 2),
-                                    b.loop(budget.log_every), dev, "mtp", log)
-    record["mtp"] = dict(result.to_dict(), top1_agreement_per_step=agree,
-                         parameters=sum(p.numel() for p in task.head.parameters()
-                                        if p.requires_grad))
-    paths["mtp"] = save_mtp(task.head, config, out / NAMES["mtp"], tokenizer)
+    train_head("mtp", budget.mtp, seed + 2, task,
+               lambda head: save_mtp(head, config, out / NAMES["mtp"], tokenizer))
     del task
 
     # draft model ---------------------------------------------------------------------------------
