@@ -1,4 +1,4 @@
-"""Fixtures for service tests: a real Redis server on loopback."""
+"""Fixtures for service tests: a real Redis server on loopback, a client of it, the tiny target."""
 
 from __future__ import annotations
 
@@ -12,6 +12,21 @@ def redis_url():
     server = start_embedded_redis()
     yield server.url
     server.stop()
+
+
+@pytest.fixture(scope="module")
+def client(redis_url):
+    import redis
+
+    c = redis.Redis.from_url(redis_url)
+    yield c
+    c.close()
+
+
+@pytest.fixture(scope="module")
+def target(tiny_models):
+    """The tiny Llama target most service tests serve."""
+    return tiny_models["target-llama"]
 
 
 @pytest.fixture(scope="module")

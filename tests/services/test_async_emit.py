@@ -92,18 +92,6 @@ class SlowRedis:
         return pipe
 
 
-@pytest.fixture(scope="module")
-def client(redis_url):
-    c = redis.Redis.from_url(redis_url)
-    yield c
-    c.close()
-
-
-@pytest.fixture(scope="module")
-def target(tiny_models):
-    return tiny_models["target-llama"]
-
-
 def make_worker(redis_url, target, stream, async_emit=True, spec=NGRAM, max_batch_size=8, idle_ms=30_000,
                 **slow_kw):
     slow = SlowRedis(redis.Redis.from_url(redis_url), **slow_kw)

@@ -26,11 +26,6 @@ SPECS = [GrammarSpec("json_object"), GrammarSpec("regex", r"(yes|no|maybe)( [0-9
 
 
 @pytest.fixture(scope="module")
-def target(tiny_models):
-    return tiny_models["target-llama"]
-
-
-@pytest.fixture(scope="module")
 def workload(target):
     prompts = [[5 + i, 9, 13 + 2 * i] * (1 + i % 2) for i in range(6)]
     params = [SamplingParams(max_new_tokens=40) for _ in prompts]

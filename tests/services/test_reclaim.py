@@ -8,7 +8,6 @@ from __future__ import annotations
 import time
 
 import pytest
-import redis
 
 from services.verifier.claims import ClaimConfig
 from services.verifier.emitter import ResultEmitter
@@ -20,18 +19,6 @@ from specd.sampling_params import SamplingParams
 from tests.services.fault_helpers import ENGINE, NGRAM, delivered_tokens, make_worker, read_like_the_gateway
 from tests.services.test_verifier import (assert_queue_empty, check_answers, collect, enqueue, make_requests,
                                           reference_tokens)
-
-
-@pytest.fixture(scope="module")
-def client(redis_url):
-    c = redis.Redis.from_url(redis_url)
-    yield c
-    c.close()
-
-
-@pytest.fixture(scope="module")
-def target(tiny_models):
-    return tiny_models["target-llama"]
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

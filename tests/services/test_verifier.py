@@ -164,18 +164,6 @@ def make_worker(redis_url: str, target: Path, stream: str, spec=None, max_batch_
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-@pytest.fixture(scope="module")
-def client(redis_url):
-    c = redis.Redis.from_url(redis_url)
-    yield c
-    c.close()
-
-
-@pytest.fixture(scope="module")
-def target(tiny_models) -> Path:
-    return tiny_models["target-llama"]
-
-
 # ---- in-process -----------------------------------------------------------------------------------
 @pytest.mark.parametrize("method", ["draft_model", "ngram"])
 def test_inprocess_speculative_greedy_equals_target(redis_url, client, target, tiny_models, method):
