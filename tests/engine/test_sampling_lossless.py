@@ -84,7 +84,8 @@ def test_speculative_sampling_matches_target_distribution(tiny_vocab_models, set
     assert pvalue > 1e-3
 
 
-def accept_every_draft(target_probs, draft_token_ids, draft_probs, num_draft_tokens, seeds, positions):
+def accept_every_draft(target_probs, draft_token_ids, draft_probs, num_draft_tokens, seeds, positions,
+                       one_hot_target=False):
     """The planted bug: drafts are never rejected; the bonus is the target's argmax."""
     batch, max_k = draft_token_ids.shape
     out = torch.full((batch, max_k + 1), -1, dtype=torch.long)
