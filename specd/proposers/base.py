@@ -42,6 +42,13 @@ class DraftProposal:
     token_ids: torch.Tensor  # [k] int64, target-vocabulary ids
     probs: torch.Tensor | None = None  # [k, target_vocab] float32 q; None: one-hot (greedy) drafts
 
+    def truncated(self, k: int) -> "DraftProposal":
+        """The first k drafts (a prefix of drafts is a valid proposal: verifying fewer changes no
+        output, and the drafter learns what was kept from the next step's tokens)."""
+        if self.token_ids.numel() <= k:
+            return self
+        return DraftProposal(self.token_ids[:k], None if self.probs is None else self.probs[:k])
+
 
 class Proposer(Protocol):
     """Draft proposer holding each request's draft state (draft KV cache, n-gram index)."""

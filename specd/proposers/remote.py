@@ -4,7 +4,9 @@ Each drafter gets one long-lived DraftSteps stream (specd/proposers/drafter_stre
 and close() are buffered and ride along with the next step message. propose() splits the batch by
 drafter with a consistent-hash ring over the live drafters, sends one message to each at once (the
 streams' own threads send them in parallel), waits for all answers up to `deadline_s` and puts the
-drafts back in request order.
+drafts back in request order. propose_async() splits the two halves: the engine sends a step's
+requests right after the previous commit and collects the drafts when the step begins, so the
+drafters' round trip overlaps the verifier's own work between steps (one step in flight at a time).
 
 Failure is a loss of speed, never of output. A drafter that breaks its stream or misses the step
 deadline is dropped from the ring; its sequences are *parked*: they get no drafts (target-only
@@ -134,6 +136,7 @@ class RemoteProposer:
             self._start_reconnect(err.address)
         self.last_rpc_seconds = 0.0
         self.last_draft_seconds = 0.0
+        self._in_flight: PendingDrafts | None = None  # a sent step not collected yet
         if refresh_s > 0:
             self._discovery = DrafterDiscovery(resolve, refresh_s, self._wanted)
 
@@ -180,6 +183,14 @@ class RemoteProposer:
             drafter.pending_close.append(seq_id)
 
     def propose(self, requests: list[DraftRequest]) -> list[DraftProposal]:
+        return self.propose_async(requests).result()
+
+    def propose_async(self, requests: list[DraftRequest]) -> "PendingDrafts":
+        """Send the step now, collect its drafts later (`result()`): the engine sends the next
+        step's requests right after a commit and collects them when that step begins, so the
+        drafters draft while the verifier writes results and admits (SpecEngine._prefetch_drafts).
+        A stream carries one step at a time: a step still in flight is collected first."""
+        self._settle()
         t0 = time.perf_counter()
         self._absorb()
         groups: dict[str, list[int]] = {}  # live drafter address -> indices into requests
@@ -191,11 +202,22 @@ class RemoteProposer:
                 groups.setdefault(owner.address, []).append(i)
         targets = [d for a, d in self._drafters.items() if a in groups or d.pending_open or d.pending_close]
         sent = {d.address: self._send(d, [requests[i] for i in groups.get(d.address, [])]) for d in targets}
+        self._in_flight = PendingDrafts(self, requests, groups, targets, sent, t0)
+        return self._in_flight
+
+    def _settle(self) -> None:
+        """Collect the step in flight, if any (its PendingDrafts keeps the answer for its owner)."""
+        if self._in_flight is not None:
+            self._in_flight.result()
+
+    def _receive(self, pending: "PendingDrafts") -> list[DraftProposal]:
+        """Wait for a sent step's answers (the deadline counts from now) and map them back."""
+        requests, groups = pending.requests, pending.groups
         deadline = time.monotonic() + self.deadline_s
         responses = {}
-        for d in targets:  # every stream is drained, so step ids stay in sync
+        for d in pending.targets:  # every stream is drained, so step ids stay in sync
             try:
-                responses[d.address] = d.receive(sent[d.address], deadline)
+                responses[d.address] = d.receive(pending.sent[d.address], deadline)
             except DrafterRejectedError as err:
                 err.lost_seq_ids = self._lose(d, err)
                 raise
@@ -213,7 +235,7 @@ class RemoteProposer:
                 probs = tensor_from_pb(seq.probs) if seq.HasField("probs") else None
                 out[i] = DraftProposal(torch.tensor(seq.token_ids, dtype=torch.long), probs)
         self.last_draft_seconds = max((r.draft_time_us for r in responses.values()), default=0) / 1e6
-        self.last_rpc_seconds = time.perf_counter() - t0
+        self.last_rpc_seconds = time.perf_counter() - pending.sent_at
         return out
 
     # ---- beyond the protocol ----------------------------------------------------------------
@@ -221,8 +243,9 @@ class RemoteProposer:
         """Parked sequences a live drafter can take now; the caller closes and reopens each with
         its whole history (their draft state is gone). Empty while no drafter is live.
 
-        Called between steps (nothing in flight), this is also where sequences move to a drafter
-        that joined the ring: they are parked here and named with the rest."""
+        Called between steps (a step in flight is collected first), this is also where sequences
+        move to a drafter that joined the ring: they are parked here and named with the rest."""
+        self._settle()
         self._absorb()
         if not self._drafters:
             return []
@@ -391,3 +414,29 @@ class RemoteProposer:
         step_id = drafter.next_step_id
         drafter.send(message)
         return step_id
+
+
+class PendingDrafts:
+    """One sent step of a RemoteProposer: `result()` waits for its drafts, once (later calls
+    return the same list), in request order; `requests` are the step's requests."""
+
+    def __init__(self, proposer: RemoteProposer, requests: list[DraftRequest], groups: dict[str, list[int]],
+                 targets: list[DrafterStream], sent: dict[str, int], sent_at: float) -> None:
+        self.proposer = proposer
+        self.requests = requests
+        self.groups, self.targets, self.sent, self.sent_at = groups, targets, sent, sent_at
+        self._proposals: list[DraftProposal] | None = None
+        self._error: BaseException | None = None  # what receiving raised: raised again, not retried
+
+    def result(self) -> list[DraftProposal]:
+        if self._proposals is None and self._error is None:
+            if self.proposer._in_flight is self:
+                self.proposer._in_flight = None  # settled, also when receiving raises
+            try:
+                self._proposals = self.proposer._receive(self)
+            except BaseException as err:
+                self._error = err
+                raise
+        if self._error is not None:
+            raise self._error
+        return self._proposals
