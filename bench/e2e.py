@@ -119,6 +119,9 @@ def step_split_ms(before: dict, after: dict) -> dict[str, float]:
     return split | {"steps": int(steps)}
 
 
+SYNC_SUFFIX = "-sync"  # "replay-sync": the method with drafting ahead off (SPECD_DRAFT_AHEAD=0), for A/B
+
+
 def run_method(method: str, target: Path, draft: Path | None, batches: list[int], prompts, max_tokens: int,
                k: int, device: str, extra_env: dict | None = None, log_level: str = "warning",
                rounds: int = 3) -> tuple[list[E2ERow], dict]:
@@ -127,7 +130,10 @@ def run_method(method: str, target: Path, draft: Path | None, batches: list[int]
     from services.launcher.supervisor import Stack, StackConfig
     from specd.transport.embedded_redis import free_port
 
+    label, method = method, method.removesuffix(SYNC_SUFFIX)
     spec = None if method == "off" else method
+    if label != method:
+        extra_env = dict(extra_env or {}, SPECD_DRAFT_AHEAD="0")
     metrics_port = free_port()
     config = StackConfig(model=str(target), server_name="127.0.0.1", server_port=free_port(),
                          grpc_port=free_port(), speculative_algorithm=spec,
@@ -147,7 +153,7 @@ def run_method(method: str, target: Path, draft: Path | None, batches: list[int]
             for _ in range(rounds):
                 before = scrape_step_phases(metrics_port)
                 wall, replies = _generate_all(stack, prompts[:batch], max_tokens)
-                row = _row(method, batch, wall, replies)
+                row = _row(label, batch, wall, replies)
                 row.step_ms = step_split_ms(before, scrape_step_phases(metrics_port))
                 timed.append((row, replies))
             timed.sort(key=lambda t: t[0].tokens_per_s)
@@ -195,14 +201,14 @@ def run_e2e_bench(target: Path, drafts: dict, methods: list[str], batches: list[
     off: dict[int, E2ERow] = {}
     for method in methods:
         env, expected = {"SPECD_COMPILE": compile_mode or "0"}, None
-        if method == "replay":
+        if method.removesuffix(SYNC_SUFFIX) == "replay":
             refs = work_dir / "replay_references.jsonl"
             write_references(refs, [(list(p), out) for p, out in info["off_outputs"].items()])
             rate = corrupt_rate_for(replay_acceptance, k)
             env |= {"SPECD_REPLAY_REFERENCES": str(refs), "SPECD_REPLAY_CORRUPT_RATE": repr(rate)}
             expected = replay_acceptance
             info["replay_corrupt_rate"] = rate
-        draft = drafts.get(method)
+        draft = drafts.get(method.removesuffix(SYNC_SUFFIX))
         draft = draft() if callable(draft) else draft  # written on first use (the 8B suite's heads)
         method_rows, extra = run_method(method, target, draft, batches, prompts, max_tokens, k, device, env)
         info["stack_start_s"][method] = extra["stack_start_s"]

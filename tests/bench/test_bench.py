@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-METHODS = ["off", "replay", "ngram", "eagle3", "draft_model"]
+METHODS = ["off", "replay", "replay-sync", "ngram", "eagle3", "draft_model"]  # -sync: drafting ahead off
 
 
 def test_transformers_twin_shares_weights_and_matches_our_logits():
@@ -74,6 +74,7 @@ def test_small_suite_has_every_row(tmp_path, tiny_models):
         assert r["step_ms"]["draft"] > 0 if method != "off" else r["step_ms"]["draft"] >= 0
     assert rows[("replay", 1)]["expected_acceptance_length"] == 3.0
     assert rows[("replay", 1)]["acceptance_length"] > 1.5  # the replayed drafts are accepted
+    assert rows[("replay-sync", 1)]["acceptance_length"] > 1.5  # the same drafts, not sent ahead
     summary = (out / "summary.md").read_text()
     assert "| replay | 2 |" in summary and "| 4 | 4 |" in summary
 
