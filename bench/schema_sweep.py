@@ -39,8 +39,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.schema_validation import judge, validator_for  # noqa: E402  (after the path setup)
+from bench.shared_data import jsonschemabench_dir  # noqa: E402
 
-SCHEMAS = ROOT.parent / "shared" / "data" / "jsonschemabench"
+SCHEMAS = jsonschemabench_dir()
 MODELS = ROOT / "models"
 K = 3
 MAX_TOKENS = 384  # see BENCHMARKS.md, "Structured output: the 600-schema sweep"

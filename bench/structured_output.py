@@ -14,6 +14,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.shared_data import jsonschemabench_dir  # noqa: E402
 from specd.engine.builder import build_engine  # noqa: E402
 from specd.grammar.backend import GrammarSpec  # noqa: E402
 from specd.grammar.compiler import GrammarCompilerCache  # noqa: E402
@@ -22,7 +23,7 @@ from specd.messages import PytorchEngineConfig, SpecStats, SpeculativeConfig  # 
 from specd.proposers.draft_constraints import DraftConstraints  # noqa: E402
 from specd.sampling_params import SamplingParams  # noqa: E402
 
-SCHEMAS = ROOT.parent / "shared" / "data" / "jsonschemabench"
+SCHEMAS = jsonschemabench_dir()
 DRAFTS = {"eagle3": "draft-eagle3", "draft_model": "draft-llama-small"}
 
 

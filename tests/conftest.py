@@ -7,18 +7,12 @@ from pathlib import Path
 
 import pytest
 
+from bench.shared_data import jsonschemabench_dir
+
 REPO = Path(__file__).resolve().parents[1]
 
 
-def shared_dir() -> Path:
-    """The workplace's shared/ folder: beside the checkout (as in CI), or SPECD_SHARED_DIR."""
-    for candidate in (os.environ.get("SPECD_SHARED_DIR"), REPO.parent / "shared", "/work/shared"):
-        if candidate and (Path(candidate) / "data" / "jsonschemabench").is_dir():
-            return Path(candidate)
-    raise FileNotFoundError("shared/data/jsonschemabench not found beside the checkout; set SPECD_SHARED_DIR")
-
-
-JSONSCHEMABENCH = shared_dir() / "data" / "jsonschemabench"
+JSONSCHEMABENCH = jsonschemabench_dir()
 
 
 @pytest.fixture(scope="session")
