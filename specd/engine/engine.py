@@ -17,19 +17,20 @@ from dataclasses import dataclass, field
 import torch
 
 from specd.engine.constraints import ConstraintTracker, keep_grammar_rows, mask_rows
+from specd.engine.drafting import Drafting
 from specd.engine.sequence import Sequence, SequenceStatus
 from specd.engine.stop import StopChecker
 from specd.engine.verify import pad_drafts, verify_target_probs
 from specd.grammar.backend import GrammarSpec
 from specd.messages import ConfigError, SpecStats
 from specd.models.base import SequenceChunk, TargetRunner
-from specd.proposers.base import DraftProposal, DraftRequest, Proposer
+from specd.proposers.base import DraftProposal, Proposer
 from specd.random import SALT_SAMPLE
 from specd.rejection import rejection_sample
 from specd.sampling import SamplingTensors, apply_repetition_penalty, processed_probs, sample_from_probs
 from specd.sampling_params import SamplingParams
 
-DRAFT_AHEAD_ENV = "SPECD_DRAFT_AHEAD"
+DRAFT_AHEAD_ENV = "SPECD_DRAFT_AHEAD"  # "0": drafts are asked for inside each step
 
 
 @dataclass
@@ -58,8 +59,8 @@ class SpecEngine:
                  *, max_batch_size: int, max_model_len: int, tokenizer=None,
                  max_prefill_tokens: int = 8192, grammar_backend=None, draft_ahead: bool | None = None) -> None:
         """draft_ahead: send the next step's draft requests right after each commit where the
-        proposer answers asynchronously (_prefetch_drafts); None reads SPECD_DRAFT_AHEAD (default
-        on; "0" off, for A/B measurements)."""
+        proposer answers asynchronously (drafting.py); None reads SPECD_DRAFT_AHEAD (default on;
+        "0" off, for A/B measurements)."""
         self.runner = runner
         self.proposer = proposer
         self.num_speculative_tokens = num_speculative_tokens if proposer is not None else 0
@@ -73,10 +74,9 @@ class SpecEngine:
         self._ids = itertools.count()
         self._hidden_kind = proposer.hidden_kind if proposer is not None else "none"
         self.constraints = ConstraintTracker(grammar_backend, max_model_len)
-        self._prefetched = None  # (requests, pending answer) sent ahead by the last step
         if draft_ahead is None:
             draft_ahead = os.environ.get(DRAFT_AHEAD_ENV, "1") != "0"
-        self.draft_ahead = draft_ahead
+        self.drafting = Drafting(proposer, lambda seq: self._num_drafts(seq), ahead=draft_ahead)
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
@@ -143,7 +143,7 @@ class SpecEngine:
     def step(self) -> list[Sequence]:
         """One engine step; returns the sequences that finished in it."""
         t0 = time.perf_counter()
-        prefetched = self._collect_prefetched()  # first: nothing else touches the proposer before
+        prefetched = self.drafting.collect()  # first: nothing else touches the proposer before
         t_collect = time.perf_counter()
         finished = self.admit()
         t1 = time.perf_counter()
@@ -155,7 +155,7 @@ class SpecEngine:
         verdict = self.verify(batch, proposals)
         t3 = time.perf_counter()
         finished += self.commit(batch, proposals, verdict)
-        self._prefetch_drafts()
+        self.drafting.send_ahead([s for s in self.running if not s.is_finished])
         t4 = time.perf_counter()
         timings = self.stats.timings
         timings.admit += t1 - t_collect
@@ -235,63 +235,9 @@ class SpecEngine:
 
     def draft(self, batch: list[Sequence], prefetched: dict[int, DraftProposal] | None = None
               ) -> list[DraftProposal]:
-        """k_i draft tokens per sequence: those drafted ahead (`prefetched`, see _prefetch_drafts)
-        where they still apply, the rest from one batched proposer call."""
-        if self.proposer is None or not batch:
-            return [DraftProposal(torch.empty(0, dtype=torch.long)) for _ in batch]
-        prefetched = prefetched or {}
-        proposals: list[DraftProposal | None] = [None] * len(batch)
-        fresh: list[int] = []
-        for i, seq in enumerate(batch):
-            early = prefetched.get(seq.seq_id)
-            # Tokens the drafter has not seen (an admission, a resync) need a request now.
-            if early is None or seq.undrafted_token_ids:
-                fresh.append(i)
-            else:  # admissions since may have taken the cache room those drafts assumed
-                proposals[i] = early.truncated(self._num_drafts(seq))
-        if fresh:
-            requests = [self._draft_request(batch[i]) for i in fresh]
-            answers = self.proposer.propose(requests)
-            assert len(answers) == len(requests)
-            for i, req, p in zip(fresh, requests, answers):
-                if p.token_ids.numel() > req.num_draft_tokens:
-                    raise RuntimeError(f"proposer returned {p.token_ids.numel()} drafts, asked for "
-                                       f"{req.num_draft_tokens}")
-                proposals[i] = p
-        return proposals
-
-    def _draft_request(self, seq: Sequence) -> DraftRequest:
-        tokens, hidden = seq.take_undrafted()
-        return DraftRequest(seq.seq_id, tokens, hidden, self._num_drafts(seq),
-                            num_output_tokens=seq.num_output_tokens)
-
-    def _prefetch_drafts(self) -> None:
-        """Right after a commit, send the next step's draft requests of the running batch to a
-        proposer that answers asynchronously (the remote drafters), so they draft while the
-        verifier writes results and admits; the next step collects them first thing.
-
-        Lossless as ever: drafts are proposals, whatever their timing. The requests carry exactly
-        what the next step would send; what changes in between is handled there (draft()): a
-        sequence that left the batch (finished, aborted, preempted) drops its drafts, one given
-        tokens anew (a resync) drafts again, and drafts are cut to the cache room left."""
-        submit = getattr(self.proposer, "propose_async", None) if self.draft_ahead else None
-        batch = [s for s in self.running if not s.is_finished]
-        if submit is None or not batch:
-            return
-        requests = [self._draft_request(seq) for seq in batch]
-        self._prefetched = (requests, submit(requests))
-
-    def _collect_prefetched(self) -> dict[int, DraftProposal]:
-        """The drafts sent ahead by the last step, by sequence id (empty when none were)."""
-        if self._prefetched is None:
-            return {}
-        (requests, pending), self._prefetched = self._prefetched, None
-        proposals = pending.result()
-        for req, p in zip(requests, proposals):
-            if p.token_ids.numel() > req.num_draft_tokens:
-                raise RuntimeError(f"proposer returned {p.token_ids.numel()} drafts, asked for "
-                                   f"{req.num_draft_tokens}")
-        return {req.seq_id: p for req, p in zip(requests, proposals)}
+        """k_i draft tokens per sequence (drafting.py): those sent ahead where they still apply,
+        the rest from one batched proposer call."""
+        return self.drafting.draft(batch, prefetched or {})
 
     def verify(self, batch: list[Sequence], proposals: list[DraftProposal]):
         """One target forward over [last token, drafts] per sequence, then rejection sampling."""

@@ -188,7 +188,7 @@ class RemoteProposer:
     def propose_async(self, requests: list[DraftRequest]) -> "PendingDrafts":
         """Send the step now, collect its drafts later (`result()`): the engine sends the next
         step's requests right after a commit and collects them when that step begins, so the
-        drafters draft while the verifier writes results and admits (SpecEngine._prefetch_drafts).
+        drafters draft while the verifier writes results and admits (specd/engine/drafting.py).
         A stream carries one step at a time: a step still in flight is collected first."""
         self._settle()
         t0 = time.perf_counter()

@@ -1,4 +1,4 @@
-"""Drafting ahead (SpecEngine._prefetch_drafts): with a proposer that answers asynchronously, the
+"""Drafting ahead (specd/engine/drafting.py): with a proposer that answers asynchronously, the
 next step's draft requests go out right after each commit and the step collects them first.
 
 A local n-gram proposer wrapped to answer "asynchronously" stands in for the remote drafters
@@ -63,7 +63,7 @@ def engine_with(target, draft_ahead: bool):
     proposer = AsyncNgram(plain.proposer)
     engine = build_engine(target, CONFIG, SpeculativeConfig(method="ngram", num_speculative_tokens=3),
                           proposer=proposer)
-    engine.draft_ahead = draft_ahead
+    engine.drafting.ahead = draft_ahead
     return engine, proposer
 
 

@@ -62,7 +62,7 @@ def test_killed_drafter_falls_back_then_resyncs_on_the_survivor(tiny_models, met
             opened_before = survivor.servicer.num_sequences_opened
             victim.stop(0)  # the drafter dies mid-generation
             # Its requests go target-only at once: the step after the kill still uses the drafts
-            # it sent ahead of the kill (engine._prefetch_drafts), the next finds it gone.
+            # it sent ahead of the kill (specd/engine/drafting.py), the next finds it gone.
             t0 = time.perf_counter()
             steps = step_until(engine, lambda: remote.num_failovers == 1, max_steps=2)
             assert time.perf_counter() - t0 < 2.0 * steps and remote.num_failovers == 1
