@@ -45,6 +45,17 @@ def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
 
 
+def pdl_for_e2e(rows, info: dict, q: int) -> str | None:
+    """What the e2e stacks launch with, from the step bench's own run: PDL ("1") only where it was
+    faster at batch 1, q = k + 1 and its outputs matched the plain launches bit for bit, else "0";
+    None when the step bench timed no PDL column (CPU)."""
+    row = next((r for r in rows if r.batch == 1 and r.q == q), None)
+    if row is None or row.specd_no_pdl_ms is None:
+        return None
+    identical = all(c["pdl_vs_no_pdl_max_abs"] == 0 for c in info.get("output_checks", []))
+    return "1" if identical and row.specd_graphs_ms < row.specd_no_pdl_ms else "0"
+
+
 def _prepare_e2e_models(args, work: Path) -> tuple[Path, dict, int]:
     """(target, drafts by method, vocab to draw prompts from) for the chosen size."""
     from bench.e2e import DRAFT_NAMES
@@ -115,8 +126,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-transformers", action="store_true")
     ap.add_argument("--e2e-batches", type=_ints, default=None, help="default 1,8,64,128 (small: 1,4)")
     ap.add_argument("--methods", type=lambda s: s.split(","), default=None,
-                    help="default off,replay,ngram,eagle3,draft_model; a -sync suffix (replay-sync) runs "
-                         "the method with drafting ahead off (SPECD_DRAFT_AHEAD=0), for A/B")
+                    help="default off,replay,ngram,eagle3,draft_model; for A/B, a -sync suffix "
+                         "(replay-sync) runs the method with drafting ahead off (SPECD_DRAFT_AHEAD=0), "
+                         "-gil5ms with Python's default thread switch interval in the verifier")
     ap.add_argument("--max-tokens", type=int, default=None, help="per request (default 128; small 12)")
     ap.add_argument("--replay-acceptance", type=float, default=3.0,
                     help="replay drafter's expected acceptance length (tokens per step)")
@@ -179,6 +191,10 @@ def main(argv: list[str] | None = None) -> int:
         sections.append(write_step_results(rows, info, out))
         print(sections[-1], flush=True)
         print(f"step bench done at {time.perf_counter() - t_start:.0f} s", flush=True)
+        e2e_pdl = pdl_for_e2e(rows, info, args.k + 1)
+        if e2e_pdl is not None and "SPECD_PDL" not in os.environ:
+            os.environ["SPECD_PDL"] = e2e_pdl  # the e2e stacks inherit it
+            print(f"e2e: SPECD_PDL={e2e_pdl} (the faster of the step's PDL columns, outputs identical)", flush=True)
         del rows
         _release_gpu_memory("step")
     if "e2e" in args.what:

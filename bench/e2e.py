@@ -12,6 +12,7 @@ specd/proposers/replay.py). Ratios are against "off" at the same batch size, in 
 from __future__ import annotations
 
 import json
+import os
 import random
 import threading
 import time
@@ -119,7 +120,17 @@ def step_split_ms(before: dict, after: dict) -> dict[str, float]:
     return split | {"steps": int(steps)}
 
 
-SYNC_SUFFIX = "-sync"  # "replay-sync": the method with drafting ahead off (SPECD_DRAFT_AHEAD=0), for A/B
+# A/B variants of a method, as suffixes of its name: "replay-sync" is replay with drafting ahead
+# off; "replay-gil5ms" is replay with the verifier on Python's default thread switch interval.
+VARIANTS = {"-sync": {"SPECD_DRAFT_AHEAD": "0"}, "-gil5ms": {"SPECD_SWITCH_INTERVAL_US": "5000"}}
+
+
+def base_method(label: str) -> tuple[str, dict]:
+    """("replay-sync") -> ("replay", {"SPECD_DRAFT_AHEAD": "0"}): the method and its variant's env."""
+    for suffix, env in VARIANTS.items():
+        if label.endswith(suffix):
+            return label.removesuffix(suffix), env
+    return label, {}
 
 
 def run_method(method: str, target: Path, draft: Path | None, batches: list[int], prompts, max_tokens: int,
@@ -130,10 +141,9 @@ def run_method(method: str, target: Path, draft: Path | None, batches: list[int]
     from services.launcher.supervisor import Stack, StackConfig
     from specd.transport.embedded_redis import free_port
 
-    label, method = method, method.removesuffix(SYNC_SUFFIX)
+    label, (method, variant_env) = method, base_method(method)
     spec = None if method == "off" else method
-    if label != method:
-        extra_env = dict(extra_env or {}, SPECD_DRAFT_AHEAD="0")
+    extra_env = dict(extra_env or {}, **variant_env)
     metrics_port = free_port()
     config = StackConfig(model=str(target), server_name="127.0.0.1", server_port=free_port(),
                          grpc_port=free_port(), speculative_algorithm=spec,
@@ -197,18 +207,18 @@ def run_e2e_bench(target: Path, drafts: dict, methods: list[str], batches: list[
     prompts = make_prompts(max(batches), vocab_for_prompts)
     rows: list[E2ERow] = []
     info: dict = {"k": k, "max_tokens": max_tokens, "device": device, "stack_start_s": {},
-                  "compile_mode": compile_mode}
+                  "compile_mode": compile_mode, "pdl": os.environ.get("SPECD_PDL", "default")}
     off: dict[int, E2ERow] = {}
     for method in methods:
         env, expected = {"SPECD_COMPILE": compile_mode or "0"}, None
-        if method.removesuffix(SYNC_SUFFIX) == "replay":
+        if base_method(method)[0] == "replay":
             refs = work_dir / "replay_references.jsonl"
             write_references(refs, [(list(p), out) for p, out in info["off_outputs"].items()])
             rate = corrupt_rate_for(replay_acceptance, k)
             env |= {"SPECD_REPLAY_REFERENCES": str(refs), "SPECD_REPLAY_CORRUPT_RATE": repr(rate)}
             expected = replay_acceptance
             info["replay_corrupt_rate"] = rate
-        draft = drafts.get(method.removesuffix(SYNC_SUFFIX))
+        draft = drafts.get(base_method(method)[0])
         draft = draft() if callable(draft) else draft  # written on first use (the 8B suite's heads)
         method_rows, extra = run_method(method, target, draft, batches, prompts, max_tokens, k, device, env)
         info["stack_start_s"][method] = extra["stack_start_s"]
@@ -227,8 +237,8 @@ def run_e2e_bench(target: Path, drafts: dict, methods: list[str], batches: list[
 
 def write_e2e_results(rows: list[E2ERow], info: dict, out_dir: Path) -> str:
     lines = [f"end to end through the services, k = {info['k']}, {info['max_tokens']} output tokens per "
-             f"request (greedy, ignore_eos), device {info['device']}, compile {info.get('compile_mode') or 'off'}; "
-             f"stack start s: {info['stack_start_s']}",
+             f"request (greedy, ignore_eos), device {info['device']}, compile {info.get('compile_mode') or 'off'}, "
+             f"SPECD_PDL {info.get('pdl', 'default')}; stack start s: {info['stack_start_s']}",
              "", HEADER, "|---|---|---|---|---|---|---|---|---|"]
     lines += [format_row(r) for r in rows]
     table = "\n".join(lines) + "\n"

@@ -167,11 +167,15 @@ def time_without_pdl(runner: LlamaRunner, batch: int, q: int, context: int, warm
 
 
 def step_logits(runner: LlamaRunner, batch: int, q: int, context: int) -> torch.Tensor:
-    """The logits [batch * q, V] of one step as time_specd runs it (rolled back after)."""
+    """The logits [batch * q, V] of one step as time_specd runs it (rolled back after). The cached
+    keys and values are N(0, 1) draws seeded by the sequence, written through its block table:
+    what a sequence attends to must not depend on which physical blocks the allocator hands out
+    (a free list returns them in another order on the next call)."""
     ids = list(range(batch))
     for s in ids:
         runner.add_sequence(s)
         runner.kv_cache.append_slots(s, context)
+        _fill_sequence_cache(runner, s)
     vocab = runner.config.vocab_size
     try:
         return runner.forward([SequenceChunk(s, [(7 * s + j) % vocab for j in range(q)]) for s in ids]).logits
@@ -180,15 +184,21 @@ def step_logits(runner: LlamaRunner, batch: int, q: int, context: int) -> torch.
             runner.free(s)
 
 
+def _fill_sequence_cache(runner: LlamaRunner, seq_id: int) -> None:
+    """Every cache block of seq_id, in every layer, gets N(0, 1) draws seeded by (seq_id, layer)."""
+    blocks = torch.tensor(runner.kv_cache.block_table(seq_id), device=runner.device)
+    for layer, (k, v) in enumerate(zip(runner.kv_cache.k_caches, runner.kv_cache.v_caches)):
+        gen = torch.Generator(device=runner.device).manual_seed(1000 * seq_id + layer)
+        for cache in (k, v):
+            shape = (len(blocks),) + tuple(cache.shape[1:])
+            cache[blocks] = torch.randn(shape, generator=gen, device=runner.device, dtype=cache.dtype)
+
+
 def check_step_outputs(graphs: LlamaRunner, torch_ops: LlamaRunner, context: int, shapes) -> list[dict]:
-    """What the timed columns compute, compared on the same cached keys and values (both caches
-    filled with the same N(0, 1) draws): the kernels with PDL against the same graphs without it
+    """What the timed columns compute, compared on the same cached keys and values (step_logits
+    fills them per sequence, whatever blocks it holds): the kernels with PDL against the same graphs without it
     (a missing wait would be a race: must be bit-identical) and against the PyTorch-ops twin
     (bf16 rounding: relative error ~1e-2)."""
-    for runner in (graphs, torch_ops):
-        gen = torch.Generator(device=runner.device).manual_seed(1)
-        for cache in runner.kv_cache.k_caches + runner.kv_cache.v_caches:
-            cache.normal_(generator=gen)
     out = []
     for batch, q in shapes:
         with_pdl = step_logits(graphs, batch, q, context)
@@ -250,7 +260,7 @@ def run_step_bench(shape: str = "8b", batches=(1, 8, 32, 64, 128), qs=(1, 4), co
     # The default: specd's Triton kernels (fused_forward.py) and the skinny GEMM where they apply;
     # "torch ops": the same static path over PyTorch ops only (cuBLAS, SDPA), their CPU twin.
     graphs = LlamaRunner(".", engine_config, model=model, config=config, use_static_path=True,
-                         compile_mode="0", gemm="auto", kernels="auto")
+                         compile_mode="0", gemm="auto", kernels="auto", pdl="auto")
     torch_ops = LlamaRunner(".", engine_config, model=model, config=config, use_static_path=True,
                             compile_mode="0", gemm="torch", kernels="off")
     eager = LlamaRunner(".", engine_config, model=model, config=config, use_static_path=False,

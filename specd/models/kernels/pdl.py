@@ -8,8 +8,12 @@ programmatic-serialization attribute, so it may start while its predecessor stil
 must wait (griddepcontrol.wait) before it reads anything an earlier kernel wrote or writes
 anything; what it reads from memory no kernel writes (the weights) it may read before the wait,
 which lets a GEMM start streaming its weights during its predecessor's tail. Each kernel also
-signals (griddepcontrol.launch_dependents) right after its wait, so the next one can be scheduled
-as early as resources allow.
+signals (griddepcontrol.launch_dependents) when its successor may be scheduled: single-wave
+kernels (norms, RoPE, attention) right after their wait, the skinny GEMM only after its K loop.
+Why the GEMM waits: its grid runs in several waves, and a successor scheduled early parks its
+programs on the SMs (registers, shared memory) while they wait, starving the GEMM's later waves.
+The first H200 run released right after the wait everywhere: the step took 5.69 ms against 4.90
+without PDL (BENCHMARKS.md).
 
 The contract every kernel here keeps, so that PDL never changes a result:
   - it calls `gdc_wait` before its first read of an activation and before its first store, in
@@ -89,11 +93,22 @@ def launch_options(enabled: bool) -> dict:
 
 if triton is not None:
     @triton.jit
-    def gdc_wait_and_release(USE_PDL: tl.constexpr):
-        """Wait for the predecessor kernel (its writes visible), then let the successor launch."""
+    def gdc_wait(USE_PDL: tl.constexpr):
+        """Wait for the predecessor kernel (its writes visible)."""
         if USE_PDL:
             tl.extra.cuda.gdc_wait()
+
+    @triton.jit
+    def gdc_release(USE_PDL: tl.constexpr):
+        """Let the successor launch once every program of this kernel got here (or exited)."""
+        if USE_PDL:
             tl.extra.cuda.gdc_launch_dependents()
+
+    @triton.jit
+    def gdc_wait_and_release(USE_PDL: tl.constexpr):
+        """Both at once: for single-wave kernels, whose successors may as well start right away."""
+        gdc_wait(USE_PDL)
+        gdc_release(USE_PDL)
 
     @triton.jit
     def _probe_kernel(x_ptr, USE_PDL: tl.constexpr):
