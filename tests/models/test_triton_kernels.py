@@ -85,6 +85,38 @@ def test_rope_cache_write_and_norms_match_the_pytorch_modules():
     assert out.strip().endswith("ok"), out
 
 
+def test_rms_norm_sums_split_k_partials_then_adds_as_the_unsplit_delta():
+    """A delta of fp32 partials [S, T, H] gives bit for bit what the delta of their in-order fp32
+    sum rounded to fp16 gives (what an unsplit product would store); rounding each partial first
+    would not."""
+    out = run_interpreted("""
+        import torch
+        from specd.models.kernels.norm_act import rms_norm
+        g = torch.Generator().manual_seed(0)
+        t, h = 5, 96  # H not a power of two: the masked tail
+        x = torch.randn(t, h, generator=g).half()
+        w = torch.randn(h, generator=g).half()
+        big = torch.randn(3, t + 2, h, generator=g) * 7  # partials as a strided view: [S, T, H] of rows 1..T
+        for splits in (2, 3):
+            p = big[:splits, 1:t + 1]
+            assert not p.is_contiguous()
+            summed = p[0] + p[1] if splits == 2 else (p[0] + p[1]) + p[2]
+            if splits == 2:
+                assert torch.equal(summed, p.sum(0))
+            res, normed = rms_norm(x, w, 1e-5, p)
+            res_ref, normed_ref = rms_norm(x, w, 1e-5, summed.half())
+            assert torch.equal(res, res_ref) and torch.equal(normed, normed_ref), splits
+            assert torch.equal(res, x + summed.half())
+            each_rounded = x + sum(q.half() for q in p)
+            assert not torch.equal(res, each_rounded)  # the test tells the two roundings apart
+        one, _ = rms_norm(x, w, 1e-5, big[:1, :t].contiguous())  # S = 1 partials: the plain delta
+        assert torch.equal(one, x + big[0, :t].half())
+        print("ok")
+    """)
+    assert out.strip().endswith("ok"), out
+
+
+
 def test_fused_static_forward_equals_the_pytorch_body():
     """The whole static step (logits and EAGLE aux features) through the kernels vs PyTorch ops."""
     out = run_interpreted("""
