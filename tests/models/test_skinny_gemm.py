@@ -124,15 +124,19 @@ def test_static_path_logits_with_the_kernel_equal_cublas_within_rounding():
         from specd.models.base import SequenceChunk
         from specd.models import linear as linear_module, skinny_gemm
         from specd.models.llama_runner import LlamaRunner
-        calls, swiglu_calls = [], []
-        kernel, swiglu = skinny_gemm.skinny_gemm, skinny_gemm.skinny_gemm_swiglu
+        calls, swiglu_calls, partials_calls = [], [], []
+        kernel, swiglu, partials = skinny_gemm.skinny_gemm, skinny_gemm.skinny_gemm_swiglu, skinny_gemm.skinny_gemm_partials
         def counting(x, w):
             calls.append(tuple(x.shape))
             return kernel(x, w)
         def counting_swiglu(x, w):
             swiglu_calls.append(tuple(x.shape))
             return swiglu(x, w)
+        def counting_partials(x, w, splits):
+            partials_calls.append((*x.shape, splits))
+            return partials(x, w, splits)
         skinny_gemm.skinny_gemm, skinny_gemm.skinny_gemm_swiglu = counting, counting_swiglu
+        skinny_gemm.skinny_gemm_partials = counting_partials
         cfg = arch_config("small")
         model = random_model(cfg, torch.float16, torch.device("cpu"))
         ec = PytorchEngineConfig(max_batch_size=2, block_size=16, num_gpu_blocks=32, session_len=128,
@@ -149,10 +153,12 @@ def test_static_path_logits_with_the_kernel_equal_cublas_within_rounding():
         print(err)
         assert a.shape == (8, cfg.vocab_size) and err < 5e-3, err
         # every layer's 4 GEMMs and the lm_head went through the kernel, in the "auto" runner only:
-        # qkv, o, down and the lm_head as plain products, gate/up with SwiGLU in its epilogue
-        assert len(calls) == 3 * cfg.num_hidden_layers + 1 and set(calls) == {(8, cfg.hidden_size),
-            (8, cfg.intermediate_size), (8, cfg.num_attention_heads * cfg.head_dim)}, calls
+        # qkv, o (K = 64: too short to split) and the lm_head as plain products, gate/up with SwiGLU
+        # in its epilogue, down (K = 128) split-K 2 into the next norm
+        assert len(calls) == 2 * cfg.num_hidden_layers + 1 and set(calls) == {(8, cfg.hidden_size),
+            (8, cfg.num_attention_heads * cfg.head_dim)}, calls
         assert swiglu_calls == [(8, cfg.hidden_size)] * cfg.num_hidden_layers, swiglu_calls
+        assert partials_calls == [(8, cfg.intermediate_size, 2)] * cfg.num_hidden_layers, partials_calls
         print("ok")
     """)
     assert out.strip().endswith("ok")

@@ -116,6 +116,47 @@ def test_rms_norm_sums_split_k_partials_then_adds_as_the_unsplit_delta():
     assert out.strip().endswith("ok"), out
 
 
+def test_fused_forward_with_split_k_gemms_equals_the_pytorch_body():
+    """The static step with the skinny GEMMs ("auto"), o_proj and down_proj split-K into the
+    norms (K = 128 and 256 here), vs PyTorch ops and F.linear."""
+    out = run_interpreted("""
+        import dataclasses
+        import torch
+        from bench.step import arch_config, random_model
+        from specd.messages import PytorchEngineConfig
+        from specd.models import skinny_gemm
+        from specd.models.base import SequenceChunk
+        from specd.models.llama_runner import LlamaRunner
+        splits = []
+        partials = skinny_gemm.skinny_gemm_partials
+        def counting(x, w, s):
+            splits.append((*w.shape, s))
+            return partials(x, w, s)
+        skinny_gemm.skinny_gemm_partials = counting
+        cfg = dataclasses.replace(arch_config("small"), hidden_size=128, intermediate_size=256, head_dim=32)
+        model = random_model(cfg, torch.float16, torch.device("cpu"))
+        ec = PytorchEngineConfig(max_batch_size=2, block_size=16, num_gpu_blocks=16, session_len=64,
+                                 device_type="cpu", dtype="float16")
+        results = {}
+        for gemm, kernels in (("auto", "auto"), ("torch", "off")):
+            r = LlamaRunner(".", ec, model=model, config=cfg, use_static_path=True, compile_mode="0",
+                            gemm=gemm, kernels=kernels)
+            r.set_aux_hidden_layers([0, 1])
+            for s, ctx in [(0, 9), (1, 21)]:
+                r.add_sequence(s)
+                r.kv_cache.append_slots(s, ctx)
+            step = r.forward([SequenceChunk(0, [1, 2, 3]), SequenceChunk(1, [4, 5, 6])], want_aux_hidden=True)
+            results[gemm] = (step.logits, step.aux_hidden_states)
+        # o_proj [128, 128] and down_proj [128, 256] of both layers, split in two, in the fused runner only
+        assert splits == [(128, 128, 2), (128, 256, 2)] * 2, splits
+        for a, b in zip(results["auto"], results["torch"]):
+            err = ((a.float() - b.float()).norm() / b.float().norm()).item()
+            print(tuple(a.shape), err)
+            assert a.shape == b.shape and err < 5e-3, err
+        print("ok")
+    """)
+    assert out.strip().endswith("ok"), out
+
 
 def test_fused_static_forward_equals_the_pytorch_body():
     """The whole static step (logits and EAGLE aux features) through the kernels vs PyTorch ops."""
