@@ -7,6 +7,12 @@ one captured CUDA graph (as in a verify step, without launch gaps), over enough 
 weight that they never sit in the 60 MB L2 (a step reads 16 GB once). Every kernel output is
 checked against float32 F.linear first.
 
+o_proj and down_proj also run as the step runs them (fused_forward.py): where split_k_for(N, K)
+says so, the skinny kernel split-K into fp32 partials [S, M, N]. Those partials are no product
+until the next RMSNorm sums them, so both ways are also timed with that norm after each product
+(`kernel_norm_us`: the kernel, then rms_norm over its [M, N]; `splitk_norm_us`: the partials, then
+rms_norm summing them), which is the step's cost of each choice.
+
     python -m bench gemm --out results/       # CUDA only
 """
 
@@ -19,10 +25,12 @@ import torch
 import torch.nn.functional as F
 
 from specd.models import skinny_gemm
+from specd.models.kernels import norm_act
 
 # (name, N, K) of an 8B Llama's products: fused qkv, o_proj, fused gate/up, down_proj, lm_head.
 SHAPES_8B = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336),
              ("lm_head", 128256, 4096)]
+INTO_NORM = ("o", "down")  # products whose output the step's next RMSNorm adds (the split-K path)
 ROWS = (1, 4, 8, 16, 32)
 MIN_BYTES_PER_SET = 512 * 2 ** 20  # weights cycled per measurement: ~8x the L2
 
@@ -83,6 +91,9 @@ def run_gemm_bench(shapes=SHAPES_8B, rows=ROWS, bandwidth_tbs: float = 4.8) -> l
                 row["kernel_us"] = round(_graph_time_us(kernel, copies), 2)
                 best = skinny_gemm._skinny_gemm_kernel.best_config
                 row["kernel_config"] = str(best)
+                splits = skinny_gemm.split_k_for(n, k)
+                if name in INTO_NORM and splits > 1:
+                    row.update(_split_k_timings(x, weights, splits, ref, copies))
             row["cublas_rel_err"] = float((F.linear(x, weights[0]).float() - ref).norm() / ref.norm())
             for key in ("cublas_us", "kernel_us"):
                 if key in row:
@@ -92,6 +103,39 @@ def run_gemm_bench(shapes=SHAPES_8B, rows=ROWS, bandwidth_tbs: float = 4.8) -> l
         del weights
         torch.cuda.empty_cache()
     return results
+
+
+def _split_k_timings(x: torch.Tensor, weights: list[torch.Tensor], splits: int, ref: torch.Tensor,
+                     copies: int) -> dict:
+    """The production split-K path of a product that feeds an RMSNorm: the partials alone, and
+    kernel + norm vs partials + norm (the norm's residual and gain are [M, N] and [N])."""
+    m, n = x.shape[0], weights[0].shape[0]
+    partials = skinny_gemm.skinny_gemm_partials(x, weights[0], splits)
+    out = {"split_k": splits, "splitk_config": str(skinny_gemm._skinny_gemm_kernel.best_config),
+           "splitk_rel_err": float((partials.sum(0) - ref).norm() / ref.norm())}
+    residual = torch.randn(m, n, device=x.device, dtype=x.dtype)
+    gain = torch.ones(n, device=x.device, dtype=x.dtype)
+    _, normed = norm_act.rms_norm(residual, gain, 1e-5, partials)
+    in_order = sum(partials[1:], partials[0])  # ((p0 + p1) + p2) ..., the norm's order
+    _, normed_ref = norm_act.rms_norm(residual, gain, 1e-5, in_order.to(x.dtype))
+    assert torch.equal(normed, normed_ref), "the norm's sum of the partials is not the unsplit delta's"
+
+    def split():
+        for w in weights:
+            skinny_gemm.skinny_gemm_partials(x, w, splits)
+
+    def kernel_norm():
+        for w in weights:
+            norm_act.rms_norm(residual, gain, 1e-5, skinny_gemm.skinny_gemm(x, w))
+
+    def split_norm():
+        for w in weights:
+            norm_act.rms_norm(residual, gain, 1e-5, skinny_gemm.skinny_gemm_partials(x, w, splits))
+
+    out["splitk_us"] = round(_graph_time_us(split, copies), 2)
+    out["kernel_norm_us"] = round(_graph_time_us(kernel_norm, copies), 2)
+    out["splitk_norm_us"] = round(_graph_time_us(split_norm, copies), 2)
+    return out
 
 
 def write_gemm_results(results: list[dict], out_dir: Path) -> str:
@@ -105,6 +149,15 @@ def write_gemm_results(results: list[dict], out_dir: Path) -> str:
                      if k is not None else
                      f"| {r['shape']} | {r['M']} | {r['weight_mb']} | {r['floor_us']} | {r['cublas_us']} | "
                      f"{r['cublas_tbs']} | - | - | - | - |")
+    split_rows = [r for r in results if "splitk_us" in r]
+    if split_rows:  # the step's path for o/down: split-K partials summed by the next RMSNorm
+        lines += ["", "| product | M | split-K | kernel us | split-K us | kernel + norm us "
+                  "| split-K + norm us | saved per product us | split-K rel err |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for r in split_rows:
+            lines.append(f"| {r['shape']} | {r['M']} | {r['split_k']} | {r['kernel_us']} | "
+                         f"{r['splitk_us']} | {r['kernel_norm_us']} | {r['splitk_norm_us']} | "
+                         f"{r['kernel_norm_us'] - r['splitk_norm_us']:.2f} | {r['splitk_rel_err']:.1e} |")
     table = "\n".join(lines) + "\n"
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "gemm.md").write_text(table)

@@ -5,6 +5,8 @@ RoPE + paged-cache write (one kernel), split-KV paged attention (two; flash-attn
 flash_attn_with_kvcache instead when it is installed and the blocks suit it), o_proj, residual add +
 RMSNorm (one), the fused gate/up GEMM with silu * up in its epilogue, down_proj; the GEMMs take
 the skinny kernel at few rows (linear.py; above them cuBLAS, and silu * up is a kernel of its own).
+o_proj and down_proj, whose outputs only feed the next RMSNorm's residual add, take the skinny
+kernel split-K where skinny_gemm.split_k_for says so: fp32 partials that the norm sums.
 Nine launches a layer where the PyTorch path takes about thirty, and no gathered K/V copies
 (kernels/*.py say why each exists). On Hopper the kernels launch with PDL (kernels/pdl.py): each
 may start during its predecessor's tail, a GEMM streaming its first weight tile meanwhile.
@@ -66,11 +68,22 @@ def fused_forward(model, input_ids: torch.Tensor, positions: torch.Tensor, meta:
                 q, cache_k, cache_v, meta.ctx_lens, meta.block_tables, meta.query_len, attn.scale,
                 attn.sliding_window)  # [T, Hq, D]
         x, h = norm_act.rms_norm(x, layer.post_attention_layernorm.weight, eps,
-                                 attn.o_proj(o.view(tokens, -1)))
-        delta = layer.mlp.down_proj(_swiglu(layer.mlp.gate_up_proj, h))
+                                 _residual_delta(attn.o_proj, o.view(tokens, -1)))
+        delta = _residual_delta(layer.mlp.down_proj, _swiglu(layer.mlp.gate_up_proj, h))
     _, hidden = norm_act.rms_norm(x, model.model.norm.weight, eps, delta)
     aux = torch.cat([captured[i] for i in aux_layer_ids], dim=-1) if aux_layer_ids else None
     return hidden, aux
+
+
+def _residual_delta(proj, h: torch.Tensor) -> torch.Tensor:
+    """proj(h) as an rms_norm delta: fp32 split-K partials [S, T, N] where the skinny kernel takes
+    the product (few rows, "auto" backend), there is no bias and split_k_for(N, K) > 1; else
+    proj(h) [T, N] (S = 1 would only add an fp32 round trip)."""
+    if proj.bias is None and takes_skinny_kernel(h, proj.weight):
+        splits = skinny_gemm.split_k_for(*proj.weight.shape)
+        if splits > 1:
+            return skinny_gemm.skinny_gemm_partials(h, proj.weight, splits)
+    return proj(h)
 
 
 def _swiglu(gate_up_proj, h: torch.Tensor) -> torch.Tensor:

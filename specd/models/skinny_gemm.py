@@ -5,13 +5,22 @@ matrix once. The work is reading W (16 GB at 8B shapes, 3.35 ms at 4.8 TB/s); th
 nothing. So the kernel is a weight stream: each program owns BLOCK_N output columns (BLOCK_N rows
 of W), walks K in BLOCK_K tiles with several tiles in flight (num_stages), and multiplies them
 with the few x rows on the tensor cores (tl.dot needs 16 rows: x is padded by masking, never
-copied). No split-K: every output element is one program's sequential sum, so the result does not
-depend on the launch shape (deterministic, and the same for a row whatever else is in the batch).
+copied). Every output element is one program's sequential sum over its K range, so the result does
+not depend on the launch shape or on the other rows (deterministic, and the same for a row
+whatever else is in the batch).
+
+Split-K (`skinny_gemm_partials`): at N = 4096 (o_proj, down_proj) N / BLOCK_N programs leave SMs
+idle; splitting K into S ranges gives S times the programs, each storing an fp32 partial [S, M, N]
+(H200, M = 4, S = 2: o 12.7 -> 10.65 us, down 34.1 -> 30.87 us, bench/gemm_sweep.py). The sum is
+left to the consumer (kernels/norm_act.rms_norm adds the S partials in fixed order, then rounds
+to the model dtype as an unsplit product would be), and S is a fixed rule of the shape
+(`split_k_for`), not an autotuned choice and not a function of M: so the result is still
+deterministic and a row's result still does not depend on the batch.
 
 `skinny_linear` dispatches: CUDA, bf16/fp16, M <= MAX_ROWS, Triton importable, K a multiple of the
 smallest BLOCK_K -> the kernel; anything else -> F.linear (cuBLAS on CUDA, the CPU twin). The
 kernel is wrapped as a torch custom op, so torch.compile'd regions and CUDA-graph capture treat it
-as one opaque call. Block shapes are autotuned per (M bucket, N, K) on first use, i.e. during the
+as one opaque call. Block shapes are autotuned per (M bucket, N, K, S) on first use, i.e. during the
 static path's warm-up, before any capture. Tests run the kernel through Triton's interpreter on
 CPU (TRITON_INTERPRET=1) against float64.
 """
@@ -43,7 +52,7 @@ def _configs():
     out = []
     for block_n, block_k, warps, stages in [
             (16, 256, 4, 4), (16, 512, 4, 3), (32, 256, 4, 4), (32, 128, 4, 6), (32, 512, 8, 3),
-            (64, 128, 4, 4), (64, 256, 8, 3), (16, 1024, 8, 2), (128, 64, 4, 5), (64, 64, 4, 8)]:  # the last (BLOCK_K 64) fits any K % 64 == 0
+            (64, 128, 4, 4), (64, 256, 8, 3), (16, 1024, 8, 2), (128, 64, 4, 5), (64, 64, 4, 8)]:  # the last (BLOCK_K 64) fits any (K / S) % 64 == 0
         out.append(triton.Config({"BLOCK_N": block_n, "BLOCK_K": block_k}, num_warps=warps,
                                  num_stages=stages))
     return out
@@ -53,19 +62,27 @@ if triton is not None:
     from specd.models.kernels.pdl import gdc_wait_and_release
 
     def _divides_k(configs, named_args, **kwargs):
-        """Only block shapes whose BLOCK_K divides K (the loop has no K mask)."""
-        return [c for c in configs if named_args["K"] % c.kwargs["BLOCK_K"] == 0] or configs[-1:]
+        """Only block shapes whose BLOCK_K divides a split's K range, K / SPLIT_K (the loop has no
+        K mask)."""
+        k_len = named_args["K"] // {**named_args, **kwargs}["SPLIT_K"]  # a keyword from _launch
+        return [c for c in configs if k_len % c.kwargs["BLOCK_K"] == 0] or configs[-1:]
 
-    @triton.autotune(configs=_configs(), key=["M_BUCKET", "N", "K", "SWIGLU"],
+    @triton.autotune(configs=_configs(), key=["M_BUCKET", "N", "K", "SWIGLU", "SPLIT_K"],
                      prune_configs_by={"early_config_prune": _divides_k})
     @triton.jit
-    def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+    def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ys, stride_ym,
                             M_BUCKET: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                            SWIGLU: tl.constexpr, USE_PDL: tl.constexpr):
+                            SWIGLU: tl.constexpr, SPLIT_K: tl.constexpr, USE_PDL: tl.constexpr):
+        """Grid (cdiv(N, BLOCK_N), SPLIT_K). SPLIT_K 1: y [M, N] in x's dtype. SPLIT_K > 1: program
+        (n, s) sums K range s (K / SPLIT_K long) into y[s] of fp32 partials y [SPLIT_K, M, N]."""
+        # silu(gate) * up is not linear: it needs the whole sum, so no split with the epilogue
+        tl.static_assert(SPLIT_K == 1 or not SWIGLU)
         pid = tl.program_id(0)
+        split = tl.program_id(1)
+        k_len = K // SPLIT_K  # a multiple of BLOCK_K (_divides_k, split_k_for)
         rows = tl.arange(0, M_BUCKET)  # [M_BUCKET] x rows (>= 16 for tl.dot; masked past M)
         cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] output columns = rows of W
-        ks = tl.arange(0, BLOCK_K)
+        ks = split * k_len + tl.arange(0, BLOCK_K)  # [BLOCK_K] this split's first K tile
         x_ptrs = x_ptr + rows[:, None] * stride_xm + ks[None, :]  # [M_BUCKET, BLOCK_K]
         w_ptrs = w_ptr + cols[:, None] * stride_wn + ks[None, :]  # [BLOCK_N, BLOCK_K]
         u_ptrs = w_ptrs + N * stride_wn  # SWIGLU: the up rows, N below the gate rows
@@ -83,7 +100,7 @@ if triton is not None:
         acc_up = tl.zeros((M_BUCKET, BLOCK_N), dtype=tl.float32)
         if SWIGLU:
             acc_up = tl.dot(x, tl.trans(u))
-        for _ in range(BLOCK_K, K, BLOCK_K):  # K % BLOCK_K == 0 (skinny_linear checks)
+        for _ in range(BLOCK_K, k_len, BLOCK_K):
             x_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
             x = tl.load(x_ptrs, mask=row_ok, other=0.0)
@@ -93,13 +110,13 @@ if triton is not None:
                 u_ptrs += BLOCK_K
                 u = tl.load(u_ptrs, mask=col_ok, other=0.0)
                 acc_up += tl.dot(x, tl.trans(u))
-        out = acc.to(y_ptr.dtype.element_ty)
+        out = acc.to(y_ptr.dtype.element_ty)  # partials: fp32 already, nothing rounded
         if SWIGLU:  # silu(gate) * up, rounded as the unfused path rounds (norm_act.silu_mul)
             gate = out.to(tl.float32)
             up = acc_up.to(y_ptr.dtype.element_ty).to(tl.float32)
             act = (gate / (1.0 + tl.exp(-gate))).to(y_ptr.dtype.element_ty).to(tl.float32)
             out = (act * up).to(y_ptr.dtype.element_ty)
-        y_ptrs = y_ptr + rows[:, None] * stride_ym + cols[None, :]
+        y_ptrs = y_ptr + split * stride_ys + rows[:, None] * stride_ym + cols[None, :]
         tl.store(y_ptrs, out, mask=row_ok & (cols[None, :] < N))
 
 
@@ -107,14 +124,32 @@ def _row_bucket(m: int) -> int:
     return 16 if m <= 16 else 32
 
 
-def _launch(x: torch.Tensor, weight: torch.Tensor, n: int, swiglu: bool) -> torch.Tensor:
+def split_k_for(n: int, k: int) -> int:
+    """The number of K splits for a product with weight [N, K]: 2 when N <= 8192 and each half of K
+    is a whole number of the smallest BLOCK_K tiles, else 1.
+
+    Why: at N = 4096 (o_proj, down_proj) the N / BLOCK_N column programs are too few to keep the
+    H200's 132 SMs streaming weights; split-K 2 took 16% (o) and 9% (down) off their time at M = 4
+    (bench/gemm_sweep.py). 8192 is a round bound above those; the wider products (gate/up 28672,
+    lm_head 128256 columns) have programs enough. The consumers decide whether to take partials
+    (fused_forward: o_proj and down_proj, whose outputs go to an rms_norm).
+    Why fixed and not autotuned: the split changes the fp32 summation order, so it must be a rule
+    of the shape alone (never of M, nor of a timing), like today's one-program-per-column sum."""
+    return 2 if n <= 8192 and k % (2 * MIN_BLOCK_K) == 0 else 1
+
+
+def _launch(x: torch.Tensor, weight: torch.Tensor, n: int, swiglu: bool, splits: int = 1) -> torch.Tensor:
+    """y [M, N] in x's dtype (splits 1), or fp32 partials [splits, M, N]."""
     m, k = x.shape
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    assert k % (splits * MIN_BLOCK_K) == 0, (k, splits)
+    shape, dtype = ((m, n), x.dtype) if splits == 1 else ((splits, m, n), torch.float32)
+    y = torch.empty(shape, dtype=dtype, device=x.device)
     if m == 0:
         return y
-    grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731 - Triton's grid idiom
-    _skinny_gemm_kernel[grid](x, weight, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
-                              M_BUCKET=_row_bucket(m), SWIGLU=swiglu, **launch_options(use_pdl(x)))
+    grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), splits)  # noqa: E731 - Triton's grid idiom
+    _skinny_gemm_kernel[grid](x, weight, y, m, n, k, x.stride(0), weight.stride(0), m * n, n,
+                              M_BUCKET=_row_bucket(m), SWIGLU=swiglu, SPLIT_K=splits,
+                              **launch_options(use_pdl(x)))
     return y
 
 
@@ -127,6 +162,19 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 @skinny_gemm.register_fake
 def _(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return x.new_empty((x.shape[0], weight.shape[0]))
+
+
+@torch.library.custom_op("specd::skinny_gemm_partials", mutates_args=())
+def skinny_gemm_partials(x: torch.Tensor, weight: torch.Tensor, splits: int) -> torch.Tensor:
+    """Split-K: x [M, K], weight [N, K] -> fp32 partials [splits, M, N] whose sum over dim 0 is
+    x @ weight^T (K % (splits * MIN_BLOCK_K) == 0; split_k_for picks splits). The consumer sums
+    them (norm_act.rms_norm's delta)."""
+    return _launch(x, weight, weight.shape[0], swiglu=False, splits=splits)
+
+
+@skinny_gemm_partials.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, splits: int) -> torch.Tensor:
+    return x.new_empty((splits, x.shape[0], weight.shape[0]), dtype=torch.float32)
 
 
 @torch.library.custom_op("specd::skinny_gemm_swiglu", mutates_args=())

@@ -15,6 +15,7 @@ triton = pytest.importorskip("triton", reason="triton (xgrammar pulls it)")
 def test_kernels_compile_to_sm90_ptx():
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
+    from triton.compiler.errors import CompileTimeAssertionFailure
 
     from specd.models import skinny_gemm
     from specd.models.kernels import norm_act, paged_decode_attention as pda, rope_cache
@@ -38,7 +39,9 @@ def test_kernels_compile_to_sm90_ptx():
     comp(rope_cache._rope_cache_kernel, {"qkv_ptr":P,"cos_ptr":P,"sin_ptr":P,"slots_ptr":"*i64","q_out_ptr":P,"k_cache_ptr":P,"v_cache_ptr":P,
       "stride_qkv":"i32","stride_cos":"i32","stride_qo_t":"i32","stride_qo_h":"i32","stride_slot":"i32","stride_cache_h":"i32",
       "NUM_HEADS":"constexpr","NUM_KV_HEADS":"constexpr","HALF":"constexpr"}, {"NUM_HEADS":32,"NUM_KV_HEADS":8,"HALF":64})
-    comp(norm_act._rmsnorm_kernel, {"x_ptr":P,"delta_ptr":P,"w_ptr":P,"res_out_ptr":P,"out_ptr":P,"stride_x":"i32","stride_d":"i32","stride_r":"i32","stride_o":"i32","eps":"fp32","H":"constexpr","BLOCK":"constexpr","HAS_DELTA":"constexpr"},{"H":4096,"BLOCK":4096,"HAS_DELTA":True})
+    norm_sig = {"x_ptr":P,"delta_ptr":P,"w_ptr":P,"res_out_ptr":P,"out_ptr":P,"stride_x":"i32","stride_ds":"i32","stride_d":"i32","stride_r":"i32","stride_o":"i32","eps":"fp32","H":"constexpr","BLOCK":"constexpr","DELTA_SPLITS":"constexpr"}
+    for delta_ptr, splits in [(P, 0), (P, 1), ("*fp32", 2)]:  # no delta, a bf16 delta, split-K partials
+        comp(norm_act._rmsnorm_kernel, dict(norm_sig, delta_ptr=delta_ptr), {"H":4096,"BLOCK":4096,"DELTA_SPLITS":splits})
     comp(norm_act._silu_mul_kernel, {"gu_ptr":P,"out_ptr":P,"stride_gu":"i32","stride_o":"i32","inter":"i32","BLOCK":"constexpr"},{"BLOCK":1024})
     comp(pda._partials_kernel, {"q_ptr":P,"k_ptr":P,"v_ptr":P,"tables_ptr":"*i64","ctx_ptr":"*i64","acc_ptr":"*fp32","ml_ptr":"*fp32",
       "stride_qt":"i32","stride_qh":"i32","stride_kb":"i32","stride_ks":"i32","stride_kh":"i32","stride_tb":"i32","scale":"fp32","window":"i32","tiles_per_split":"i32",
@@ -46,5 +49,8 @@ def test_kernels_compile_to_sm90_ptx():
       {"QLEN":4,"GROUP":4,"ROWS":16,"D":128,"BLOCK_SIZE":64,"BLOCK_N":64,"HAS_WINDOW":True})
     comp(pda._combine_kernel, {"acc_ptr":"*fp32","ml_ptr":"*fp32","out_ptr":P,"stride_ot":"i32","stride_oh":"i32","num_splits":"i32",
       "QLEN":"constexpr","GROUP":"constexpr","ROWS":"constexpr","D":"constexpr","SPLITS_POW2":"constexpr"},{"QLEN":4,"GROUP":4,"ROWS":16,"D":128,"SPLITS_POW2":32})
-    for swiglu in (False, True):
-        comp(skinny_gemm._skinny_gemm_kernel.fn, {"x_ptr":P,"w_ptr":P,"y_ptr":P,"M":"i32","N":"i32","K":"i32","stride_xm":"i32","stride_wn":"i32","stride_ym":"i32","M_BUCKET":"constexpr","BLOCK_N":"constexpr","BLOCK_K":"constexpr","SWIGLU":"constexpr"},{"M_BUCKET":16,"BLOCK_N":32,"BLOCK_K":128,"SWIGLU":swiglu})
+    gemm_sig = {"x_ptr":P,"w_ptr":P,"y_ptr":P,"M":"i32","N":"i32","K":"i32","stride_xm":"i32","stride_wn":"i32","stride_ys":"i32","stride_ym":"i32","M_BUCKET":"constexpr","BLOCK_N":"constexpr","BLOCK_K":"constexpr","SWIGLU":"constexpr","SPLIT_K":"constexpr"}
+    for y_ptr, swiglu, split_k in [(P, False, 1), (P, True, 1), ("*fp32", False, 2)]:  # plain, SwiGLU, split-K partials
+        comp(skinny_gemm._skinny_gemm_kernel.fn, dict(gemm_sig, y_ptr=y_ptr), {"M_BUCKET":16,"BLOCK_N":32,"BLOCK_K":128,"SWIGLU":swiglu,"SPLIT_K":split_k})
+    with pytest.raises(CompileTimeAssertionFailure):  # SwiGLU's epilogue needs the whole sum, no split
+        comp(skinny_gemm._skinny_gemm_kernel.fn, dict(gemm_sig, y_ptr="*fp32"), {"M_BUCKET":16,"BLOCK_N":32,"BLOCK_K":128,"SWIGLU":True,"SPLIT_K":2})

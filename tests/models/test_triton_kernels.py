@@ -85,6 +85,79 @@ def test_rope_cache_write_and_norms_match_the_pytorch_modules():
     assert out.strip().endswith("ok"), out
 
 
+def test_rms_norm_sums_split_k_partials_then_adds_as_the_unsplit_delta():
+    """A delta of fp32 partials [S, T, H] gives bit for bit what the delta of their in-order fp32
+    sum rounded to fp16 gives (what an unsplit product would store); rounding each partial first
+    would not."""
+    out = run_interpreted("""
+        import torch
+        from specd.models.kernels.norm_act import rms_norm
+        g = torch.Generator().manual_seed(0)
+        t, h = 5, 96  # H not a power of two: the masked tail
+        x = torch.randn(t, h, generator=g).half()
+        w = torch.randn(h, generator=g).half()
+        big = torch.randn(3, t + 2, h, generator=g) * 7  # partials as a strided view: [S, T, H] of rows 1..T
+        for splits in (2, 3):
+            p = big[:splits, 1:t + 1]
+            assert not p.is_contiguous()
+            summed = p[0] + p[1] if splits == 2 else (p[0] + p[1]) + p[2]
+            if splits == 2:
+                assert torch.equal(summed, p.sum(0))
+            res, normed = rms_norm(x, w, 1e-5, p)
+            res_ref, normed_ref = rms_norm(x, w, 1e-5, summed.half())
+            assert torch.equal(res, res_ref) and torch.equal(normed, normed_ref), splits
+            assert torch.equal(res, x + summed.half())
+            each_rounded = x + sum(q.half() for q in p)
+            assert not torch.equal(res, each_rounded)  # the test tells the two roundings apart
+        one, _ = rms_norm(x, w, 1e-5, big[:1, :t].contiguous())  # S = 1 partials: the plain delta
+        assert torch.equal(one, x + big[0, :t].half())
+        print("ok")
+    """)
+    assert out.strip().endswith("ok"), out
+
+
+def test_fused_forward_with_split_k_gemms_equals_the_pytorch_body():
+    """The static step with the skinny GEMMs ("auto"), o_proj and down_proj split-K into the
+    norms (K = 128 and 256 here), vs PyTorch ops and F.linear."""
+    out = run_interpreted("""
+        import dataclasses
+        import torch
+        from bench.step import arch_config, random_model
+        from specd.messages import PytorchEngineConfig
+        from specd.models import skinny_gemm
+        from specd.models.base import SequenceChunk
+        from specd.models.llama_runner import LlamaRunner
+        splits = []
+        partials = skinny_gemm.skinny_gemm_partials
+        def counting(x, w, s):
+            splits.append((*w.shape, s))
+            return partials(x, w, s)
+        skinny_gemm.skinny_gemm_partials = counting
+        cfg = dataclasses.replace(arch_config("small"), hidden_size=128, intermediate_size=256, head_dim=32)
+        model = random_model(cfg, torch.float16, torch.device("cpu"))
+        ec = PytorchEngineConfig(max_batch_size=2, block_size=16, num_gpu_blocks=16, session_len=64,
+                                 device_type="cpu", dtype="float16")
+        results = {}
+        for gemm, kernels in (("auto", "auto"), ("torch", "off")):
+            r = LlamaRunner(".", ec, model=model, config=cfg, use_static_path=True, compile_mode="0",
+                            gemm=gemm, kernels=kernels)
+            r.set_aux_hidden_layers([0, 1])
+            for s, ctx in [(0, 9), (1, 21)]:
+                r.add_sequence(s)
+                r.kv_cache.append_slots(s, ctx)
+            step = r.forward([SequenceChunk(0, [1, 2, 3]), SequenceChunk(1, [4, 5, 6])], want_aux_hidden=True)
+            results[gemm] = (step.logits, step.aux_hidden_states)
+        # o_proj [128, 128] and down_proj [128, 256] of both layers, split in two, in the fused runner only
+        assert splits == [(128, 128, 2), (128, 256, 2)] * 2, splits
+        for a, b in zip(results["auto"], results["torch"]):
+            err = ((a.float() - b.float()).norm() / b.float().norm()).item()
+            print(tuple(a.shape), err)
+            assert a.shape == b.shape and err < 5e-3, err
+        print("ok")
+    """)
+    assert out.strip().endswith("ok"), out
+
+
 def test_fused_static_forward_equals_the_pytorch_body():
     """The whole static step (logits and EAGLE aux features) through the kernels vs PyTorch ops."""
     out = run_interpreted("""
