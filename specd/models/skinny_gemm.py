@@ -59,7 +59,7 @@ def _configs():
 
 
 if triton is not None:
-    from specd.models.kernels.pdl import gdc_wait_and_release
+    from specd.models.kernels.pdl import gdc_release, gdc_wait
 
     def _divides_k(configs, named_args, **kwargs):
         """Only block shapes whose BLOCK_K divides a split's K range, K / SPLIT_K (the loop has no
@@ -94,7 +94,7 @@ if triton is not None:
         u = w
         if SWIGLU:
             u = tl.load(u_ptrs, mask=col_ok, other=0.0)
-        gdc_wait_and_release(USE_PDL)
+        gdc_wait(USE_PDL)
         x = tl.load(x_ptrs, mask=row_ok, other=0.0)
         acc = tl.dot(x, tl.trans(w))  # [M_BUCKET, BLOCK_N] float32
         acc_up = tl.zeros((M_BUCKET, BLOCK_N), dtype=tl.float32)
@@ -110,6 +110,9 @@ if triton is not None:
                 u_ptrs += BLOCK_K
                 u = tl.load(u_ptrs, mask=col_ok, other=0.0)
                 acc_up += tl.dot(x, tl.trans(u))
+        # The successor may launch once every program is past its loads: not earlier, or its
+        # waiting programs would hold SM room that this grid's later waves need (pdl.py).
+        gdc_release(USE_PDL)
         out = acc.to(y_ptr.dtype.element_ty)  # partials: fp32 already, nothing rounded
         if SWIGLU:  # silu(gate) * up, rounded as the unfused path rounds (norm_act.silu_mul)
             gate = out.to(tl.float32)

@@ -22,9 +22,10 @@ def test_kernels_compile_to_sm90_ptx():
 
     tgt = GPUTarget("cuda", 90, 32)
 
-    def comp(fn, sig, consts):
+    def comp(fn, sig, consts, release_after_loads=False):
         """Compile with and without PDL (kernels/pdl.py): the wait and the release are there only
-        with it, and come before any store."""
+        with it, and come before any store; a multi-wave kernel (the GEMM) releases its successor
+        only after its last global load."""
         sig = dict(sig, USE_PDL="constexpr")
         for use_pdl in (False, True):
             ptx = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=dict(consts, USE_PDL=use_pdl)),
@@ -34,6 +35,9 @@ def test_kernels_compile_to_sm90_ptx():
             assert ("griddepcontrol.launch_dependents" in ptx) == use_pdl
             if use_pdl:
                 assert ptx.index("griddepcontrol.wait") < ptx.index("st.global"), fn
+                if release_after_loads:
+                    last_load = max(ptx.rfind("ld.global"), ptx.rfind("cp.async"))
+                    assert last_load > 0 and ptx.index("griddepcontrol.launch_dependents") > last_load, fn
 
     P = "*bf16"
     comp(rope_cache._rope_cache_kernel, {"qkv_ptr":P,"cos_ptr":P,"sin_ptr":P,"slots_ptr":"*i64","q_out_ptr":P,"k_cache_ptr":P,"v_cache_ptr":P,
@@ -51,6 +55,7 @@ def test_kernels_compile_to_sm90_ptx():
       "QLEN":"constexpr","GROUP":"constexpr","ROWS":"constexpr","D":"constexpr","SPLITS_POW2":"constexpr"},{"QLEN":4,"GROUP":4,"ROWS":16,"D":128,"SPLITS_POW2":32})
     gemm_sig = {"x_ptr":P,"w_ptr":P,"y_ptr":P,"M":"i32","N":"i32","K":"i32","stride_xm":"i32","stride_wn":"i32","stride_ys":"i32","stride_ym":"i32","M_BUCKET":"constexpr","BLOCK_N":"constexpr","BLOCK_K":"constexpr","SWIGLU":"constexpr","SPLIT_K":"constexpr"}
     for y_ptr, swiglu, split_k in [(P, False, 1), (P, True, 1), ("*fp32", False, 2)]:  # plain, SwiGLU, split-K partials
-        comp(skinny_gemm._skinny_gemm_kernel.fn, dict(gemm_sig, y_ptr=y_ptr), {"M_BUCKET":16,"BLOCK_N":32,"BLOCK_K":128,"SWIGLU":swiglu,"SPLIT_K":split_k})
+        comp(skinny_gemm._skinny_gemm_kernel.fn, dict(gemm_sig, y_ptr=y_ptr), {"M_BUCKET":16,"BLOCK_N":32,"BLOCK_K":128,"SWIGLU":swiglu,"SPLIT_K":split_k},
+             release_after_loads=True)
     with pytest.raises(CompileTimeAssertionFailure):  # SwiGLU's epilogue needs the whole sum, no split
         comp(skinny_gemm._skinny_gemm_kernel.fn, dict(gemm_sig, y_ptr="*fp32"), {"M_BUCKET":16,"BLOCK_N":32,"BLOCK_K":128,"SWIGLU":True,"SPLIT_K":2})
