@@ -9,8 +9,6 @@ import sys
 from services.common.tls import TLSConfig, add_tls_arguments  # no grpc import: cheap
 from specd.messages import SPECULATIVE_METHODS  # dataclasses only: cheap to import
 
-DEFAULT_SWITCH_INTERVAL_US = 200.0  # apply_switch_interval says why
-
 
 def add_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("verifier", help="run a verifier: the target model behind a Redis request stream")
@@ -45,32 +43,11 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    default=os.environ.get("SPECD_ASYNC_EMIT", "1") != "0",
                    help="write each step's results on a writer thread, overlapping the next step "
                         "(--no-async-emit: the loop waits for every round trip; env SPECD_ASYNC_EMIT=0)")
-    p.add_argument("--switch-interval-us", type=float,
-                   default=float(os.environ.get("SPECD_SWITCH_INTERVAL_US", DEFAULT_SWITCH_INTERVAL_US)),
-                   help="Python's thread switch interval in microseconds (sys.setswitchinterval; env "
-                        "SPECD_SWITCH_INTERVAL_US; 0 keeps Python's 5000). Lower than Python's "
-                        "default so the threads that send drafter requests and write results get the "
-                        "interpreter while the loop works (see apply_switch_interval)")
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--log-interval", type=float, default=10.0, help="seconds between summary lines (0: off)")
     add_tls_arguments(p, server=False)  # it connects to drafters and the grammar service
     p.set_defaults(func=run)
     return p
-
-
-def apply_switch_interval(us: float) -> None:
-    """Set Python's thread switch interval (0: leave it). Why: the verifier's loop hands work to
-    threads (the drafter stream's sender and reader, the result writer) and carries on with Python
-    work of its own. A thread that wakes up waits for the interpreter lock up to the switch
-    interval, 5 ms by default, before the busy loop must hand it over: a draft request sent ahead
-    then left only when the loop blocked, and its round trip overlapped nothing (measured with a
-    drafter in another process and 1 ms of loop work after the send: the request reached the
-    drafter 1.21 ms after the send at 5 ms, 0.18 ms at 200 us; the wait that was left after the
-    work fell from 0.70 to 0.06 ms)."""
-    if us < 0:
-        raise ValueError(f"switch interval: must be >= 0 microseconds, got {us}")
-    if us:
-        sys.setswitchinterval(us / 1e6)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -83,11 +60,6 @@ def run(args: argparse.Namespace) -> int:
     from services.verifier.server import VerifierConfig, configure_logging, default_consumer_name, serve
 
     configure_logging(args.log_level)
-    try:
-        apply_switch_interval(args.switch_interval_us)
-    except ValueError as e:
-        print(f"specd verifier: error: --switch-interval-us: {e}", file=sys.stderr)
-        return 2
     config = VerifierConfig(
         model=args.model, redis_url=args.redis_url, request_stream=args.request_stream,
         consumer=args.consumer or default_consumer_name(),
