@@ -32,6 +32,8 @@ class StepRecord:
     num_finished: int = 0  # requests that got their final entry
     draft_seconds: float = 0.0  # engine draft verb
     verify_seconds: float = 0.0  # engine verify verb (target forward + rejection sampling)
+    device_wait_seconds: float = 0.0  # engine commit blocked on the device's results
+    commit_seconds: float = 0.0  # engine commit verb (and sending drafts ahead), device wait excluded
     engine_seconds: float = 0.0  # the whole engine step
     emit_seconds: float = 0.0  # the loop's emit verb: queueing, and waiting on Redis (below)
     emit_wait_seconds: float = 0.0  # of emit_seconds, blocked on result flushes: the round trip when
@@ -45,6 +47,12 @@ class StepRecord:
     def other_seconds(self) -> float:
         """Everything on the iteration's critical path but draft and verify (admit, commit, Redis)."""
         return max(0.0, self.total_seconds - self.draft_seconds - self.verify_seconds)
+
+    @property
+    def rest_seconds(self) -> float:
+        """other_seconds less the device wait, commit and emit: admission, deadlines, metrics, logs."""
+        return max(0.0, self.other_seconds - self.device_wait_seconds - self.commit_seconds
+                   - self.emit_seconds)
 
 
 def add_spec_difference(total: SpecStats, current: SpecStats, seen: SpecStats) -> None:
@@ -73,7 +81,9 @@ class VerifierMetrics:
         self.num_waiting = Gauge("specd:num_requests_waiting", "Admitted requests not yet prefilled",
                                  registry=r)
         self.step_seconds = Histogram("specd:step_duration_seconds",
-                                      "Seconds per loop iteration, by phase (draft, verify, other)",
+                                      "Seconds per loop iteration, by phase: draft, verify, other "
+                                      "(everything else), and other split into device_wait (the "
+                                      "commit's wait for the device), commit, emit and rest",
                                       ["phase"], buckets=STEP_BUCKETS, registry=r)
         self.emit_seconds = Histogram("specd:emit_duration_seconds",
                                       "Seconds per step the loop spent writing results (queueing and "
@@ -91,7 +101,8 @@ class VerifierMetrics:
                                          ["finished_reason"], registry=r)
         self.request_errors = Counter("specd:request_errors", "Requests answered with an error, by code",
                                       ["code"], registry=r)
-        self._phases = {p: self.step_seconds.labels(phase=p) for p in ("draft", "verify", "other")}
+        self._phases = {p: self.step_seconds.labels(phase=p)
+                        for p in ("draft", "verify", "other", "device_wait", "commit", "emit", "rest")}
 
     def serve(self, port: int, addr: str = "0.0.0.0"):
         """Serve /metrics over HTTP (a daemon thread); returns (server, thread)."""
@@ -106,6 +117,10 @@ class VerifierMetrics:
             self._phases["draft"].observe(record.draft_seconds)
             self._phases["verify"].observe(record.verify_seconds)
             self._phases["other"].observe(record.other_seconds)
+            self._phases["device_wait"].observe(record.device_wait_seconds)
+            self._phases["commit"].observe(record.commit_seconds)
+            self._phases["emit"].observe(record.emit_seconds)
+            self._phases["rest"].observe(record.rest_seconds)
             self.emit_seconds.observe(record.emit_seconds)
             self.emit_wait_seconds.observe(record.emit_wait_seconds)
         if record.flush_seconds > 0:

@@ -40,7 +40,8 @@ class StepTimings:
     admit: float = 0.0
     draft: float = 0.0
     verify: float = 0.0
-    commit: float = 0.0
+    commit: float = 0.0  # device_wait included
+    device_wait: float = 0.0  # of commit: blocked on the device's results (the step's one sync)
 
 
 @dataclass
@@ -276,7 +277,9 @@ class SpecEngine:
             return []
         out, result = verdict
         # The step's one device-to-host transfer: accepted counts and emitted tokens together.
+        t0 = time.perf_counter()
         host = torch.cat([result.num_accepted[:, None], result.output_token_ids], dim=1).tolist()
+        self.stats.timings.device_wait += time.perf_counter() - t0
         num_accepted = [row[0] for row in host]
         emitted = [row[1:] for row in host]
         finished = []

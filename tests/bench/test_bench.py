@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -72,6 +73,10 @@ def test_small_suite_has_every_row(tmp_path, tiny_models):
         assert len(r["rounds_tokens_per_s"]) == 3 and sorted(r["rounds_tokens_per_s"])[1] == round(r["tokens_per_s"], 1)
         assert r["step_ms"]["steps"] > 0 and r["step_ms"]["verify"] > 0
         assert r["step_ms"]["draft"] > 0 if method != "off" else r["step_ms"]["draft"] >= 0
+        # the finer split adds up to "other" (each phase a mean over the same steps)
+        parts = sum(r["step_ms"][p] for p in ("device_wait", "commit", "emit", "rest"))
+        assert r["step_ms"]["device_wait"] > 0 and r["step_ms"]["commit"] > 0 and r["step_ms"]["emit"] > 0
+        assert parts == pytest.approx(r["step_ms"]["other"], rel=0.02, abs=0.01)
     assert rows[("replay", 1)]["expected_acceptance_length"] == 3.0
     assert rows[("replay", 1)]["acceptance_length"] > 1.5  # the replayed drafts are accepted
     assert rows[("replay-sync", 1)]["acceptance_length"] > 1.5  # the same drafts, not sent ahead

@@ -186,6 +186,11 @@ def test_inprocess_speculative_greedy_equals_target(redis_url, client, target, t
     assert exposition("specd:spec_decode_num_draft_tokens_total") == total
     assert exposition("specd:request_success_total", {"finished_reason": "length"}) >= 1
     assert exposition("specd:step_duration_seconds_count", {"phase": "verify"}) > 0
+    # "other" is split into the commit's device wait, the commit, the result writes and the rest
+    split = sum(exposition("specd:step_duration_seconds_sum", {"phase": p})
+                for p in ("device_wait", "commit", "emit", "rest"))
+    assert exposition("specd:step_duration_seconds_sum", {"phase": "emit"}) > 0
+    assert split == pytest.approx(exposition("specd:step_duration_seconds_sum", {"phase": "other"}), rel=1e-6)
 
 
 def test_inprocess_bad_entries_get_errors_and_serving_goes_on(redis_url, client, target):
