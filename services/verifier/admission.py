@@ -2,7 +2,8 @@
 to the engine, or answer them with an error; reclaim the entries of dead verifiers.
 
 XREADGROUP asks for as many requests as the batch has free slots, with BLOCK (~100 ms) only when
-the engine is idle and no results are waiting to be written, so a busy loop never sleeps here.
+the engine is idle and no results are waiting to be written, so a busy loop never sleeps here;
+while the engine steps, the next read runs ahead on a thread of its own (read_ahead.py).
 Every `scan_ms` a verifier with room first looks for entries idle past `--reclaim-idle-ms` (their
 verifier died) and resumes them from their result streams (services/verifier/claims.py).
 """
@@ -32,12 +33,33 @@ class Admission:
     and answers through the worker's `_reject` and `_on_redis_error`."""
 
     def admit(self) -> int:
-        """Read up to the batch's free slots from the request stream; returns how many were admitted."""
+        """Admit what the read ahead brought (read_ahead.py), else read up to the batch's free
+        slots from the request stream; then, when a step follows, send the next read ahead.
+        Returns how many were admitted."""
+        admitted, served = 0, self.read_ahead.in_flight
+        if served:  # its entries are claimed for us: admitted even when a drain began meanwhile
+            admitted = self._admit_reply(self.read_ahead.take, idle=False)
         if self.draining:
-            return 0
-        free = self.engine.max_batch_size - len(self.engine.running) - len(self.engine.waiting)
-        if free <= 0:
-            return 0
+            return admitted
+        free = self._free_slots()
+        if free > 0:
+            admitted += self._admit_direct(free, read=not served)
+        free = self._free_slots()
+        if (self.config.read_ahead and free > 0 and self._group_ready and self.engine.has_unfinished()
+                and not self.read_ahead.in_flight):
+            self.read_ahead.start(lambda: self._xreadgroup(free, block_ms=None))
+        return admitted
+
+    def _free_slots(self) -> int:
+        return self.engine.max_batch_size - len(self.engine.running) - len(self.engine.waiting)
+
+    def _xreadgroup(self, count: int, block_ms: int | None):
+        return self.client.xreadgroup(self.config.group, self.config.consumer,
+                                      {self.config.request_stream: ">"}, count=count, block=block_ms)
+
+    def _admit_direct(self, free: int, read: bool) -> int:
+        """The reclaim scan when due, then (when `read`) one XREADGROUP, with BLOCK while the
+        engine is idle and no results wait to be written."""
         idle = not self.engine.has_unfinished() and not self.writer.has_pending
         admitted = 0
         now = self.clock()
@@ -47,14 +69,11 @@ class Admission:
             if self.claims.scan_due(time.monotonic()):  # the oldest requests first
                 for claimed in self.claims.reclaim(free, time.monotonic()):
                     admitted += self._admit_claimed(claimed, now)
-                free = self.engine.max_batch_size - len(self.engine.running) - len(self.engine.waiting)
+                free = self._free_slots()
                 if free <= 0:
                     self._redis_failures = 0
                     return admitted
                 idle = idle and not admitted and not self.writer.has_pending
-            reply = self.client.xreadgroup(self.config.group, self.config.consumer,
-                                           {self.config.request_stream: ">"}, count=free,
-                                           block=self.config.block_ms if idle else None)
         except redis.ResponseError as e:
             if "NOGROUP" not in str(e):
                 raise
@@ -63,7 +82,26 @@ class Admission:
         except (redis.ConnectionError, redis.TimeoutError) as e:
             self._on_redis_error("admit", e, idle)
             return admitted
+        if not read:
+            return admitted
+        block = self.config.block_ms if idle else None
+        return admitted + self._admit_reply(lambda: self._xreadgroup(free, block), idle)
+
+    def _admit_reply(self, read, idle: bool) -> int:
+        """Run read() (an XREADGROUP, or taking the read ahead's reply) and admit its entries."""
+        now = self.clock()
+        try:
+            reply = read()
+        except redis.ResponseError as e:
+            if "NOGROUP" not in str(e):
+                raise
+            self._group_ready = False  # the stream was deleted under us: create it again next time
+            return 0
+        except (redis.ConnectionError, redis.TimeoutError) as e:
+            self._on_redis_error("admit", e, idle)
+            return 0
         self._redis_failures = 0
+        admitted = 0
         for _stream, entries in reply or []:
             for entry_id, fields in entries:
                 admitted += self._admit_entry(entry_id, fields or {}, now)
