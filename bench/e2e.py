@@ -181,7 +181,7 @@ def run_method(method: str, target: Path, draft: Path | None, batches: list[int]
 # The verifier's loop by phase (services/verifier/metrics.py): draft and verify are the engine's
 # verbs (host time: the forward runs on the device meanwhile), device_wait the commit's wait for the
 # device, commit the rest of the commit (and sending drafts ahead), emit the result writes, rest
-# admission, deadlines, metrics and logs.
+# admission (the stream read and the prefill of admitted requests) and deadlines.
 STEP_PHASES = ("draft", "verify", "device_wait", "commit", "emit", "rest")
 HEADER = ("| method | batch | output tokens | wall s | tokens/s (rounds) | TPOT ms | acceptance length "
           "(expected) | tokens/s vs off | verifier ms per step: draft / verify / device wait / commit / "

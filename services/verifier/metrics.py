@@ -50,7 +50,8 @@ class StepRecord:
 
     @property
     def rest_seconds(self) -> float:
-        """other_seconds less the device wait, commit and emit: admission, deadlines, metrics, logs."""
+        """other_seconds less the device wait, commit and emit: admission (the stream read, the
+        engine's prefill of what it admitted) and deadlines."""
         return max(0.0, self.other_seconds - self.device_wait_seconds - self.commit_seconds
                    - self.emit_seconds)
 
