@@ -20,7 +20,7 @@ def test_abort_running_and_waiting(tiny_models):
 
     assert engine.abort(a) and engine.abort(c)
     assert a.status is SequenceStatus.FINISHED and a.finish_reason == "abort" and a.output_token_ids
-    assert not cache.has_sequence(a.seq_id) and a.seq_id not in engine.proposer._history
+    assert not cache.has_sequence(a.seq_id) and a.seq_id not in engine.proposer._indexes
     assert [s.seq_id for s in engine.running] == [b.seq_id] and not engine.waiting
     assert not engine.abort(a)  # already gone
 
