@@ -26,6 +26,8 @@ from specd.transport.resume import ResumePoint
 
 log = logging.getLogger("specd.verifier")
 
+ADMIT_ERRORS = (redis.ResponseError, redis.ConnectionError, redis.TimeoutError)
+
 
 class Admission:
     """The admit verb of VerifierWorker (services/verifier/worker.py), which it is mixed into: it
@@ -74,13 +76,8 @@ class Admission:
                     self._redis_failures = 0
                     return admitted
                 idle = idle and not admitted and not self.writer.has_pending
-        except redis.ResponseError as e:
-            if "NOGROUP" not in str(e):
-                raise
-            self._group_ready = False  # the stream was deleted under us: create it again next time
-            return admitted
-        except (redis.ConnectionError, redis.TimeoutError) as e:
-            self._on_redis_error("admit", e, idle)
+        except ADMIT_ERRORS as e:
+            self._on_admit_error(e, idle)
             return admitted
         if not read:
             return admitted
@@ -92,13 +89,8 @@ class Admission:
         now = self.clock()
         try:
             reply = read()
-        except redis.ResponseError as e:
-            if "NOGROUP" not in str(e):
-                raise
-            self._group_ready = False  # the stream was deleted under us: create it again next time
-            return 0
-        except (redis.ConnectionError, redis.TimeoutError) as e:
-            self._on_redis_error("admit", e, idle)
+        except ADMIT_ERRORS as e:
+            self._on_admit_error(e, idle)
             return 0
         self._redis_failures = 0
         admitted = 0
@@ -106,6 +98,16 @@ class Admission:
             for entry_id, fields in entries:
                 admitted += self._admit_entry(entry_id, fields or {}, now)
         return admitted
+
+    def _on_admit_error(self, error: Exception, idle: bool) -> None:
+        """NOGROUP: the stream was deleted under us, create the group again next time; Redis
+        unreachable: log and back off (the worker's _on_redis_error); any other refusal raises."""
+        if isinstance(error, redis.ResponseError):
+            if "NOGROUP" not in str(error):
+                raise error
+            self._group_ready = False
+        else:
+            self._on_redis_error("admit", error, idle)
 
     def _admit_claimed(self, claimed: ClaimedEntry, now: float) -> int:
         """An entry taken over from a verifier that stopped heartbeating: resume, ack or fail it."""
