@@ -121,8 +121,8 @@ def step_split_ms(before: dict, after: dict) -> dict[str, float]:
 
 
 # A/B variants of a method, as suffixes of its name: "replay-sync" is replay with drafting ahead off,
-# "off-noreadahead" off with the verifier reading the request stream at the start of every iteration.
-VARIANTS = {"-sync": {"SPECD_DRAFT_AHEAD": "0"}, "-noreadahead": {"SPECD_READ_AHEAD": "0"}}
+# "off-readahead" off with the verifier reading the request stream ahead (read_ahead.py).
+VARIANTS = {"-sync": {"SPECD_DRAFT_AHEAD": "0"}, "-readahead": {"SPECD_READ_AHEAD": "1"}}
 
 
 def base_method(label: str) -> tuple[str, dict]:

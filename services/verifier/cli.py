@@ -44,10 +44,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="write each step's results on a writer thread, overlapping the next step "
                         "(--no-async-emit: the loop waits for every round trip; env SPECD_ASYNC_EMIT=0)")
     p.add_argument("--read-ahead", action=argparse.BooleanOptionalAction,
-                   default=os.environ.get("SPECD_READ_AHEAD", "1") != "0",
+                   default=os.environ.get("SPECD_READ_AHEAD", "0") == "1",
                    help="read the request stream for the next iteration on a thread while the engine "
-                        "steps (--no-read-ahead: a Redis round trip at the start of every iteration; "
-                        "env SPECD_READ_AHEAD=0)")
+                        "steps (off by default until measured on a GPU: a Redis round trip at the start "
+                        "of every iteration; env SPECD_READ_AHEAD=1)")
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--log-interval", type=float, default=10.0, help="seconds between summary lines (0: off)")
     add_tls_arguments(p, server=False)  # it connects to drafters and the grammar service

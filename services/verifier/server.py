@@ -56,7 +56,7 @@ class VerifierConfig:
     drafter_refresh_s: float = 10.0  # re-resolve the drafter names this often (0: only at start)
     tls: TLSConfig = PLAINTEXT  # CA (and client certificate) for the drafter and grammar channels
     async_emit: bool = True  # result round trips overlap the next engine step (a writer thread)
-    read_ahead: bool = True  # the next XREADGROUP overlaps the engine step (services/verifier/read_ahead.py)
+    read_ahead: bool = False  # the next XREADGROUP overlaps the engine step (services/verifier/read_ahead.py)
 
     def __post_init__(self) -> None:
         if self.tp != 1:
