@@ -56,6 +56,19 @@ def pdl_for_e2e(rows, info: dict, q: int) -> str | None:
     return "1" if identical and row.specd_graphs_ms < row.specd_no_pdl_ms else "0"
 
 
+def l2_prefetch_for_e2e(rows, info: dict, q: int) -> str | None:
+    """The L2 prefetch plan the e2e stacks run: the fastest of the step's plans at batch 1,
+    q = k + 1 where it beat the plain graphs and every plan's outputs matched bit for bit; None
+    when no plan was timed or none won."""
+    row = next((r for r in rows if r.batch == 1 and r.q == q), None)
+    if row is None or not row.l2_prefetch_ms:
+        return None
+    if any(c.get("l2_prefetch_vs_none_max_abs") not in (None, 0) for c in info.get("output_checks", [])):
+        return None
+    plan, ms = min(row.l2_prefetch_ms.items(), key=lambda kv: kv[1])
+    return plan if ms < row.specd_graphs_ms else None
+
+
 def _prepare_e2e_models(args, work: Path) -> tuple[Path, dict, int]:
     """(target, drafts by method, vocab to draw prompts from) for the chosen size."""
     from bench.e2e import DRAFT_NAMES
@@ -121,6 +134,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work-dir", type=Path, default=None, help="synthetic checkpoints (default: OUT/work)")
     ap.add_argument("--step-batches", type=_ints, default=None, help="default 1,8,32,64,128 (small: 1,4)")
     ap.add_argument("--context", type=int, default=None, help="cached tokens per sequence (default 1024; small 32)")
+    ap.add_argument("--l2-prefetch-plans", type=lambda t: [p for p in t.split(";") if p], default=[],
+                    help="step: also time each L2 prefetch plan (kernels/l2_prefetch.py), ';'-separated, "
+                         "e.g. 'o=32;o=32,gate_up=8,kind=sector'")
     ap.add_argument("--k", type=int, default=3, help="draft tokens per step (verify q = k + 1)")
     ap.add_argument("--bandwidth-tbs", type=float, default=4.8, help="for the weight-read floor")
     ap.add_argument("--no-transformers", action="store_true")
@@ -186,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
             bandwidth_tbs=args.bandwidth_tbs, with_transformers=not args.no_transformers,
             warmup=1 if args.small else 3, iters=3 if args.small else 10,
             block_size=8 if args.small else 64, compile_mode=args.compile,
-            compile_budget_s=args.compile_budget_s)
+            compile_budget_s=args.compile_budget_s, l2_plans=args.l2_prefetch_plans)
         sections.append(write_step_results(rows, info, out))
         print(sections[-1], flush=True)
         print(f"step bench done at {time.perf_counter() - t_start:.0f} s", flush=True)
@@ -194,6 +210,10 @@ def main(argv: list[str] | None = None) -> int:
         if e2e_pdl is not None and "SPECD_PDL" not in os.environ:
             os.environ["SPECD_PDL"] = e2e_pdl  # the e2e stacks inherit it
             print(f"e2e: SPECD_PDL={e2e_pdl} (the faster of the step's PDL columns, outputs identical)", flush=True)
+        e2e_plan = l2_prefetch_for_e2e(rows, info, args.k + 1)
+        if e2e_plan is not None and "SPECD_L2_PREFETCH" not in os.environ:
+            os.environ["SPECD_L2_PREFETCH"] = e2e_plan
+            print(f"e2e: SPECD_L2_PREFETCH={e2e_plan} (the step's fastest plan, outputs identical)", flush=True)
         del rows
         _release_gpu_memory("step")
     if "e2e" in args.what:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -27,6 +27,7 @@ import torch
 from specd.messages import PytorchEngineConfig
 from specd.models.base import SequenceChunk
 from specd.models.hf_config import LlamaArchConfig
+from specd.models.kernels.l2_prefetch import PrefetchPlan
 from specd.models.llama import LlamaForCausalLM
 from specd.models.llama_runner import LlamaRunner
 from specd.models.merged_linear import checkpoint_tensors
@@ -52,6 +53,7 @@ class StepRow:
     specd_compiled_ms: float | None = None  # graphs + torch.compile'd layer regions
     specd_torch_ops_ms: float | None = None  # graphs over PyTorch ops only (cuBLAS, SDPA): the twin
     specd_no_pdl_ms: float | None = None  # graphs over the kernels, launched without PDL (CUDA only)
+    l2_prefetch_ms: dict[str, float] = field(default_factory=dict)  # plan -> graphs ms under it (CUDA)
 
     @property
     def compiled_over_floor(self) -> float | None:
@@ -152,18 +154,40 @@ def time_specd(runner: LlamaRunner, batch: int, q: int, context: int, warmup: in
             runner.free(s)
 
 
+class runner_setting:
+    """Context manager: runner.<attr> = value with its graphs dropped and captured again under it,
+    then restored (and dropped again): two columns of one runner differ in nothing else, and no
+    second KV cache takes the memory another runner would."""
+
+    def __init__(self, runner: LlamaRunner, attr: str, value) -> None:
+        self.runner, self.attr, self.value = runner, attr, value
+
+    def __enter__(self) -> LlamaRunner:
+        self.saved = getattr(self.runner, self.attr)
+        setattr(self.runner, self.attr, self.value)
+        self.runner.static.drop_graphs()
+        return self.runner
+
+    def __exit__(self, *exc) -> None:
+        setattr(self.runner, self.attr, self.saved)
+        self.runner.static.drop_graphs()
+
+
 def time_without_pdl(runner: LlamaRunner, batch: int, q: int, context: int, warmup: int, iters: int) -> float:
-    """The same runner with its kernels launched without PDL (kernels/pdl.py): its graphs are
-    dropped and captured again both ways, so the two columns differ in nothing else (and no second
-    KV cache takes the memory another runner would)."""
-    saved = runner.pdl
-    runner.pdl = "off"
-    runner.static.drop_graphs()
-    try:
+    """The same runner with its kernels launched without PDL (kernels/pdl.py)."""
+    with runner_setting(runner, "pdl", "off"):
         return time_specd(runner, batch, q, context, warmup, iters)
-    finally:
-        runner.pdl = saved
-        runner.static.drop_graphs()
+
+
+def time_l2_prefetch(runner: LlamaRunner, plans: list[str], batch: int, q: int, context: int, warmup: int,
+                     iters: int) -> dict[str, float]:
+    """The same runner under each L2 prefetch plan (kernels/l2_prefetch.py), PDL as configured."""
+    out = {}
+    for spec in plans:
+        plan = PrefetchPlan.parse(spec)
+        with runner_setting(runner, "l2_prefetch", plan):
+            out[plan.describe()] = time_specd(runner, batch, q, context, warmup, iters)
+    return out
 
 
 def step_logits(runner: LlamaRunner, batch: int, q: int, context: int) -> torch.Tensor:
@@ -194,24 +218,25 @@ def _fill_sequence_cache(runner: LlamaRunner, seq_id: int) -> None:
             cache[blocks] = torch.randn(shape, generator=gen, device=runner.device, dtype=cache.dtype)
 
 
-def check_step_outputs(graphs: LlamaRunner, torch_ops: LlamaRunner, context: int, shapes) -> list[dict]:
+def check_step_outputs(graphs: LlamaRunner, torch_ops: LlamaRunner, context: int, shapes,
+                       l2_plans: list[str] = ()) -> list[dict]:
     """What the timed columns compute, compared on the same cached keys and values (step_logits
     fills them per sequence, whatever blocks it holds): the kernels with PDL against the same graphs without it
-    (a missing wait would be a race: must be bit-identical) and against the PyTorch-ops twin
-    (bf16 rounding: relative error ~1e-2)."""
+    (a missing wait would be a race: must be bit-identical), under each L2 prefetch plan (a hint:
+    must be bit-identical) and against the PyTorch-ops twin (bf16 rounding: relative error ~1e-2)."""
     out = []
     for batch, q in shapes:
         with_pdl = step_logits(graphs, batch, q, context)
-        saved, graphs.pdl = graphs.pdl, "off"
-        graphs.static.drop_graphs()
-        try:
+        with runner_setting(graphs, "pdl", "off"):
             without = step_logits(graphs, batch, q, context)
-        finally:
-            graphs.pdl = saved
-            graphs.static.drop_graphs()
+        prefetch_diff = 0.0
+        for spec in l2_plans:
+            with runner_setting(graphs, "l2_prefetch", PrefetchPlan.parse(spec)):
+                prefetch_diff = max(prefetch_diff, (step_logits(graphs, batch, q, context) - with_pdl).abs().max().item())
         twin = step_logits(torch_ops, batch, q, context).double()
         rel = ((with_pdl.double() - twin).norm() / twin.norm()).item()
         out.append({"batch": batch, "q": q, "pdl_vs_no_pdl_max_abs": (with_pdl - without).abs().max().item(),
+                    "l2_prefetch_vs_none_max_abs": prefetch_diff if l2_plans else None,
                     "kernels_vs_torch_ops_rel_err": rel, "finite": bool(torch.isfinite(with_pdl).all())})
         print(f"check batch {batch} q {q}: {out[-1]}", flush=True)
     return out
@@ -242,7 +267,7 @@ def time_transformers(hf, config: LlamaArchConfig, batch: int, q: int, context: 
 def run_step_bench(shape: str = "8b", batches=(1, 8, 32, 64, 128), qs=(1, 4), context: int = 1024,
                    device: str | None = None, bandwidth_tbs: float = 4.8, warmup: int = 3, iters: int = 10,
                    with_transformers: bool = True, block_size: int = 64, compile_mode: str | None = None,
-                   compile_budget_s: float = 240.0) -> tuple[list[StepRow], dict]:
+                   compile_budget_s: float = 240.0, l2_plans: list[str] = ()) -> tuple[list[StepRow], dict]:
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     config = arch_config(shape)
@@ -274,14 +299,19 @@ def run_step_bench(shape: str = "8b", batches=(1, 8, 32, 64, 128), qs=(1, 4), co
         for q in qs:
             g = time_specd(graphs, batch, q, context, warmup, iters)
             n = time_without_pdl(graphs, batch, q, context, warmup, iters) if dev.type == "cuda" else None
+            pf = time_l2_prefetch(graphs, list(l2_plans), batch, q, context, warmup, iters) if dev.type == "cuda" else {}
             c = time_specd(torch_ops, batch, q, context, warmup, iters)
             e = time_specd(eager, batch, q, context, warmup, iters)
             h = (time_transformers(hf, config, batch, q, context, dev, dtype, warmup, iters)
                  if hf is not None else None)
-            rows.append(StepRow(batch, q, g, e, h, floor_ms, specd_torch_ops_ms=c, specd_no_pdl_ms=n))
+            rows.append(StepRow(batch, q, g, e, h, floor_ms, specd_torch_ops_ms=c, specd_no_pdl_ms=n,
+                                l2_prefetch_ms=pf))
             print(format_row(rows[-1]), flush=True)
+            for plan, ms in pf.items():
+                print(f"  l2 prefetch {plan}: {ms:.3f} ms (graphs {g:.3f})", flush=True)
     checks = check_step_outputs(graphs, torch_ops, context, [(b, q) for b in (1, 8, 64) if b <= max(batches)
-                                                            for q in (max(qs),)])
+                                                            for q in (max(qs),)],
+                                l2_plans=list(l2_plans) if dev.type == "cuda" else [])
     compile_info = time_compiled_column(compiled, rows, context, warmup, iters, compile_budget_s)
     info = {"shape": shape, "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
             "dtype": str(dtype), "context": context, "weight_bytes": weight_bytes,
@@ -359,7 +389,14 @@ def write_step_results(rows: list[StepRow], info: dict, out_dir: Path) -> str:
     lines += ["", "outputs on the same cached keys and values (batch, q: PDL vs no-PDL max |diff|; kernels vs "
               "PyTorch-ops relative error):"]
     lines += [f"- {c['batch']}, {c['q']}: {c['pdl_vs_no_pdl_max_abs']:.3g}; {c['kernels_vs_torch_ops_rel_err']:.3g}"
+              f"{'' if c.get('l2_prefetch_vs_none_max_abs') is None else '; L2 prefetch plans vs none max |diff| %.3g' % c['l2_prefetch_vs_none_max_abs']}"
               f"{'' if c['finite'] else ' (NOT FINITE)'}" for c in info.get("output_checks", [])]
+    plans = [(r, plan, ms) for r in rows for plan, ms in r.l2_prefetch_ms.items()]
+    if plans:
+        lines += ["", "L2 prefetch plans (kernels/l2_prefetch.py), graphs with PDL as above:", "",
+                  "| batch | q | plan | ms | vs graphs | / floor |", "|---|---|---|---|---|---|"]
+        lines += [f"| {r.batch} | {r.q} | {plan} | {ms:.2f} | {ms / r.specd_graphs_ms:.3f}x | {ms / r.floor_ms:.2f}x |"
+                  for r, plan, ms in plans]
     table = "\n".join(lines) + "\n"
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "step.md").write_text(table)

@@ -9,7 +9,9 @@ o_proj and down_proj, whose outputs only feed the next RMSNorm's residual add, t
 kernel split-K where skinny_gemm.split_k_for says so: fp32 partials that the norm sums.
 Nine launches a layer where the PyTorch path takes about thirty, and no gathered K/V copies
 (kernels/*.py say why each exists). On Hopper the kernels launch with PDL (kernels/pdl.py): each
-may start during its predecessor's tail, a GEMM streaming its first weight tile meanwhile.
+may start during its predecessor's tail, a GEMM streaming its first weight tile meanwhile; and
+under an L2 prefetch plan (kernels/l2_prefetch.py) each skinny GEMM pulls part of the next GEMM's
+weights into L2 once its own loads are done.
 
 It computes what LlamaForCausalLM.forward computes (the same modules' weights; the deferred
 residual add changes no value: the residual entering layer i is materialised by layer i's first
@@ -23,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from specd.models import skinny_gemm
-from specd.models.kernels import norm_act, paged_decode_attention, rope_cache
+from specd.models.kernels import l2_prefetch, norm_act, paged_decode_attention, rope_cache
 from specd.models.kv_cache import PagedKVCache
 from specd.models.linear import takes_skinny_kernel
 from specd.models.static_attention import StaticAttentionMetadata, flash_kvcache_applies, static_paged_attention
@@ -53,13 +55,15 @@ def fused_forward(model, input_ids: torch.Tensor, positions: torch.Tensor, meta:
     wanted = set(aux_layer_ids)
     captured: dict[int, torch.Tensor] = {}
     delta = None  # the previous layer's MLP output, added to x by this layer's first norm
-    for i, layer in enumerate(model.model.layers):
+    layers = model.model.layers
+    for i, layer in enumerate(layers):
         x, h = norm_act.rms_norm(x, layer.input_layernorm.weight, eps, delta)
         if i in wanted:
             captured[i] = x
-        attn = layer.self_attn
+        attn, mlp = layer.self_attn, layer.mlp
         cache_k, cache_v = kv_cache.k_caches[i], kv_cache.v_caches[i]
-        q = rope_cache.rope_and_cache_write(attn.qkv_proj(h), cos, sin, meta.slot_mapping, cache_k, cache_v,
+        qkv = _project(attn.qkv_proj, h, l2_prefetch.target_for("o", attn.o_proj.weight))
+        q = rope_cache.rope_and_cache_write(qkv, cos, sin, meta.slot_mapping, cache_k, cache_v,
                                             attn.num_heads, attn.num_kv_heads)  # [T, Hq, D]
         if flash_kvcache_applies(q, meta):  # flash-attn installed and 256-token blocks: its kernel
             o = static_paged_attention(q, cache_k, cache_v, meta, attn.scale, attn.sliding_window)
@@ -68,27 +72,46 @@ def fused_forward(model, input_ids: torch.Tensor, positions: torch.Tensor, meta:
                 q, cache_k, cache_v, meta.ctx_lens, meta.block_tables, meta.query_len, attn.scale,
                 attn.sliding_window)  # [T, Hq, D]
         x, h = norm_act.rms_norm(x, layer.post_attention_layernorm.weight, eps,
-                                 _residual_delta(attn.o_proj, o.view(tokens, -1)))
-        delta = _residual_delta(layer.mlp.down_proj, _swiglu(layer.mlp.gate_up_proj, h))
+                                 _residual_delta(attn.o_proj, o.view(tokens, -1),
+                                                 l2_prefetch.target_for("gate_up", mlp.gate_up_proj.weight)))
+        after_down = (l2_prefetch.target_for("qkv", layers[i + 1].self_attn.qkv_proj.weight) if i + 1 < len(layers)
+                      else l2_prefetch.target_for("lm_head", getattr(model.lm_head, "weight", None)))
+        delta = _residual_delta(mlp.down_proj, _swiglu(mlp.gate_up_proj, h,
+                                                       l2_prefetch.target_for("down", mlp.down_proj.weight)),
+                                after_down)
     _, hidden = norm_act.rms_norm(x, model.model.norm.weight, eps, delta)
     aux = torch.cat([captured[i] for i in aux_layer_ids], dim=-1) if aux_layer_ids else None
     return hidden, aux
 
 
-def _residual_delta(proj, h: torch.Tensor) -> torch.Tensor:
+def _prefetch_args(target: l2_prefetch.PrefetchTarget | None) -> tuple:
+    """The skinny GEMM ops' trailing prefetch arguments for target (none: no prefetch)."""
+    if target is None:
+        return ()
+    return (target.weight, target.units, target.regions, target.kind_code)
+
+
+def _project(proj, h: torch.Tensor, prefetch: l2_prefetch.PrefetchTarget | None) -> torch.Tensor:
+    """proj(h); through the skinny kernel with its epilogue prefetch where the kernel applies."""
+    if prefetch is not None and proj.bias is None and takes_skinny_kernel(h, proj.weight):
+        return skinny_gemm.skinny_gemm(h, proj.weight, *_prefetch_args(prefetch))
+    return proj(h)
+
+
+def _residual_delta(proj, h: torch.Tensor, prefetch: l2_prefetch.PrefetchTarget | None = None) -> torch.Tensor:
     """proj(h) as an rms_norm delta: fp32 split-K partials [S, T, N] where the skinny kernel takes
     the product (few rows, "auto" backend), there is no bias and split_k_for(N, K) > 1; else
     proj(h) [T, N] (S = 1 would only add an fp32 round trip)."""
     if proj.bias is None and takes_skinny_kernel(h, proj.weight):
         splits = skinny_gemm.split_k_for(*proj.weight.shape)
         if splits > 1:
-            return skinny_gemm.skinny_gemm_partials(h, proj.weight, splits)
-    return proj(h)
+            return skinny_gemm.skinny_gemm_partials(h, proj.weight, splits, *_prefetch_args(prefetch))
+    return _project(proj, h, prefetch)
 
 
-def _swiglu(gate_up_proj, h: torch.Tensor) -> torch.Tensor:
+def _swiglu(gate_up_proj, h: torch.Tensor, prefetch: l2_prefetch.PrefetchTarget | None = None) -> torch.Tensor:
     """silu(gate) * up of the fused gate/up projection: one kernel where the skinny GEMM takes the
     product (few rows), else the product and then the activation kernel."""
     if gate_up_proj.bias is None and takes_skinny_kernel(h, gate_up_proj.weight):
-        return skinny_gemm.skinny_gemm_swiglu(h, gate_up_proj.weight)
+        return skinny_gemm.skinny_gemm_swiglu(h, gate_up_proj.weight, *_prefetch_args(prefetch))
     return norm_act.silu_mul(gate_up_proj(h))

@@ -29,6 +29,7 @@ from specd.models.attention import AttentionMetadata
 from specd.models.base import check_chunks, ForwardOutput, ModelInfo, SequenceChunk
 from specd.models.cuda_graphs import StaticForward
 from specd.models.hf_config import LlamaArchConfig
+from specd.models.kernels.l2_prefetch import PrefetchPlan, l2_prefetch_scope, resolve_plan
 from specd.models.kernels.pdl import pdl_launches, resolve_pdl_mode
 from specd.models.kv_cache import CacheFullError, PagedKVCache
 from specd.models.linear import gemm_backend, resolve_gemm_backend
@@ -88,7 +89,8 @@ class LlamaRunner:
     def __init__(self, model_dir: str | Path, engine_config: PytorchEngineConfig | None = None, *,
                  model: LlamaForCausalLM | None = None, config: LlamaArchConfig | None = None,
                  use_static_path: bool | None = None, compile_mode: str | None = None,
-                 gemm: str | None = None, kernels: str | None = None, pdl: str | None = None) -> None:
+                 gemm: str | None = None, kernels: str | None = None, pdl: str | None = None,
+                 l2_prefetch: str | PrefetchPlan | None = None) -> None:
         """model/config: an already built model (the bench's random weights) instead of loading.
 
         use_static_path: None follows the config (static path with CUDA graphs on CUDA unless
@@ -98,12 +100,15 @@ class LlamaRunner:
         gemm: "auto" | "torch" (linear.py); None reads SPECD_GEMM, default "auto".
         kernels: "auto" | "off" (fused_forward.py); None reads SPECD_KERNELS, default "auto".
         pdl: "auto" | "off" (kernels/pdl.py); None reads SPECD_PDL, default "auto".
+        l2_prefetch: a plan (kernels/l2_prefetch.py, e.g. "o=32"); None reads SPECD_L2_PREFETCH,
+        default "off".
         """
         kernels = kernels or os.environ.get(KERNELS_ENV) or "auto"
         if kernels not in ("auto", "off"):
             raise ValueError(f"kernels: expected auto or off, got {kernels!r}")
         self.gemm = resolve_gemm_backend(gemm)
         self.pdl = resolve_pdl_mode(pdl)
+        self.l2_prefetch = resolve_plan(l2_prefetch)
         engine_config = engine_config or PytorchEngineConfig()
         self.model_dir = Path(model_dir)
         self.engine_config = engine_config
@@ -217,7 +222,7 @@ class LlamaRunner:
     def forward(self, chunks: list[SequenceChunk], *, want_hidden: bool = False,
                 want_aux_hidden: bool = False) -> ForwardOutput:
         """Append every chunk to its cache in one model call; logits for every new token."""
-        with gemm_backend(self.gemm), pdl_launches(self.pdl):
+        with gemm_backend(self.gemm), pdl_launches(self.pdl), l2_prefetch_scope(self.l2_prefetch):
             return self._forward(chunks, want_hidden, want_aux_hidden)
 
     def _forward(self, chunks: list[SequenceChunk], want_hidden: bool, want_aux_hidden: bool

@@ -32,10 +32,12 @@ import os
 import torch
 import torch.nn.functional as F
 
+from specd.models.kernels.l2_prefetch import KINDS
 from specd.models.kernels.pdl import launch_options, use_pdl
 
 MAX_ROWS = 32
 MIN_BLOCK_K = 64
+PREFETCH_UNIT_ELEMS = {code: unit for code, unit in KINDS.values()}  # prefetch kind -> elements a unit
 
 try:
     import triton
@@ -59,6 +61,7 @@ def _configs():
 
 
 if triton is not None:
+    from specd.models.kernels.l2_prefetch import prefetch_share
     from specd.models.kernels.pdl import gdc_release, gdc_wait
 
     def _divides_k(configs, named_args, **kwargs):
@@ -71,10 +74,14 @@ if triton is not None:
                      prune_configs_by={"early_config_prune": _divides_k})
     @triton.jit
     def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ys, stride_ym,
+                            pf_ptr, pf_units, pf_regions, pf_region_stride,
                             M_BUCKET: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                            SWIGLU: tl.constexpr, SPLIT_K: tl.constexpr, USE_PDL: tl.constexpr):
+                            SWIGLU: tl.constexpr, SPLIT_K: tl.constexpr, USE_PDL: tl.constexpr,
+                            PF_KIND: tl.constexpr = 0, PF_UNIT: tl.constexpr = 64):
         """Grid (cdiv(N, BLOCK_N), SPLIT_K). SPLIT_K 1: y [M, N] in x's dtype. SPLIT_K > 1: program
-        (n, s) sums K range s (K / SPLIT_K long) into y[s] of fp32 partials y [SPLIT_K, M, N]."""
+        (n, s) sums K range s (K / SPLIT_K long) into y[s] of fp32 partials y [SPLIT_K, M, N].
+        PF_KIND > 0: after its stores, each program prefetches its share of the next GEMM's
+        weights into L2 (pf_*: kernels/l2_prefetch.py)."""
         # silu(gate) * up is not linear: it needs the whole sum, so no split with the epilogue
         tl.static_assert(SPLIT_K == 1 or not SWIGLU)
         pid = tl.program_id(0)
@@ -121,6 +128,10 @@ if triton is not None:
             out = (act * up).to(y_ptr.dtype.element_ty)
         y_ptrs = y_ptr + split * stride_ys + rows[:, None] * stride_ym + cols[None, :]
         tl.store(y_ptrs, out, mask=row_ok & (cols[None, :] < N))
+        if PF_KIND > 0:  # the next GEMM's weights, while this grid's last programs finish
+            prefetch_share(pf_ptr, pf_units, pf_regions, pf_region_stride,
+                           split * tl.num_programs(0) + pid, tl.num_programs(0) * tl.num_programs(1),
+                           PF_KIND, PF_UNIT)
 
 
 def _row_bucket(m: int) -> int:
@@ -141,8 +152,11 @@ def split_k_for(n: int, k: int) -> int:
     return 2 if n <= 8192 and k % (2 * MIN_BLOCK_K) == 0 else 1
 
 
-def _launch(x: torch.Tensor, weight: torch.Tensor, n: int, swiglu: bool, splits: int = 1) -> torch.Tensor:
-    """y [M, N] in x's dtype (splits 1), or fp32 partials [splits, M, N]."""
+def _launch(x: torch.Tensor, weight: torch.Tensor, n: int, swiglu: bool, splits: int = 1,
+            prefetch: torch.Tensor | None = None, prefetch_units: int = 0, prefetch_regions: int = 1,
+            prefetch_kind: int = 0) -> torch.Tensor:
+    """y [M, N] in x's dtype (splits 1), or fp32 partials [splits, M, N]; prefetch_*: what the
+    programs pull into L2 after their stores (kernels/l2_prefetch.PrefetchTarget)."""
     m, k = x.shape
     assert k % (splits * MIN_BLOCK_K) == 0, (k, splits)
     shape, dtype = ((m, n), x.dtype) if splits == 1 else ((splits, m, n), torch.float32)
@@ -150,46 +164,62 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, n: int, swiglu: bool, splits:
     if m == 0:
         return y
     grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), splits)  # noqa: E731 - Triton's grid idiom
+    pf = {}
+    if prefetch is not None and prefetch_kind > 0 and prefetch_units > 0:
+        pf = {"PF_KIND": prefetch_kind, "PF_UNIT": PREFETCH_UNIT_ELEMS[prefetch_kind]}
+    else:
+        prefetch, prefetch_units, prefetch_regions = weight, 0, 1
     _skinny_gemm_kernel[grid](x, weight, y, m, n, k, x.stride(0), weight.stride(0), m * n, n,
+                              prefetch, prefetch_units, prefetch_regions, prefetch.numel() // prefetch_regions,
                               M_BUCKET=_row_bucket(m), SWIGLU=swiglu, SPLIT_K=splits,
-                              **launch_options(use_pdl(x)))
+                              **pf, **launch_options(use_pdl(x)))
     return y
 
 
 @torch.library.custom_op("specd::skinny_gemm", mutates_args=())
-def skinny_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [M, K] @ weight[N, K]^T -> [M, N] in x's dtype (float32 accumulation)."""
-    return _launch(x, weight, weight.shape[0], swiglu=False)
+def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, prefetch: torch.Tensor | None = None,
+                prefetch_units: int = 0, prefetch_regions: int = 1, prefetch_kind: int = 0) -> torch.Tensor:
+    """x [M, K] @ weight[N, K]^T -> [M, N] in x's dtype (float32 accumulation). prefetch_*: the
+    next GEMM's weights to pull into L2 (kernels/l2_prefetch.py; never changes the result)."""
+    return _launch(x, weight, weight.shape[0], False, 1, prefetch, prefetch_units, prefetch_regions, prefetch_kind)
 
 
 @skinny_gemm.register_fake
-def _(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def _(x: torch.Tensor, weight: torch.Tensor, prefetch=None, prefetch_units=0, prefetch_regions=1,
+      prefetch_kind=0) -> torch.Tensor:
     return x.new_empty((x.shape[0], weight.shape[0]))
 
 
 @torch.library.custom_op("specd::skinny_gemm_partials", mutates_args=())
-def skinny_gemm_partials(x: torch.Tensor, weight: torch.Tensor, splits: int) -> torch.Tensor:
+def skinny_gemm_partials(x: torch.Tensor, weight: torch.Tensor, splits: int, prefetch: torch.Tensor | None = None,
+                         prefetch_units: int = 0, prefetch_regions: int = 1, prefetch_kind: int = 0) -> torch.Tensor:
     """Split-K: x [M, K], weight [N, K] -> fp32 partials [splits, M, N] whose sum over dim 0 is
     x @ weight^T (K % (splits * MIN_BLOCK_K) == 0; split_k_for picks splits). The consumer sums
-    them (norm_act.rms_norm's delta)."""
-    return _launch(x, weight, weight.shape[0], swiglu=False, splits=splits)
+    them (norm_act.rms_norm's delta). prefetch_*: as skinny_gemm's."""
+    return _launch(x, weight, weight.shape[0], False, splits, prefetch, prefetch_units, prefetch_regions,
+                   prefetch_kind)
 
 
 @skinny_gemm_partials.register_fake
-def _(x: torch.Tensor, weight: torch.Tensor, splits: int) -> torch.Tensor:
+def _(x: torch.Tensor, weight: torch.Tensor, splits: int, prefetch=None, prefetch_units=0, prefetch_regions=1,
+      prefetch_kind=0) -> torch.Tensor:
     return x.new_empty((splits, x.shape[0], weight.shape[0]), dtype=torch.float32)
 
 
 @torch.library.custom_op("specd::skinny_gemm_swiglu", mutates_args=())
-def skinny_gemm_swiglu(x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
+def skinny_gemm_swiglu(x: torch.Tensor, gate_up: torch.Tensor, prefetch: torch.Tensor | None = None,
+                       prefetch_units: int = 0, prefetch_regions: int = 1, prefetch_kind: int = 0) -> torch.Tensor:
     """SwiGLU's product and activation in one kernel: gate_up [2 I, K] (gate rows, then up rows);
     returns silu(x @ gate^T) * (x @ up^T) [M, I], each product rounded to x's dtype first, as
-    norm_act.silu_mul over the unfused product rounds (one launch and no [M, 2 I] round trip)."""
-    return _launch(x, gate_up, gate_up.shape[0] // 2, swiglu=True)
+    norm_act.silu_mul over the unfused product rounds (one launch and no [M, 2 I] round trip).
+    prefetch_*: as skinny_gemm's."""
+    return _launch(x, gate_up, gate_up.shape[0] // 2, True, 1, prefetch, prefetch_units, prefetch_regions,
+                   prefetch_kind)
 
 
 @skinny_gemm_swiglu.register_fake
-def _(x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
+def _(x: torch.Tensor, gate_up: torch.Tensor, prefetch=None, prefetch_units=0, prefetch_regions=1,
+      prefetch_kind=0) -> torch.Tensor:
     return x.new_empty((x.shape[0], gate_up.shape[0] // 2))
 
 

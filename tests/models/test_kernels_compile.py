@@ -53,9 +53,39 @@ def test_kernels_compile_to_sm90_ptx():
       {"QLEN":4,"GROUP":4,"ROWS":16,"D":128,"BLOCK_SIZE":64,"BLOCK_N":64,"HAS_WINDOW":True})
     comp(pda._combine_kernel, {"acc_ptr":"*fp32","ml_ptr":"*fp32","out_ptr":P,"stride_ot":"i32","stride_oh":"i32","num_splits":"i32",
       "QLEN":"constexpr","GROUP":"constexpr","ROWS":"constexpr","D":"constexpr","SPLITS_POW2":"constexpr"},{"QLEN":4,"GROUP":4,"ROWS":16,"D":128,"SPLITS_POW2":32})
-    gemm_sig = {"x_ptr":P,"w_ptr":P,"y_ptr":P,"M":"i32","N":"i32","K":"i32","stride_xm":"i32","stride_wn":"i32","stride_ys":"i32","stride_ym":"i32","M_BUCKET":"constexpr","BLOCK_N":"constexpr","BLOCK_K":"constexpr","SWIGLU":"constexpr","SPLIT_K":"constexpr"}
+    gemm_sig = {"x_ptr":P,"w_ptr":P,"y_ptr":P,"M":"i32","N":"i32","K":"i32","stride_xm":"i32","stride_wn":"i32","stride_ys":"i32","stride_ym":"i32",
+                "pf_ptr":P,"pf_units":"i32","pf_regions":"i32","pf_region_stride":"i64",
+                "M_BUCKET":"constexpr","BLOCK_N":"constexpr","BLOCK_K":"constexpr","SWIGLU":"constexpr","SPLIT_K":"constexpr",
+                "PF_KIND":"constexpr","PF_UNIT":"constexpr"}
     for y_ptr, swiglu, split_k in [(P, False, 1), (P, True, 1), ("*fp32", False, 2)]:  # plain, SwiGLU, split-K partials
-        comp(skinny_gemm._skinny_gemm_kernel.fn, dict(gemm_sig, y_ptr=y_ptr), {"M_BUCKET":16,"BLOCK_N":32,"BLOCK_K":128,"SWIGLU":swiglu,"SPLIT_K":split_k},
-             release_after_loads=True)
+        comp(skinny_gemm._skinny_gemm_kernel.fn, dict(gemm_sig, y_ptr=y_ptr), {"M_BUCKET":16,"BLOCK_N":32,"BLOCK_K":128,"SWIGLU":swiglu,"SPLIT_K":split_k,
+             "PF_KIND":0,"PF_UNIT":64}, release_after_loads=True)
     with pytest.raises(CompileTimeAssertionFailure):  # SwiGLU's epilogue needs the whole sum, no split
         comp(skinny_gemm._skinny_gemm_kernel.fn, dict(gemm_sig, y_ptr="*fp32"), {"M_BUCKET":16,"BLOCK_N":32,"BLOCK_K":128,"SWIGLU":True,"SPLIT_K":2})
+
+
+def test_gemm_epilogue_prefetch_compiles_after_the_release_and_the_stores():
+    """kernels/l2_prefetch.py: each kind emits its instruction, only after the K loop's release
+    and the output store (a prefetch issued earlier would compete with the GEMM's own loads), and
+    PF_KIND 0 emits none."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from specd.models import skinny_gemm
+
+    P = "*bf16"
+    sig = {"x_ptr":P,"w_ptr":P,"y_ptr":P,"M":"i32","N":"i32","K":"i32","stride_xm":"i32","stride_wn":"i32","stride_ys":"i32",
+           "stride_ym":"i32","pf_ptr":P,"pf_units":"i32","pf_regions":"i32","pf_region_stride":"i64","M_BUCKET":"constexpr",
+           "BLOCK_N":"constexpr","BLOCK_K":"constexpr","SWIGLU":"constexpr","SPLIT_K":"constexpr","USE_PDL":"constexpr",
+           "PF_KIND":"constexpr","PF_UNIT":"constexpr"}
+    instruction = {1: "prefetch.global.L2", 2: "prefetch.global.L2", 3: "cp.async.bulk.prefetch.L2.global"}
+    for kind, unit in [(0, 64), (1, 16), (2, 64), (3, 2048)]:
+        consts = {"M_BUCKET":16,"BLOCK_N":32,"BLOCK_K":128,"SWIGLU":True,"SPLIT_K":1,"USE_PDL":True,"PF_KIND":kind,"PF_UNIT":unit}
+        ptx = triton.compile(ASTSource(fn=skinny_gemm._skinny_gemm_kernel.fn, signature=sig, constexprs=consts),
+                             target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+        if kind == 0:
+            assert "prefetch" not in ptx
+            continue
+        first = ptx.index(instruction[kind])
+        assert first > ptx.index("griddepcontrol.launch_dependents"), kind
+        assert first > ptx.rindex("st.global"), kind
