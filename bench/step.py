@@ -267,7 +267,8 @@ def time_transformers(hf, config: LlamaArchConfig, batch: int, q: int, context: 
 def run_step_bench(shape: str = "8b", batches=(1, 8, 32, 64, 128), qs=(1, 4), context: int = 1024,
                    device: str | None = None, bandwidth_tbs: float = 4.8, warmup: int = 3, iters: int = 10,
                    with_transformers: bool = True, block_size: int = 64, compile_mode: str | None = None,
-                   compile_budget_s: float = 240.0, l2_plans: list[str] = ()) -> tuple[list[StepRow], dict]:
+                   compile_budget_s: float = 240.0, l2_plans: list[str] = (), prefill_lens=(32, 128)
+                   ) -> tuple[list[StepRow], dict]:
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     config = arch_config(shape)
@@ -309,6 +310,12 @@ def run_step_bench(shape: str = "8b", batches=(1, 8, 32, 64, 128), qs=(1, 4), co
             print(format_row(rows[-1]), flush=True)
             for plan, ms in pf.items():
                 print(f"  l2 prefetch {plan}: {ms:.3f} ms (graphs {g:.3f})", flush=True)
+    prefill = [{"tokens": n, "graphs_ms": time_specd(graphs, 1, n, 0, warmup, iters),
+                "eager_ms": time_specd(eager, 1, n, 0, warmup, iters)}
+               for n in prefill_lens if n <= context + max(qs)]  # within the runners' session_len
+    for p in prefill:
+        print(f"prefill batch 1, {p['tokens']} tokens: graphs {p['graphs_ms']:.2f} ms, eager {p['eager_ms']:.2f} ms",
+              flush=True)
     checks = check_step_outputs(graphs, torch_ops, context, [(b, q) for b in (1, 8, 64) if b <= max(batches)
                                                             for q in (max(qs),)],
                                 l2_plans=list(l2_plans) if dev.type == "cuda" else [])
@@ -318,7 +325,7 @@ def run_step_bench(shape: str = "8b", batches=(1, 8, 32, 64, 128), qs=(1, 4), co
             "bandwidth_tbs": bandwidth_tbs, "init_s": round(init_s, 2),
             "graph_captures": graphs.static.num_captures, "fused_kernels": graphs.static.fused, "torch": torch.__version__,
             "compile_mode": compile_mode, "sdpa_backend": sdpa_backend(config, dtype, dev),
-            "output_checks": checks, **compile_info}
+            "output_checks": checks, "prefill": prefill, **compile_info}
     return rows, info
 
 
@@ -391,6 +398,11 @@ def write_step_results(rows: list[StepRow], info: dict, out_dir: Path) -> str:
     lines += [f"- {c['batch']}, {c['q']}: {c['pdl_vs_no_pdl_max_abs']:.3g}; {c['kernels_vs_torch_ops_rel_err']:.3g}"
               f"{'' if c.get('l2_prefetch_vs_none_max_abs') is None else '; L2 prefetch plans vs none max |diff| %.3g' % c['l2_prefetch_vs_none_max_abs']}"
               f"{'' if c['finite'] else ' (NOT FINITE)'}" for c in info.get("output_checks", [])]
+    if info.get("prefill"):
+        lines += ["", "prefill forward, batch 1, empty cache (graphs: the static path's Q bucket; eager: varlen):", "",
+                  "| prompt tokens | graphs ms | eager ms | eager / graphs |", "|---|---|---|---|"]
+        lines += [f"| {p['tokens']} | {p['graphs_ms']:.2f} | {p['eager_ms']:.2f} | {p['eager_ms'] / p['graphs_ms']:.1f}x |"
+                  for p in info["prefill"]]
     plans = [(r, plan, ms) for r in rows for plan, ms in r.l2_prefetch_ms.items()]
     if plans:
         lines += ["", "L2 prefetch plans (kernels/l2_prefetch.py), graphs with PDL as above:", "",

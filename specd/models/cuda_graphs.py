@@ -17,8 +17,11 @@ which is the warm-up before a capture. `fused` instead runs the whole body throu
 kernels (fused_forward.py); the PyTorch body is its twin.
 
 Padding rows and padding slots write to the KV cache's scratch block, never to a real sequence.
-Prefill and mixed batches (a chunk longer than `max_query_len`), batches above the largest
-bucket and contexts above `max_context` take the eager path (`applies` says which).
+A batch whose longest chunk is longer than `max_query_len` (a prefill) has its Q rounded up to a
+power of two, and runs static while the bucket's rows B * Q stay within `max_prefill_rows`: the
+eager path costs ~40 ms of Python and launches per forward at 8B (BENCHMARKS.md), whatever the
+prompt's length, which at batch 1 weighed on every request's first token. Longer prefills, batches
+above the largest bucket and contexts above `max_context` take the eager path (`applies` says which).
 """
 
 from __future__ import annotations
@@ -37,7 +40,10 @@ from specd.models.static_attention import StaticAttentionMetadata
 logger = logging.getLogger(__name__)
 
 DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
-DEFAULT_MAX_QUERY_LEN = 16  # k + 1 up to 15 drafts; longer chunks are prefill-like: eager
+DEFAULT_MAX_QUERY_LEN = 16  # k + 1 up to 15 drafts; longer chunks are prefill-like (Q bucketed)
+# Prefill-like batches go static while B * Q (Q rounded up to a power of two) stays within this: at
+# 256 rows a 128K-vocab graph holds 131 MB of logits, and at most 10 (B, Q) prefill buckets exist.
+DEFAULT_MAX_PREFILL_ROWS = 256
 DEFAULT_MAX_CONTEXT = 8192  # tokens gathered per slot; beyond, the eager path (no graph)
 
 
@@ -86,18 +92,20 @@ class StaticForward:
     def __init__(self, model, kv_cache: PagedKVCache, *, max_batch_size: int,
                  use_cuda_graphs: bool, max_query_len: int = DEFAULT_MAX_QUERY_LEN,
                  max_context: int = DEFAULT_MAX_CONTEXT, regions: LayerRegions = EAGER_REGIONS,
-                 fused: bool = False) -> None:
+                 fused: bool = False, max_prefill_rows: int = DEFAULT_MAX_PREFILL_ROWS) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = kv_cache.block_size
         self.buckets = batch_buckets(max_batch_size)
         self.max_query_len = max_query_len
+        self.max_prefill_rows = max_prefill_rows
         self.max_context = max_context
         self.device = kv_cache.device
         self.use_cuda_graphs = use_cuda_graphs and self.device.type == "cuda"
         self.regions = regions
         self.fused = fused
         self._entries: dict[tuple, _Entry] = {}
+        self._prefill_prepared: set[tuple[int, ...]] = set()  # aux-layer sets whose prefill layouts exist
         self._pool = None  # one memory pool shared by every graph (they never run concurrently)
         self.num_static_forwards = 0  # counters the tests and the bench read
         self.num_captures = 0
@@ -110,11 +118,18 @@ class StaticForward:
         # Keys up to ctx + Q - 1: padding rows reach past a short chunk's end (see static_attention).
         return width_bucket(-(-(max(ctx_lens) + qlen) // self.block_size))
 
+    def _qlen(self, query_lens: list[int]) -> int:
+        """Q of the batch: its longest chunk, rounded up to a power of two past max_query_len (so
+        prefills of any length share a few graphs)."""
+        qlen = max(query_lens)
+        return qlen if qlen <= self.max_query_len else 1 << (qlen - 1).bit_length()
+
     def applies(self, query_lens: list[int], ctx_lens: list[int]) -> bool:
         """Whether this batch (tokens per chunk, cached tokens before it) fits the static path."""
-        qlen = max(query_lens)
-        return (qlen <= self.max_query_len and self._bucket(len(query_lens)) is not None
-                and self._width(ctx_lens, qlen) * self.block_size <= self.max_context)
+        qlen, batch = self._qlen(query_lens), self._bucket(len(query_lens))
+        if batch is None or (qlen > self.max_query_len and batch * qlen > self.max_prefill_rows):
+            return False
+        return self._width(ctx_lens, qlen) * self.block_size <= self.max_context
 
     def _fill(self, entry: _Entry, token_ids: list[list[int]], ctx_lens: list[int],
               slots: list[list[int]], block_tables: list[list[int]]) -> np.ndarray:
@@ -170,10 +185,33 @@ class StaticForward:
             self._entries[key] = entry
         return entry
 
+    def prefill_layouts(self) -> list[tuple[int, int]]:
+        """Every (B, Q) a prefill may take: Q a power of two past max_query_len, B * Q within
+        max_prefill_rows."""
+        out = []
+        for batch in self.buckets:
+            qlen = 1 << self.max_query_len.bit_length()  # the first power of two past max_query_len
+            while batch * qlen <= self.max_prefill_rows:
+                out.append((batch, qlen))
+                qlen *= 2
+        return out
+
+    def _prepare_prefill_layouts(self, aux_layer_ids: tuple[int, ...]) -> None:
+        """At the first prefill, capture (CUDA) or allocate every prefill layout of fresh sequences
+        (no cached context: their width follows from Q) at once. Why: which (B, Q) a prefill takes
+        depends on how requests happen to arrive together, so lazy captures (~0.5 s each at 8B)
+        would land on later requests, at random; at most 10 of them cost once, up front."""
+        if aux_layer_ids in self._prefill_prepared:
+            return
+        self._prefill_prepared.add(aux_layer_ids)
+        for batch, qlen in self.prefill_layouts():
+            self._entry(batch, qlen, self._width([0], qlen), aux_layer_ids)
+
     def drop_graphs(self) -> None:
         """Forget every captured graph and its buffers; the next batches capture again (what a
         changed launch setting, e.g. kernels/pdl.py's, needs: a graph keeps its capture's)."""
         self._entries.clear()
+        self._prefill_prepared.clear()
 
     def _capture(self, entry: _Entry, aux_layer_ids: tuple[int, ...]) -> None:
         """Warm up on a side stream (lazy kernel and cuBLAS init must not be captured), then capture."""
@@ -206,7 +244,9 @@ class StaticForward:
         """
         query_lens = [len(t) for t in token_ids]
         assert self.applies(query_lens, ctx_lens), "StaticForward.forward outside its buckets"
-        qlen = max(query_lens)
+        qlen = self._qlen(query_lens)
+        if qlen > self.max_query_len:
+            self._prepare_prefill_layouts(tuple(aux_layer_ids))
         entry = self._entry(self._bucket(len(token_ids)), qlen, self._width(ctx_lens, qlen),
                             tuple(aux_layer_ids))
         rows = self._fill(entry, token_ids, ctx_lens, slots, block_tables)

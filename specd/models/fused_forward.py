@@ -65,14 +65,16 @@ def fused_forward(model, input_ids: torch.Tensor, positions: torch.Tensor, meta:
         qkv = _project(attn.qkv_proj, h, l2_prefetch.target_for("o", attn.o_proj.weight))
         q = rope_cache.rope_and_cache_write(qkv, cos, sin, meta.slot_mapping, cache_k, cache_v,
                                             attn.num_heads, attn.num_kv_heads)  # [T, Hq, D]
-        if flash_kvcache_applies(q, meta):  # flash-attn installed and 256-token blocks: its kernel
+        # flash-attn installed and 256-token blocks: its kernel; a prefill's Q rows (static
+        # prefill, cuda_graphs.py) overflow the decode kernel's tile: the PyTorch twin (SDPA)
+        if flash_kvcache_applies(q, meta) or not paged_decode_attention.serves_query_len(meta.query_len):
             o = static_paged_attention(q, cache_k, cache_v, meta, attn.scale, attn.sliding_window)
         else:
             o = paged_decode_attention.paged_decode_attention(
                 q, cache_k, cache_v, meta.ctx_lens, meta.block_tables, meta.query_len, attn.scale,
                 attn.sliding_window)  # [T, Hq, D]
         x, h = norm_act.rms_norm(x, layer.post_attention_layernorm.weight, eps,
-                                 _residual_delta(attn.o_proj, o.view(tokens, -1),
+                                 _residual_delta(attn.o_proj, o.reshape(tokens, -1),
                                                  l2_prefetch.target_for("gate_up", mlp.gate_up_proj.weight)))
         after_down = (l2_prefetch.target_for("qkv", layers[i + 1].self_attn.qkv_proj.weight) if i + 1 < len(layers)
                       else l2_prefetch.target_for("lm_head", getattr(model.lm_head, "weight", None)))

@@ -5,8 +5,9 @@ another sequence) as ONE model call over the flattened tokens; rollback of rejec
 block-table truncation (kv_cache.py), so nothing is recomputed or copied.
 
 Verify and decode batches (every chunk at most `max_query_len` tokens, the batch within the
-largest bucket) run through `StaticForward` (cuda_graphs.py): captured CUDA graphs on CUDA unless
-`eager_mode`, and the same static-buffer code without capture when a test asks for it on CPU.
+largest bucket), and prefills of up to `max_prefill_rows` padded rows, run through `StaticForward`
+(cuda_graphs.py): captured CUDA graphs on CUDA unless `eager_mode`, and the same static-buffer code
+without capture when a test asks for it on CPU.
 With `tp > 1` the model is sharded over the torch.distributed group (tensor_parallel.py).
 `compile_mode` (or the environment's SPECD_COMPILE, e.g. "default") additionally runs each
 layer's attention-free regions of the static path through torch.compile (compile.py).
@@ -27,7 +28,7 @@ import torch
 from specd.messages import PytorchEngineConfig
 from specd.models.attention import AttentionMetadata
 from specd.models.base import check_chunks, ForwardOutput, ModelInfo, SequenceChunk
-from specd.models.cuda_graphs import StaticForward
+from specd.models.cuda_graphs import DEFAULT_MAX_PREFILL_ROWS, StaticForward
 from specd.models.hf_config import LlamaArchConfig
 from specd.models.kernels.l2_prefetch import PrefetchPlan, l2_prefetch_scope, resolve_plan
 from specd.models.kernels.pdl import pdl_launches, resolve_pdl_mode
@@ -171,7 +172,10 @@ class LlamaRunner:
             self.static = StaticForward(self.model, self.kv_cache,
                                         max_batch_size=engine_config.max_batch_size,
                                         use_cuda_graphs=not engine_config.eager_mode, regions=regions,
-                                        fused=fused)
+                                        fused=fused,
+                                        # compiled regions would compile once more per prefill Q
+                                        max_prefill_rows=0 if self.compile_mode is not None else
+                                        DEFAULT_MAX_PREFILL_ROWS)
         self.info = ModelInfo(
             vocab_size=self.config.vocab_size,
             hidden_size=self.config.hidden_size,

@@ -57,6 +57,8 @@ def test_small_suite_has_every_row(tmp_path, tiny_models):
         assert r["specd_compiled_ms"] > 0 and r["compiled_over_floor"] > 0  # the --compile column
         assert r["floor_ms"] > 0
     assert step["info"]["compile_mode"] == "default" and step["info"]["compile_column_s"] > 0
+    prefill = step["info"]["prefill"]  # the static path's prefill against eager (128 > session: dropped)
+    assert [p["tokens"] for p in prefill] == [32] and prefill[0]["graphs_ms"] > 0 and prefill[0]["eager_ms"] > 0
     checks = step["info"]["output_checks"]  # the timed paths compute the same logits
     assert [(c["batch"], c["q"]) for c in checks] == [(1, 4)]
     assert checks[0]["finite"] and checks[0]["pdl_vs_no_pdl_max_abs"] == 0.0

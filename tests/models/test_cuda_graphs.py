@@ -44,7 +44,7 @@ def script(runner: LlamaRunner, want_aux: bool = False) -> list[torch.Tensor]:
     prompts = {0: tokens(13, 0), 1: tokens(3, 1), 2: tokens(22, 2), 3: tokens(1, 3), 4: tokens(7, 4)}
     for s in prompts:
         runner.add_sequence(s)
-    fwd([SequenceChunk(s, p) for s, p in prompts.items()])  # prefill: eager on both
+    fwd([SequenceChunk(s, p) for s, p in prompts.items()])  # prefill: static (Q 22 -> 32, bucket 8: 256 rows)
     # Ragged verify: q = 4, 1, 2, 4, 3 over contexts that end mid-block and on block edges.
     fwd([SequenceChunk(0, tokens(4, 10)), SequenceChunk(1, tokens(1, 11)), SequenceChunk(2, tokens(2, 12)),
          SequenceChunk(3, tokens(4, 13)), SequenceChunk(4, tokens(3, 14))])
@@ -66,7 +66,7 @@ def test_static_path_equals_eager(kind, checkpoint):
     path = checkpoint(kind)
     eager, static = make_runner(path, False), make_runner(path, True)
     want, got = script(eager), script(static)
-    assert static.static.num_static_forwards == 5  # every non-prefill forward took the static path
+    assert static.static.num_static_forwards == 6  # every forward took the static path, the prefill too
     assert eager.static is None
     worst = max((a - b).abs().max().item() for a, b in zip(want, got))
     print(f"{kind}: max |static - eager| = {worst:.3g}")
@@ -105,18 +105,38 @@ def test_padding_never_touches_real_caches(checkpoint):
     assert eager.kv_cache.k_caches[0][eager.kv_cache.scratch_block].abs().sum() == 0
 
 
-def test_prefill_and_oversized_batches_fall_back_to_eager(checkpoint):
+def test_long_prefills_and_oversized_batches_fall_back_to_eager(checkpoint):
     runner = make_runner(checkpoint("llama"), True, max_batch_size=2)
+    runner.static.max_prefill_rows = 64
     for s in range(3):
         runner.add_sequence(s)
-    runner.forward([SequenceChunk(s, tokens(5, s)) for s in range(3)])  # prefill of 5 > ... eager
+    runner.forward([SequenceChunk(s, tokens(5, s)) for s in range(3)])  # 3 > largest bucket 2
     assert runner.static.num_static_forwards == 0
-    runner.forward([SequenceChunk(s, tokens(2, 10 + s)) for s in range(3)])  # 3 > largest bucket 2
+    runner.forward([SequenceChunk(s, tokens(33, 20 + s)) for s in range(2)])  # 2 x 64 rows > 64
     assert runner.static.num_static_forwards == 0
-    runner.forward([SequenceChunk(s, tokens(17, 20 + s)) for s in range(2)])  # 17 > max_query_len
-    assert runner.static.num_static_forwards == 0
-    runner.forward([SequenceChunk(s, tokens(4, 30 + s)) for s in range(2)])
+    runner.forward([SequenceChunk(s, tokens(17, 30 + s)) for s in range(2)])  # 2 x 32 rows: static
     assert runner.static.num_static_forwards == 1
+    runner.forward([SequenceChunk(s, tokens(4, 40 + s)) for s in range(2)])
+    assert runner.static.num_static_forwards == 2
+
+
+def test_prefill_lengths_share_power_of_two_graphs(checkpoint):
+    """Prefills of 17..32 tokens run one Q = 32 layout (one capture on CUDA), each equal to eager."""
+    path = checkpoint("llama")
+    eager, static = make_runner(path, False), make_runner(path, True)
+    for n, s in [(17, 0), (32, 1), (25, 2), (3, 3)]:
+        outs = []
+        for r in (eager, static):
+            r.add_sequence(s)
+            outs.append(r.forward([SequenceChunk(s, tokens(n, 60 + s))], want_hidden=True))
+        assert outs[0].logits.shape == outs[1].logits.shape == (n, eager.config.vocab_size)
+        assert (outs[0].logits - outs[1].logits).abs().max().item() < TOL
+        assert (outs[0].hidden_states - outs[1].hidden_states).abs().max().item() < TOL
+    assert static.static.num_static_forwards == 4
+    # the first prefill laid out every prefill (B, Q) at once (captured, on CUDA); the rest is lazy
+    assert static.static.prefill_layouts() == [(1, 32), (1, 64), (1, 128), (1, 256), (2, 32), (2, 64), (2, 128),
+                                               (4, 32), (4, 64), (8, 32)]
+    assert sorted((b, q) for b, q, _, _ in static.static._entries) == sorted(static.static.prefill_layouts() + [(1, 3)])
 
 
 def test_buckets():

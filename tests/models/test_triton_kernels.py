@@ -176,15 +176,16 @@ def test_fused_static_forward_equals_the_pytorch_body():
                             gemm="torch", kernels=kernels)
             assert r.static.fused == (kernels == "auto")
             r.set_aux_hidden_layers([0, 1])
-            for s, ctx in [(0, 20), (1, 3), (2, 37)]:
+            prefills = []
+            for s, ctx in [(0, 20), (1, 3), (2, 37)]:  # static prefills: Q 32, 64 (SDPA), 3 (the decode kernel)
                 r.add_sequence(s)
-                first = r.forward([SequenceChunk(s, [(s * 13 + j) % 500 for j in range(ctx)])])  # prefill
+                prefills.append(r.forward([SequenceChunk(s, [(s * 13 + j) % 500 for j in range(ctx)])]).logits)
             # a verify batch (ragged chunks: 4, 2, 4 tokens), then a decode step over what it wrote
             step1 = r.forward([SequenceChunk(0, [1, 2, 3, 4]), SequenceChunk(1, [5, 6]),
                                SequenceChunk(2, [7, 8, 9, 10])], want_aux_hidden=True)
             step2 = r.forward([SequenceChunk(0, [11]), SequenceChunk(1, [12]), SequenceChunk(2, [13])])
-            assert r.static.num_static_forwards == 3  # the 3-token prefill is static too
-            results[kernels] = (step1.logits, step1.aux_hidden_states, step2.logits)
+            assert r.static.num_static_forwards == 5  # the prefills are static too
+            results[kernels] = (*prefills, step1.logits, step1.aux_hidden_states, step2.logits)
         for a, b in zip(results["auto"], results["off"]):
             err = ((a.float() - b.float()).norm() / b.float().norm()).item()
             print(tuple(a.shape), err)

@@ -28,6 +28,7 @@ try:
 except Exception:  # ImportError, or a broken install
     triton = None
 
+MAX_QUERY_LEN = 16  # rows per slot this kernel serves: verify (k + 1) and decode; not prefills
 TARGET_PROGRAMS = 264  # ~2 per multiprocessor on an H200 (132): enough key chunks in flight
 MIN_CHUNK_TILES = 1
 
@@ -117,6 +118,13 @@ if triton is not None:
         i = r % QLEN
         tl.store(out_ptr + (b * QLEN + i) * stride_ot + (kv * GROUP + g) * stride_oh + d,
                  out.to(out_ptr.dtype.element_ty))
+
+
+def serves_query_len(query_len: int) -> bool:
+    """Whether this kernel takes a slot of query_len rows: its one [G * Q, D] tile per program is
+    sized for verify and decode; a prefill's Q (the static path's, cuda_graphs.py) goes to
+    static_attention's SDPA twin instead."""
+    return query_len <= MAX_QUERY_LEN
 
 
 def kernel_applies(q: torch.Tensor, cache_k: torch.Tensor) -> bool:
