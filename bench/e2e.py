@@ -120,9 +120,8 @@ def step_split_ms(before: dict, after: dict) -> dict[str, float]:
     return split | {"steps": int(steps)}
 
 
-# A/B variants of a method, as suffixes of its name: "replay-sync" is replay with drafting ahead off,
-# "off-readahead" off with the verifier reading the request stream ahead (read_ahead.py).
-VARIANTS = {"-sync": {"SPECD_DRAFT_AHEAD": "0"}, "-readahead": {"SPECD_READ_AHEAD": "1"}}
+# A/B variants of a method, as suffixes of its name: "replay-sync" is replay with drafting ahead off.
+VARIANTS = {"-sync": {"SPECD_DRAFT_AHEAD": "0"}}
 
 
 def base_method(label: str) -> tuple[str, dict]:

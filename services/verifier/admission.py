@@ -2,8 +2,7 @@
 to the engine, or answer them with an error; reclaim the entries of dead verifiers.
 
 XREADGROUP asks for as many requests as the batch has free slots, with BLOCK (~100 ms) only when
-the engine is idle and no results are waiting to be written, so a busy loop never sleeps here;
-while the engine steps, the next read runs ahead on a thread of its own (read_ahead.py).
+the engine is idle and no results are waiting to be written, so a busy loop never sleeps here.
 Every `scan_ms` a verifier with room first looks for entries idle past `--reclaim-idle-ms` (their
 verifier died) and resumes them from their result streams (services/verifier/claims.py).
 """
@@ -26,8 +25,6 @@ from specd.transport.resume import ResumePoint
 
 log = logging.getLogger("specd.verifier")
 
-ADMIT_ERRORS = (redis.ResponseError, redis.ConnectionError, redis.TimeoutError)
-
 
 class Admission:
     """The admit verb of VerifierWorker (services/verifier/worker.py), which it is mixed into: it
@@ -35,33 +32,12 @@ class Admission:
     and answers through the worker's `_reject` and `_on_redis_error`."""
 
     def admit(self) -> int:
-        """Admit what the read ahead brought (read_ahead.py), else read up to the batch's free
-        slots from the request stream; then, when a step follows, send the next read ahead.
-        Returns how many were admitted."""
-        admitted, served = 0, self.read_ahead.in_flight
-        if served:  # its entries are claimed for us: admitted even when a drain began meanwhile
-            admitted = self._admit_reply(self.read_ahead.take, idle=False)
+        """Read up to the batch's free slots from the request stream; returns how many were admitted."""
         if self.draining:
-            return admitted
-        free = self._free_slots()
-        if free > 0:
-            admitted += self._admit_direct(free, read=not served)
-        free = self._free_slots()
-        if (self.config.read_ahead and free > 0 and self._group_ready and self.engine.has_unfinished()
-                and not self.read_ahead.in_flight):
-            self.read_ahead.start(lambda: self._xreadgroup(free, block_ms=None))
-        return admitted
-
-    def _free_slots(self) -> int:
-        return self.engine.max_batch_size - len(self.engine.running) - len(self.engine.waiting)
-
-    def _xreadgroup(self, count: int, block_ms: int | None):
-        return self.client.xreadgroup(self.config.group, self.config.consumer,
-                                      {self.config.request_stream: ">"}, count=count, block=block_ms)
-
-    def _admit_direct(self, free: int, read: bool) -> int:
-        """The reclaim scan when due, then (when `read`) one XREADGROUP, with BLOCK while the
-        engine is idle and no results wait to be written."""
+            return 0
+        free = self.engine.max_batch_size - len(self.engine.running) - len(self.engine.waiting)
+        if free <= 0:
+            return 0
         idle = not self.engine.has_unfinished() and not self.writer.has_pending
         admitted = 0
         now = self.clock()
@@ -71,43 +47,27 @@ class Admission:
             if self.claims.scan_due(time.monotonic()):  # the oldest requests first
                 for claimed in self.claims.reclaim(free, time.monotonic()):
                     admitted += self._admit_claimed(claimed, now)
-                free = self._free_slots()
+                free = self.engine.max_batch_size - len(self.engine.running) - len(self.engine.waiting)
                 if free <= 0:
                     self._redis_failures = 0
                     return admitted
                 idle = idle and not admitted and not self.writer.has_pending
-        except ADMIT_ERRORS as e:
-            self._on_admit_error(e, idle)
+            reply = self.client.xreadgroup(self.config.group, self.config.consumer,
+                                           {self.config.request_stream: ">"}, count=free,
+                                           block=self.config.block_ms if idle else None)
+        except redis.ResponseError as e:
+            if "NOGROUP" not in str(e):
+                raise
+            self._group_ready = False  # the stream was deleted under us: create it again next time
             return admitted
-        if not read:
+        except (redis.ConnectionError, redis.TimeoutError) as e:
+            self._on_redis_error("admit", e, idle)
             return admitted
-        block = self.config.block_ms if idle else None
-        return admitted + self._admit_reply(lambda: self._xreadgroup(free, block), idle)
-
-    def _admit_reply(self, read, idle: bool) -> int:
-        """Run read() (an XREADGROUP, or taking the read ahead's reply) and admit its entries."""
-        now = self.clock()
-        try:
-            reply = read()
-        except ADMIT_ERRORS as e:
-            self._on_admit_error(e, idle)
-            return 0
         self._redis_failures = 0
-        admitted = 0
         for _stream, entries in reply or []:
             for entry_id, fields in entries:
                 admitted += self._admit_entry(entry_id, fields or {}, now)
         return admitted
-
-    def _on_admit_error(self, error: Exception, idle: bool) -> None:
-        """NOGROUP: the stream was deleted under us, create the group again next time; Redis
-        unreachable: log and back off (the worker's _on_redis_error); any other refusal raises."""
-        if isinstance(error, redis.ResponseError):
-            if "NOGROUP" not in str(error):
-                raise error
-            self._group_ready = False
-        else:
-            self._on_redis_error("admit", error, idle)
 
     def _admit_claimed(self, claimed: ClaimedEntry, now: float) -> int:
         """An entry taken over from a verifier that stopped heartbeating: resume, ack or fail it."""

@@ -43,11 +43,6 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    default=os.environ.get("SPECD_ASYNC_EMIT", "1") != "0",
                    help="write each step's results on a writer thread, overlapping the next step "
                         "(--no-async-emit: the loop waits for every round trip; env SPECD_ASYNC_EMIT=0)")
-    p.add_argument("--read-ahead", action=argparse.BooleanOptionalAction,
-                   default=os.environ.get("SPECD_READ_AHEAD", "0") == "1",
-                   help="read the request stream for the next iteration on a thread while the engine "
-                        "steps (off by default until measured on a GPU: a Redis round trip at the start "
-                        "of every iteration; env SPECD_READ_AHEAD=1)")
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--log-interval", type=float, default=10.0, help="seconds between summary lines (0: off)")
     add_tls_arguments(p, server=False)  # it connects to drafters and the grammar service
@@ -76,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
         admin_port=args.admin_port, metrics_port=args.metrics_port, block_size=args.block_size,
         log_interval_s=args.log_interval, reclaim_idle_ms=args.reclaim_idle_ms,
         drafter_deadline_ms=args.drafter_deadline_ms, drafter_refresh_s=args.drafter_refresh_s,
-        tls=TLSConfig.from_args(args), async_emit=args.async_emit, read_ahead=args.read_ahead)
+        tls=TLSConfig.from_args(args), async_emit=args.async_emit)
     try:
         return serve(config)
     except redis.RedisError as e:

@@ -56,7 +56,6 @@ class VerifierConfig:
     drafter_refresh_s: float = 10.0  # re-resolve the drafter names this often (0: only at start)
     tls: TLSConfig = PLAINTEXT  # CA (and client certificate) for the drafter and grammar channels
     async_emit: bool = True  # result round trips overlap the next engine step (a writer thread)
-    read_ahead: bool = False  # the next XREADGROUP overlaps the engine step (services/verifier/read_ahead.py)
 
     def __post_init__(self) -> None:
         if self.tp != 1:
@@ -231,7 +230,7 @@ def serve(config: VerifierConfig) -> int:
     worker_config = WorkerConfig(consumer=config.consumer, request_stream=config.request_stream,
                                  log_interval_s=config.log_interval_s,
                                  claims=ClaimConfig(idle_ms=config.reclaim_idle_ms),
-                                 async_emit=config.async_emit, read_ahead=config.read_ahead)
+                                 async_emit=config.async_emit)
     admin = AdminServer(config.admin_host, config.admin_port).start()
     log.info("admin port open", extra={"port": admin.port, "consumer": config.consumer})
     metrics = VerifierMetrics()

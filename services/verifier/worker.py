@@ -36,7 +36,6 @@ from services.verifier.cancel import CancelPoll
 from services.verifier.claims import Claims, HeartbeatRider
 from services.verifier.emitter import Flush, ResultEmitter
 from services.verifier.metrics import StepRecord, VerifierMetrics, add_spec_difference
-from services.verifier.read_ahead import ReadAhead
 from services.verifier.worker_types import (CLIENT_CLOSED, DEADLINE_EXCEEDED, INTERNAL_ERROR, ActiveRequest,
                                             WorkerConfig, WorkerSnapshot, sid)
 from services.verifier.writer import ResultWriter
@@ -60,7 +59,6 @@ class VerifierWorker(Admission):
         self.emitter = ResultEmitter(client, config.request_stream, config.group, config.result_prefix,
                                      config.result_ttl_seconds)
         self.writer = ResultWriter(self.emitter)
-        self.read_ahead = ReadAhead()  # the next XREADGROUP, in flight while the engine steps
         self.claims = Claims(client, config.request_stream, config.group, config.consumer, config.claims,
                              config.result_prefix)
         self.active: dict[int, ActiveRequest] = {}  # engine seq id -> request
@@ -138,7 +136,7 @@ class VerifierWorker(Admission):
         if self._stop.is_set():
             return True
         return (self.draining and self.exit_when_drained and not self.active
-                and not self.writer.has_pending and not self.read_ahead.in_flight)
+                and not self.writer.has_pending)
 
     def finish_writes(self) -> None:
         """The flush in flight lands (and is answered) before the worker reports it stopped."""
@@ -146,7 +144,6 @@ class VerifierWorker(Admission):
             self._collect(self.writer.wait, StepRecord())
         finally:
             self.writer.close()
-            self.read_ahead.close()  # a read still in flight: its entries go to the reclaim scan
 
     def ensure_group(self) -> None:
         """XGROUP CREATE ... MKSTREAM from the stream's start; an existing group is fine."""

@@ -35,9 +35,6 @@ class WorkerConfig:
     # Result round trips on a writer thread, overlapping the next engine step; False: the loop
     # waits for each one (services/verifier/writer.py says what changes: answers one step late).
     async_emit: bool = True
-    # The next XREADGROUP runs on a thread while the engine steps (services/verifier/read_ahead.py);
-    # False: the loop reads at the start of every iteration (a Redis round trip on the step's path).
-    read_ahead: bool = False  # off by default until measured on the H200 (and see BENCHMARKS.md)
 
     def __post_init__(self) -> None:
         if not self.consumer:
