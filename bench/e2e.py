@@ -35,6 +35,7 @@ class E2ERow:
     speedup_vs_off: float | None = None
     rounds_tokens_per_s: list[float] | None = None  # every timed round; the row is the median one
     step_ms: dict | None = None  # the verifier's mean ms per step in the median round, by phase
+    rounds_captures: list[int] | None = None  # CUDA graphs the verifier captured in each timed round
 
 
 def make_prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -98,12 +99,17 @@ def _row(method: str, batch: int, wall: float, replies) -> E2ERow:
 
 
 def scrape_step_phases(port: int) -> dict[str, tuple[float, float]]:
-    """The verifier's specd:step_duration_seconds histogram: {phase: (sum seconds, count)}."""
+    """The verifier's specd:step_duration_seconds histogram: {phase: (sum seconds, count)}, and its
+    CUDA-graph capture counters as {"captures": (seconds, count)}."""
     import urllib.request
 
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    out: dict[str, list[float]] = {}
+    out: dict[str, list[float]] = {"captures": [0.0, 0.0]}
     for line in text.splitlines():
+        if line.startswith("specd:cuda_graph_capture_seconds_total "):
+            out["captures"][0] = float(line.rsplit(" ", 1)[1])
+        elif line.startswith("specd:cuda_graph_captures_total "):
+            out["captures"][1] = float(line.rsplit(" ", 1)[1])
         for suffix, slot in (("_sum", 0), ("_count", 1)):
             prefix = f"specd:step_duration_seconds{suffix}{{phase=\""
             if line.startswith(prefix):
@@ -113,11 +119,14 @@ def scrape_step_phases(port: int) -> dict[str, tuple[float, float]]:
 
 
 def step_split_ms(before: dict, after: dict) -> dict[str, float]:
-    """Mean milliseconds per verifier step between two scrapes, by phase, and the step count."""
+    """Mean milliseconds per verifier step between two scrapes, by phase, the step count, and the
+    CUDA graphs captured meanwhile (a capture inside a timed round stalls it: count and seconds)."""
+    before, after = dict(before), dict(after)
+    c0, c1 = before.pop("captures", (0.0, 0.0)), after.pop("captures", (0.0, 0.0))
     steps = max((after.get(p, (0, 0))[1] - before.get(p, (0, 0))[1] for p in after), default=0)
     split = {p: round((after[p][0] - before.get(p, (0, 0))[0]) / steps * 1e3, 3) if steps else 0.0
              for p in after}
-    return split | {"steps": int(steps)}
+    return split | {"steps": int(steps), "captures": int(c1[1] - c0[1]), "capture_s": round(c1[0] - c0[0], 3)}
 
 
 # A/B variants of a method, as suffixes of its name: "replay-sync" is replay with drafting ahead off.
@@ -168,6 +177,7 @@ def run_method(method: str, target: Path, draft: Path | None, batches: list[int]
             timed.sort(key=lambda t: t[0].tokens_per_s)
             row, replies = timed[len(timed) // 2]
             row.rounds_tokens_per_s = [round(t[0].tokens_per_s, 1) for t in timed]
+            row.rounds_captures = [t[0].step_ms.get("captures", 0) for t in timed]
             rows.append(row)
             for p, r in zip(prompts[:batch], replies):
                 outputs[tuple(p)] = list(r.token_ids)
@@ -184,15 +194,17 @@ def run_method(method: str, target: Path, draft: Path | None, batches: list[int]
 STEP_PHASES = ("draft", "verify", "device_wait", "commit", "emit", "rest")
 HEADER = ("| method | batch | output tokens | wall s | tokens/s (rounds) | TPOT ms | acceptance length "
           "(expected) | tokens/s vs off | verifier ms per step: draft / verify / device wait / commit / "
-          "emit / rest (steps) |")
+          "emit / rest (steps; graphs captured in each timed round, when any) |")
 
 
 def format_row(r: E2ERow) -> str:
     expected = f" ({r.expected_acceptance_length:.2f})" if r.expected_acceptance_length is not None else ""
     speedup = f"{r.speedup_vs_off:.2f}x" if r.speedup_vs_off is not None else "-"
     rounds = f" ({', '.join(f'{v:.0f}' for v in r.rounds_tokens_per_s)})" if r.rounds_tokens_per_s else ""
+    captures = (f"; captures {', '.join(map(str, r.rounds_captures))}" if r.rounds_captures and any(r.rounds_captures)
+                else "")
     split = ("-" if not r.step_ms else
-             " / ".join(f"{r.step_ms.get(p, 0):.2f}" for p in STEP_PHASES) + f" ({r.step_ms.get('steps', 0)})")
+             " / ".join(f"{r.step_ms.get(p, 0):.2f}" for p in STEP_PHASES) + f" ({r.step_ms.get('steps', 0)}{captures})")
     return (f"| {r.method} | {r.batch} | {r.output_tokens} | {r.wall_s:.2f} | {r.tokens_per_s:.1f}{rounds} | "
             f"{r.tpot_ms:.2f} | {r.acceptance_length:.2f}{expected} | {speedup} | {split} |")
 

@@ -102,6 +102,12 @@ class VerifierMetrics:
                                          ["finished_reason"], registry=r)
         self.request_errors = Counter("specd:request_errors", "Requests answered with an error, by code",
                                       ["code"], registry=r)
+        self.graph_captures = Counter("specd:cuda_graph_captures", "CUDA graphs the target runner "
+                                      "captured (each stalls the loop: ~0.3-0.5 s at 8B)", registry=r)
+        self.graph_capture_seconds = Counter("specd:cuda_graph_capture_seconds",
+                                             "Seconds the target runner spent capturing CUDA graphs",
+                                             registry=r)
+        self._captures_seen = (0, 0.0)
         self._phases = {p: self.step_seconds.labels(phase=p)
                         for p in ("draft", "verify", "other", "device_wait", "commit", "emit", "rest")}
 
@@ -127,6 +133,14 @@ class VerifierMetrics:
         if record.flush_seconds > 0:
             self.flush_seconds.observe(record.flush_seconds)
         self.spec.observe(record.spec)
+
+    def observe_captures(self, num_captures: int, capture_seconds: float) -> None:
+        """The runner's running totals (StaticForward.num_captures / capture_seconds)."""
+        count, seconds = self._captures_seen
+        if num_captures > count:
+            self.graph_captures.inc(num_captures - count)
+            self.graph_capture_seconds.inc(max(0.0, capture_seconds - seconds))
+            self._captures_seen = (num_captures, capture_seconds)
 
     def observe_admitted(self, num_prompt_tokens: int) -> None:
         self.prompt_tokens.inc(num_prompt_tokens)

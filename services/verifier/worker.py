@@ -182,6 +182,9 @@ class VerifierWorker(Admission):
         record.device_wait_seconds = timings.device_wait - wait0
         record.commit_seconds = (timings.commit - commit0) - record.device_wait_seconds
         record.num_new_tokens = self.engine.stats.num_output_tokens - tokens0
+        static = getattr(self.engine.runner, "static", None)  # the CUDA-graph path, where the runner has one
+        if static is not None:
+            self.metrics.observe_captures(static.num_captures, static.capture_seconds)
         return finished
 
     def _fail_all(self, message: str) -> None:

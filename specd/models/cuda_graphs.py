@@ -27,6 +27,7 @@ above the largest bucket and contexts above `max_context` take the eager path (`
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -109,6 +110,7 @@ class StaticForward:
         self._pool = None  # one memory pool shared by every graph (they never run concurrently)
         self.num_static_forwards = 0  # counters the tests and the bench read
         self.num_captures = 0
+        self.capture_seconds = 0.0  # warm-up + capture, all graphs: the loop stalls that long
 
     # ---- layout --------------------------------------------------------------------------------
     def _bucket(self, batch: int) -> int | None:
@@ -215,6 +217,7 @@ class StaticForward:
 
     def _capture(self, entry: _Entry, aux_layer_ids: tuple[int, ...]) -> None:
         """Warm up on a side stream (lazy kernel and cuBLAS init must not be captured), then capture."""
+        t0 = time.perf_counter()
         self._padding_fill(entry)
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -229,6 +232,7 @@ class StaticForward:
             self._body(entry, aux_layer_ids)
         entry.graph = graph
         self.num_captures += 1
+        self.capture_seconds += time.perf_counter() - t0
         logger.info("captured CUDA graph batch=%d q=%d blocks=%d aux=%s", entry.batch, entry.qlen,
                     entry.width, list(aux_layer_ids))
 
