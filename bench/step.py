@@ -18,6 +18,7 @@ CUDA graphs; its compile time is spent in each shape's warm-up and reported in t
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -54,6 +55,7 @@ class StepRow:
     specd_torch_ops_ms: float | None = None  # graphs over PyTorch ops only (cuBLAS, SDPA): the twin
     specd_no_pdl_ms: float | None = None  # graphs over the kernels, launched without PDL (CUDA only)
     l2_prefetch_ms: dict[str, float] = field(default_factory=dict)  # plan -> graphs ms under it (CUDA)
+    env_variant_ms: dict[str, float] = field(default_factory=dict)  # "K=V,..." -> graphs ms under it
 
     @property
     def compiled_over_floor(self) -> float | None:
@@ -179,6 +181,30 @@ def time_without_pdl(runner: LlamaRunner, batch: int, q: int, context: int, warm
         return time_specd(runner, batch, q, context, warmup, iters)
 
 
+class env_variant:
+    """Context manager: the environment settings of a kernel experiment ("SPECD_ATTN_PROGRAMS=132,
+    SPECD_QKV_SPLIT_K=1"; the kernels read them at capture time) with the runner's graphs dropped
+    before and after, so the variant's graphs are captured under them and nothing else differs."""
+
+    def __init__(self, runner: LlamaRunner, spec: str) -> None:
+        self.runner = runner
+        self.settings = dict(part.split("=", 1) for part in spec.split(",") if part)
+
+    def __enter__(self) -> LlamaRunner:
+        self.saved = {k: os.environ.get(k) for k in self.settings}
+        os.environ.update(self.settings)
+        self.runner.static.drop_graphs()
+        return self.runner
+
+    def __exit__(self, *exc) -> None:
+        for k, v in self.saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        self.runner.static.drop_graphs()
+
+
 def time_l2_prefetch(runner: LlamaRunner, plans: list[str], batch: int, q: int, context: int, warmup: int,
                      iters: int) -> dict[str, float]:
     """The same runner under each L2 prefetch plan (kernels/l2_prefetch.py), PDL as configured."""
@@ -216,6 +242,30 @@ def _fill_sequence_cache(runner: LlamaRunner, seq_id: int) -> None:
         for cache in (k, v):
             shape = (len(blocks),) + tuple(cache.shape[1:])
             cache[blocks] = torch.randn(shape, generator=gen, device=runner.device, dtype=cache.dtype)
+
+
+def time_env_variants(runner: LlamaRunner, variants: list[str], batch: int, q: int, context: int, warmup: int,
+                      iters: int) -> dict[str, float]:
+    """The same runner under each environment variant (env_variant), PDL as configured."""
+    out = {}
+    for spec in variants:
+        with env_variant(runner, spec):
+            out[spec] = time_specd(runner, batch, q, context, warmup, iters)
+    return out
+
+
+def check_env_variants(graphs: LlamaRunner, context: int, variants: list[str], batch: int, q: int) -> dict:
+    """Each variant's logits against the default graphs' on the same cached keys and values: a
+    variant may change the fp32 summation order (split-K, more key chunks), so this is the
+    relative error, expected at bf16 rounding (~1e-3) or below, and zero for a hint."""
+    base = step_logits(graphs, batch, q, context).double()
+    out = {}
+    for spec in variants:
+        with env_variant(graphs, spec):
+            got = step_logits(graphs, batch, q, context).double()
+        out[spec] = {"max_abs": (got - base).abs().max().item(),
+                     "rel_err": ((got - base).norm() / base.norm()).item()}
+    return out
 
 
 def check_step_outputs(graphs: LlamaRunner, torch_ops: LlamaRunner, context: int, shapes,
@@ -267,8 +317,8 @@ def time_transformers(hf, config: LlamaArchConfig, batch: int, q: int, context: 
 def run_step_bench(shape: str = "8b", batches=(1, 8, 32, 64, 128), qs=(1, 4), context: int = 1024,
                    device: str | None = None, bandwidth_tbs: float = 4.8, warmup: int = 3, iters: int = 10,
                    with_transformers: bool = True, block_size: int = 64, compile_mode: str | None = None,
-                   compile_budget_s: float = 240.0, l2_plans: list[str] = (), prefill_lens=(32, 128)
-                   ) -> tuple[list[StepRow], dict]:
+                   compile_budget_s: float = 240.0, l2_plans: list[str] = (), prefill_lens=(32, 128),
+                   env_variants: list[str] = ()) -> tuple[list[StepRow], dict]:
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     config = arch_config(shape)
@@ -301,15 +351,18 @@ def run_step_bench(shape: str = "8b", batches=(1, 8, 32, 64, 128), qs=(1, 4), co
             g = time_specd(graphs, batch, q, context, warmup, iters)
             n = time_without_pdl(graphs, batch, q, context, warmup, iters) if dev.type == "cuda" else None
             pf = time_l2_prefetch(graphs, list(l2_plans), batch, q, context, warmup, iters) if dev.type == "cuda" else {}
+            ev = time_env_variants(graphs, list(env_variants), batch, q, context, warmup, iters)
             c = time_specd(torch_ops, batch, q, context, warmup, iters)
             e = time_specd(eager, batch, q, context, warmup, iters)
             h = (time_transformers(hf, config, batch, q, context, dev, dtype, warmup, iters)
                  if hf is not None else None)
             rows.append(StepRow(batch, q, g, e, h, floor_ms, specd_torch_ops_ms=c, specd_no_pdl_ms=n,
-                                l2_prefetch_ms=pf))
+                                l2_prefetch_ms=pf, env_variant_ms=ev))
             print(format_row(rows[-1]), flush=True)
             for plan, ms in pf.items():
                 print(f"  l2 prefetch {plan}: {ms:.3f} ms (graphs {g:.3f})", flush=True)
+            for spec, ms in ev.items():
+                print(f"  env {spec}: {ms:.3f} ms (graphs {g:.3f})", flush=True)
     prefill = [{"tokens": n, "graphs_ms": time_specd(graphs, 1, n, 0, warmup, iters),
                 "eager_ms": time_specd(eager, 1, n, 0, warmup, iters)}
                for n in prefill_lens if n <= context + max(qs)]  # within the runners' session_len
@@ -325,7 +378,9 @@ def run_step_bench(shape: str = "8b", batches=(1, 8, 32, 64, 128), qs=(1, 4), co
             "bandwidth_tbs": bandwidth_tbs, "init_s": round(init_s, 2),
             "graph_captures": graphs.static.num_captures, "fused_kernels": graphs.static.fused, "torch": torch.__version__,
             "compile_mode": compile_mode, "sdpa_backend": sdpa_backend(config, dtype, dev),
-            "output_checks": checks, "prefill": prefill, **compile_info}
+            "output_checks": checks, "prefill": prefill,
+            "env_variant_checks": check_env_variants(graphs, context, list(env_variants), 1, max(qs)),
+            **compile_info}
     return rows, info
 
 
@@ -403,6 +458,14 @@ def write_step_results(rows: list[StepRow], info: dict, out_dir: Path) -> str:
                   "| prompt tokens | graphs ms | eager ms | eager / graphs |", "|---|---|---|---|"]
         lines += [f"| {p['tokens']} | {p['graphs_ms']:.2f} | {p['eager_ms']:.2f} | {p['eager_ms'] / p['graphs_ms']:.1f}x |"
                   for p in info["prefill"]]
+    variants = [(r, spec, ms) for r in rows for spec, ms in r.env_variant_ms.items()]
+    if variants:
+        checks = info.get("env_variant_checks", {})
+        lines += ["", "kernel experiments (environment settings, graphs captured under each; logits vs the "
+                  "default graphs at batch 1, q max):", "",
+                  "| batch | q | settings | ms | vs graphs | / floor | rel err |", "|---|---|---|---|---|---|---|"]
+        lines += [f"| {r.batch} | {r.q} | {spec} | {ms:.2f} | {ms / r.specd_graphs_ms:.3f}x | {ms / r.floor_ms:.2f}x | "
+                  f"{checks.get(spec, {}).get('rel_err', float('nan')):.2g} |" for r, spec, ms in variants]
     plans = [(r, plan, ms) for r in rows for plan, ms in r.l2_prefetch_ms.items()]
     if plans:
         lines += ["", "L2 prefetch plans (kernels/l2_prefetch.py), graphs with PDL as above:", "",

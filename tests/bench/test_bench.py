@@ -47,7 +47,7 @@ def test_small_suite_has_every_row(tmp_path, tiny_models):
 
     proc = subprocess.run([sys.executable, "-m", "bench", "all", "--small", "--out", str(out),
                            "--e2e-batches", "1,2", "--max-tokens", "10", "--methods", ",".join(METHODS),
-                           "--compile"],
+                           "--compile", "--step-env-variants", "SPECD_ATTN_PROGRAMS=8"],
                           cwd=ROOT, env={**os.environ, **env}, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     step = json.loads((out / "step.json").read_text())
@@ -57,6 +57,9 @@ def test_small_suite_has_every_row(tmp_path, tiny_models):
         assert r["specd_compiled_ms"] > 0 and r["compiled_over_floor"] > 0  # the --compile column
         assert r["floor_ms"] > 0
     assert step["info"]["compile_mode"] == "default" and step["info"]["compile_column_s"] > 0
+    for r in step["rows"]:  # the kernel-experiment column, and its logits against the default
+        assert r["env_variant_ms"]["SPECD_ATTN_PROGRAMS=8"] > 0
+    assert step["info"]["env_variant_checks"]["SPECD_ATTN_PROGRAMS=8"]["rel_err"] == 0.0  # CPU: one body
     prefill = step["info"]["prefill"]  # the static path's prefill against eager (128 > session: dropped)
     assert [p["tokens"] for p in prefill] == [32] and prefill[0]["graphs_ms"] > 0 and prefill[0]["eager_ms"] > 0
     checks = step["info"]["output_checks"]  # the timed paths compute the same logits

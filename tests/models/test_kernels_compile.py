@@ -40,9 +40,11 @@ def test_kernels_compile_to_sm90_ptx():
                     assert last_load > 0 and ptx.index("griddepcontrol.launch_dependents") > last_load, fn
 
     P = "*bf16"
-    comp(rope_cache._rope_cache_kernel, {"qkv_ptr":P,"cos_ptr":P,"sin_ptr":P,"slots_ptr":"*i64","q_out_ptr":P,"k_cache_ptr":P,"v_cache_ptr":P,
+    rope_sig = {"qkv_ptr":P,"cos_ptr":P,"sin_ptr":P,"slots_ptr":"*i64","q_out_ptr":P,"k_cache_ptr":P,"v_cache_ptr":P,
       "stride_qkv":"i32","stride_cos":"i32","stride_qo_t":"i32","stride_qo_h":"i32","stride_slot":"i32","stride_cache_h":"i32",
-      "NUM_HEADS":"constexpr","NUM_KV_HEADS":"constexpr","HALF":"constexpr"}, {"NUM_HEADS":32,"NUM_KV_HEADS":8,"HALF":64})
+      "NUM_HEADS":"constexpr","NUM_KV_HEADS":"constexpr","HALF":"constexpr","stride_qs":"i32","QKV_SPLITS":"constexpr"}
+    for qkv_ptr, splits in [(P, 1), ("*fp32", 2)]:  # qkv, or the QKV GEMM's split-K partials
+        comp(rope_cache._rope_cache_kernel, dict(rope_sig, qkv_ptr=qkv_ptr), {"NUM_HEADS":32,"NUM_KV_HEADS":8,"HALF":64,"QKV_SPLITS":splits})
     norm_sig = {"x_ptr":P,"delta_ptr":P,"w_ptr":P,"res_out_ptr":P,"out_ptr":P,"stride_x":"i32","stride_ds":"i32","stride_d":"i32","stride_r":"i32","stride_o":"i32","eps":"fp32","H":"constexpr","BLOCK":"constexpr","DELTA_SPLITS":"constexpr"}
     for delta_ptr, splits in [(P, 0), (P, 1), ("*fp32", 2)]:  # no delta, a bf16 delta, split-K partials
         comp(norm_act._rmsnorm_kernel, dict(norm_sig, delta_ptr=delta_ptr), {"H":4096,"BLOCK":4096,"DELTA_SPLITS":splits})

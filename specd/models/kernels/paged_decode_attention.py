@@ -18,6 +18,8 @@ tests compare against, on CPU through Triton's interpreter.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from specd.models.kernels.pdl import launch_options, use_pdl
@@ -30,13 +32,17 @@ except Exception:  # ImportError, or a broken install
 
 MAX_QUERY_LEN = 16  # rows per slot this kernel serves: verify (k + 1) and decode; not prefills
 TARGET_PROGRAMS = 264  # ~2 per multiprocessor on an H200 (132): enough key chunks in flight
+TARGET_PROGRAMS_ENV = "SPECD_ATTN_PROGRAMS"  # an override for experiments (read at capture time)
 MIN_CHUNK_TILES = 1
 
 
 def num_splits(batch: int, num_kv_heads: int, width: int, block_n: int) -> int:
     """Key chunks per (slot, KV head): fill ~TARGET_PROGRAMS programs, never below one key tile."""
+    target = int(os.environ.get(TARGET_PROGRAMS_ENV) or TARGET_PROGRAMS)
+    if target < 1:
+        raise ValueError(f"{TARGET_PROGRAMS_ENV}: expected a positive number of programs, got {target}")
     tiles = -(-width // block_n)
-    want = -(-TARGET_PROGRAMS // (batch * num_kv_heads))
+    want = -(-target // (batch * num_kv_heads))
     return max(1, min(tiles, want))
 
 
@@ -129,8 +135,6 @@ def serves_query_len(query_len: int) -> bool:
 
 def kernel_applies(q: torch.Tensor, cache_k: torch.Tensor) -> bool:
     """Triton present, CUDA (or the interpreter), fp16/bf16, a power-of-two head_dim >= 16."""
-    import os
-
     head_dim = q.shape[-1]
     return (triton is not None and (q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
             and q.dtype in (torch.float16, torch.bfloat16) and cache_k.dtype == q.dtype
