@@ -83,7 +83,7 @@ class GatewayCheck:
     """The gateway's own checks on a request's response_format (no Redis is contacted)."""
 
     def __init__(self, model: Path) -> None:
-        from services.gateway.app import Gateway, GatewayConfig
+        from services.gateway.core import Gateway, GatewayConfig
 
         self.gateway = Gateway(GatewayConfig(model=str(model)))
 

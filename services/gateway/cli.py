@@ -47,7 +47,7 @@ def _run(args: argparse.Namespace) -> int:
     import logging
 
     from services.common.api_keys import keys_from_env, parse_keys
-    from services.gateway.app import GatewayConfig
+    from services.gateway.core import GatewayConfig
     from services.gateway.server import run
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

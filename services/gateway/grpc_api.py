@@ -29,7 +29,7 @@ from specd.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 from services.common.api_keys import ApiKeyInterceptor
 from services.common.grpc_server import NO_PORT_SHARING
 from services.common.tls import add_port
-from services.gateway.app import Gateway, collect, first_output
+from services.gateway.core import Gateway, collect, first_output
 from services.gateway.errors import REDIS_ERRORS, GatewayError, redis_unavailable
 from services.gateway.request_stream import RequestTimings
 from services.gateway.validation import MAX_STOP_WORDS

@@ -17,7 +17,8 @@ import threading
 
 import uvicorn
 
-from services.gateway.app import Gateway, GatewayConfig, create_app
+from services.gateway.app import create_app
+from services.gateway.core import Gateway, GatewayConfig
 from services.gateway.grpc_api import build_grpc_server
 
 logger = logging.getLogger(__name__)

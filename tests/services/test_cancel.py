@@ -11,7 +11,7 @@ import time
 import pytest
 import redis
 
-from services.gateway.app import Gateway, GatewayConfig
+from services.gateway.core import Gateway, GatewayConfig
 from services.gateway.request_stream import RequestTimings
 from specd.sampling_params import SamplingParams
 from specd.transport.redis_streams import QueuedRequest, cancel_key, result_key

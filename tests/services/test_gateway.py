@@ -26,7 +26,7 @@ import openai
 import pytest
 import redis
 
-from services.gateway.app import GatewayConfig
+from services.gateway.core import GatewayConfig
 from services.gateway.detokenize import IncrementalDetokenizer, StopStringFilter
 from services.gateway.server import GatewayServer
 from specd.messages import ConfigError, SpeculativeConfig
@@ -420,7 +420,7 @@ def test_oversized_bodies_are_413_before_reading(base_url):
 
 
 def test_client_disconnect_stops_reading(base_url, gateway, responder, redis_url, caplog):
-    caplog.set_level(logging.INFO, logger="services.gateway.app")
+    caplog.set_level(logging.INFO, logger="services.gateway.core")
     reader = gateway.gateway.reader
     with httpx.stream("POST", base_url + "/v1/completions",
                       json={"model": MODEL_NAME, "prompt": "x", "max_tokens": 200, "temperature": 0,
