@@ -18,7 +18,6 @@ CUDA graphs; its compile time is spent in each shape's warm-up and reported in t
 from __future__ import annotations
 
 import json
-import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -26,12 +25,14 @@ from pathlib import Path
 import torch
 
 from specd.messages import PytorchEngineConfig
-from specd.models.base import SequenceChunk
 from specd.models.hf_config import LlamaArchConfig
-from specd.models.kernels.l2_prefetch import PrefetchPlan
 from specd.models.llama import LlamaForCausalLM
 from specd.models.llama_runner import LlamaRunner
 from specd.models.merged_linear import checkpoint_tensors
+
+from bench.step_timing import _median_ms, time_specd
+from bench.step_variants import check_env_variants, check_step_outputs, time_env_variants, time_l2_prefetch, \
+    time_without_pdl
 
 SHAPES = {
     "8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
@@ -114,182 +115,6 @@ def transformers_twin(model: LlamaForCausalLM, config: LlamaArchConfig, device: 
     leftover = [n for n, t in list(hf.named_parameters()) + list(hf.named_buffers()) if t.is_meta]
     assert not leftover, f"transformers twin: tensors left on meta: {leftover[:4]}"
     return hf.eval()
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _median_ms(fn, device: torch.device, warmup: int, iters: int) -> float:
-    for _ in range(warmup):
-        fn()
-    _sync(device)
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append((time.perf_counter() - t0) * 1e3)
-    times.sort()
-    return times[len(times) // 2]
-
-
-def time_specd(runner: LlamaRunner, batch: int, q: int, context: int, warmup: int, iters: int) -> float:
-    """Forward of `batch` sequences holding `context` tokens, q new tokens each (rolled back after)."""
-    ids = list(range(batch))
-    for s in ids:
-        runner.add_sequence(s)
-        runner.kv_cache.append_slots(s, context)  # cached context: slots reserved, values irrelevant
-    vocab = runner.config.vocab_size
-    chunks = [SequenceChunk(s, [(7 * s + j) % vocab for j in range(q)]) for s in ids]
-
-    def step():
-        runner.forward(chunks)
-        for s in ids:
-            runner.truncate(s, context)
-
-    try:
-        return _median_ms(step, runner.device, warmup, iters)
-    finally:
-        for s in ids:
-            runner.free(s)
-
-
-class runner_setting:
-    """Context manager: runner.<attr> = value with its graphs dropped and captured again under it,
-    then restored (and dropped again): two columns of one runner differ in nothing else, and no
-    second KV cache takes the memory another runner would."""
-
-    def __init__(self, runner: LlamaRunner, attr: str, value) -> None:
-        self.runner, self.attr, self.value = runner, attr, value
-
-    def __enter__(self) -> LlamaRunner:
-        self.saved = getattr(self.runner, self.attr)
-        setattr(self.runner, self.attr, self.value)
-        self.runner.static.drop_graphs()
-        return self.runner
-
-    def __exit__(self, *exc) -> None:
-        setattr(self.runner, self.attr, self.saved)
-        self.runner.static.drop_graphs()
-
-
-def time_without_pdl(runner: LlamaRunner, batch: int, q: int, context: int, warmup: int, iters: int) -> float:
-    """The same runner with its kernels launched without PDL (kernels/pdl.py)."""
-    with runner_setting(runner, "pdl", "off"):
-        return time_specd(runner, batch, q, context, warmup, iters)
-
-
-class env_variant:
-    """Context manager: the environment settings of a kernel experiment ("SPECD_ATTN_PROGRAMS=132,
-    SPECD_QKV_SPLIT_K=1"; the kernels read them at capture time) with the runner's graphs dropped
-    before and after, so the variant's graphs are captured under them and nothing else differs."""
-
-    def __init__(self, runner: LlamaRunner, spec: str) -> None:
-        self.runner = runner
-        self.settings = dict(part.split("=", 1) for part in spec.split(",") if part)
-
-    def __enter__(self) -> LlamaRunner:
-        self.saved = {k: os.environ.get(k) for k in self.settings}
-        os.environ.update(self.settings)
-        self.runner.static.drop_graphs()
-        return self.runner
-
-    def __exit__(self, *exc) -> None:
-        for k, v in self.saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        self.runner.static.drop_graphs()
-
-
-def time_l2_prefetch(runner: LlamaRunner, plans: list[str], batch: int, q: int, context: int, warmup: int,
-                     iters: int) -> dict[str, float]:
-    """The same runner under each L2 prefetch plan (kernels/l2_prefetch.py), PDL as configured."""
-    out = {}
-    for spec in plans:
-        plan = PrefetchPlan.parse(spec)
-        with runner_setting(runner, "l2_prefetch", plan):
-            out[plan.describe()] = time_specd(runner, batch, q, context, warmup, iters)
-    return out
-
-
-def step_logits(runner: LlamaRunner, batch: int, q: int, context: int) -> torch.Tensor:
-    """The logits [batch * q, V] of one step as time_specd runs it (rolled back after). The cached
-    keys and values are N(0, 1) draws seeded by the sequence, written through its block table:
-    what a sequence attends to must not depend on which physical blocks the allocator hands out
-    (a free list returns them in another order on the next call)."""
-    ids = list(range(batch))
-    for s in ids:
-        runner.add_sequence(s)
-        runner.kv_cache.append_slots(s, context)
-        _fill_sequence_cache(runner, s)
-    vocab = runner.config.vocab_size
-    try:
-        return runner.forward([SequenceChunk(s, [(7 * s + j) % vocab for j in range(q)]) for s in ids]).logits
-    finally:
-        for s in ids:
-            runner.free(s)
-
-
-def _fill_sequence_cache(runner: LlamaRunner, seq_id: int) -> None:
-    """Every cache block of seq_id, in every layer, gets N(0, 1) draws seeded by (seq_id, layer)."""
-    blocks = torch.tensor(runner.kv_cache.block_table(seq_id), device=runner.device)
-    for layer, (k, v) in enumerate(zip(runner.kv_cache.k_caches, runner.kv_cache.v_caches)):
-        gen = torch.Generator(device=runner.device).manual_seed(1000 * seq_id + layer)
-        for cache in (k, v):
-            shape = (len(blocks),) + tuple(cache.shape[1:])
-            cache[blocks] = torch.randn(shape, generator=gen, device=runner.device, dtype=cache.dtype)
-
-
-def time_env_variants(runner: LlamaRunner, variants: list[str], batch: int, q: int, context: int, warmup: int,
-                      iters: int) -> dict[str, float]:
-    """The same runner under each environment variant (env_variant), PDL as configured."""
-    out = {}
-    for spec in variants:
-        with env_variant(runner, spec):
-            out[spec] = time_specd(runner, batch, q, context, warmup, iters)
-    return out
-
-
-def check_env_variants(graphs: LlamaRunner, context: int, variants: list[str], batch: int, q: int) -> dict:
-    """Each variant's logits against the default graphs' on the same cached keys and values: a
-    variant may change the fp32 summation order (split-K, more key chunks), so this is the
-    relative error, expected at bf16 rounding (~1e-3) or below, and zero for a hint."""
-    base = step_logits(graphs, batch, q, context).double()
-    out = {}
-    for spec in variants:
-        with env_variant(graphs, spec):
-            got = step_logits(graphs, batch, q, context).double()
-        out[spec] = {"max_abs": (got - base).abs().max().item(),
-                     "rel_err": ((got - base).norm() / base.norm()).item()}
-    return out
-
-
-def check_step_outputs(graphs: LlamaRunner, torch_ops: LlamaRunner, context: int, shapes,
-                       l2_plans: list[str] = ()) -> list[dict]:
-    """What the timed columns compute, compared on the same cached keys and values (step_logits
-    fills them per sequence, whatever blocks it holds): the kernels with PDL against the same graphs without it
-    (a missing wait would be a race: must be bit-identical), under each L2 prefetch plan (a hint:
-    must be bit-identical) and against the PyTorch-ops twin (bf16 rounding: relative error ~1e-2)."""
-    out = []
-    for batch, q in shapes:
-        with_pdl = step_logits(graphs, batch, q, context)
-        with runner_setting(graphs, "pdl", "off"):
-            without = step_logits(graphs, batch, q, context)
-        prefetch_diff = 0.0
-        for spec in l2_plans:
-            with runner_setting(graphs, "l2_prefetch", PrefetchPlan.parse(spec)):
-                prefetch_diff = max(prefetch_diff, (step_logits(graphs, batch, q, context) - with_pdl).abs().max().item())
-        twin = step_logits(torch_ops, batch, q, context).double()
-        rel = ((with_pdl.double() - twin).norm() / twin.norm()).item()
-        out.append({"batch": batch, "q": q, "pdl_vs_no_pdl_max_abs": (with_pdl - without).abs().max().item(),
-                    "l2_prefetch_vs_none_max_abs": prefetch_diff if l2_plans else None,
-                    "kernels_vs_torch_ops_rel_err": rel, "finite": bool(torch.isfinite(with_pdl).all())})
-        print(f"check batch {batch} q {q}: {out[-1]}", flush=True)
-    return out
 
 
 def time_transformers(hf, config: LlamaArchConfig, batch: int, q: int, context: int, device, dtype,

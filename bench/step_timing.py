@@ -1,0 +1,82 @@
+"""How the step bench times and reads one verify step of a runner (bench/step.py).
+
+A step is a forward of `batch` sequences holding `context` cached tokens, q new tokens each, rolled
+back after, so the same step repeats; its time is the median over iterations, synchronised.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from specd.models.base import SequenceChunk
+from specd.models.llama_runner import LlamaRunner
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _median_ms(fn, device: torch.device, warmup: int, iters: int) -> float:
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append((time.perf_counter() - t0) * 1e3)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def time_specd(runner: LlamaRunner, batch: int, q: int, context: int, warmup: int, iters: int) -> float:
+    """Forward of `batch` sequences holding `context` tokens, q new tokens each (rolled back after)."""
+    ids = list(range(batch))
+    for s in ids:
+        runner.add_sequence(s)
+        runner.kv_cache.append_slots(s, context)  # cached context: slots reserved, values irrelevant
+    vocab = runner.config.vocab_size
+    chunks = [SequenceChunk(s, [(7 * s + j) % vocab for j in range(q)]) for s in ids]
+
+    def step():
+        runner.forward(chunks)
+        for s in ids:
+            runner.truncate(s, context)
+
+    try:
+        return _median_ms(step, runner.device, warmup, iters)
+    finally:
+        for s in ids:
+            runner.free(s)
+
+
+def step_logits(runner: LlamaRunner, batch: int, q: int, context: int) -> torch.Tensor:
+    """The logits [batch * q, V] of one step as time_specd runs it (rolled back after). The cached
+    keys and values are N(0, 1) draws seeded by the sequence, written through its block table:
+    what a sequence attends to must not depend on which physical blocks the allocator hands out
+    (a free list returns them in another order on the next call)."""
+    ids = list(range(batch))
+    for s in ids:
+        runner.add_sequence(s)
+        runner.kv_cache.append_slots(s, context)
+        _fill_sequence_cache(runner, s)
+    vocab = runner.config.vocab_size
+    try:
+        return runner.forward([SequenceChunk(s, [(7 * s + j) % vocab for j in range(q)]) for s in ids]).logits
+    finally:
+        for s in ids:
+            runner.free(s)
+
+
+def _fill_sequence_cache(runner: LlamaRunner, seq_id: int) -> None:
+    """Every cache block of seq_id, in every layer, gets N(0, 1) draws seeded by (seq_id, layer)."""
+    blocks = torch.tensor(runner.kv_cache.block_table(seq_id), device=runner.device)
+    for layer, (k, v) in enumerate(zip(runner.kv_cache.k_caches, runner.kv_cache.v_caches)):
+        gen = torch.Generator(device=runner.device).manual_seed(1000 * seq_id + layer)
+        for cache in (k, v):
+            shape = (len(blocks),) + tuple(cache.shape[1:])
+            cache[blocks] = torch.randn(shape, generator=gen, device=runner.device, dtype=cache.dtype)

@@ -1,0 +1,121 @@
+"""The step bench's other columns of one runner: the same graphs under another launch setting
+(no PDL, an L2 prefetch plan, kernel experiments' environment settings), captured again under
+each, and what each computes against the default (bench/step.py)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from bench.step_timing import step_logits, time_specd
+from specd.models.kernels.l2_prefetch import PrefetchPlan
+from specd.models.llama_runner import LlamaRunner
+
+
+class runner_setting:
+    """Context manager: runner.<attr> = value with its graphs dropped and captured again under it,
+    then restored (and dropped again): two columns of one runner differ in nothing else, and no
+    second KV cache takes the memory another runner would."""
+
+    def __init__(self, runner: LlamaRunner, attr: str, value) -> None:
+        self.runner, self.attr, self.value = runner, attr, value
+
+    def __enter__(self) -> LlamaRunner:
+        self.saved = getattr(self.runner, self.attr)
+        setattr(self.runner, self.attr, self.value)
+        self.runner.static.drop_graphs()
+        return self.runner
+
+    def __exit__(self, *exc) -> None:
+        setattr(self.runner, self.attr, self.saved)
+        self.runner.static.drop_graphs()
+
+
+def time_without_pdl(runner: LlamaRunner, batch: int, q: int, context: int, warmup: int, iters: int) -> float:
+    """The same runner with its kernels launched without PDL (kernels/pdl.py)."""
+    with runner_setting(runner, "pdl", "off"):
+        return time_specd(runner, batch, q, context, warmup, iters)
+
+
+class env_variant:
+    """Context manager: the environment settings of a kernel experiment ("SPECD_ATTN_PROGRAMS=132,
+    SPECD_QKV_SPLIT_K=1"; the kernels read them at capture time) with the runner's graphs dropped
+    before and after, so the variant's graphs are captured under them and nothing else differs."""
+
+    def __init__(self, runner: LlamaRunner, spec: str) -> None:
+        self.runner = runner
+        self.settings = dict(part.split("=", 1) for part in spec.split(",") if part)
+
+    def __enter__(self) -> LlamaRunner:
+        self.saved = {k: os.environ.get(k) for k in self.settings}
+        os.environ.update(self.settings)
+        self.runner.static.drop_graphs()
+        return self.runner
+
+    def __exit__(self, *exc) -> None:
+        for k, v in self.saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        self.runner.static.drop_graphs()
+
+
+def time_l2_prefetch(runner: LlamaRunner, plans: list[str], batch: int, q: int, context: int, warmup: int,
+                     iters: int) -> dict[str, float]:
+    """The same runner under each L2 prefetch plan (kernels/l2_prefetch.py), PDL as configured."""
+    out = {}
+    for spec in plans:
+        plan = PrefetchPlan.parse(spec)
+        with runner_setting(runner, "l2_prefetch", plan):
+            out[plan.describe()] = time_specd(runner, batch, q, context, warmup, iters)
+    return out
+
+
+def time_env_variants(runner: LlamaRunner, variants: list[str], batch: int, q: int, context: int, warmup: int,
+                      iters: int) -> dict[str, float]:
+    """The same runner under each environment variant (env_variant), PDL as configured."""
+    out = {}
+    for spec in variants:
+        with env_variant(runner, spec):
+            out[spec] = time_specd(runner, batch, q, context, warmup, iters)
+    return out
+
+
+def check_env_variants(graphs: LlamaRunner, context: int, variants: list[str], batch: int, q: int) -> dict:
+    """Each variant's logits against the default graphs' on the same cached keys and values: a
+    variant may change the fp32 summation order (split-K, more key chunks), so this is the
+    relative error, expected at bf16 rounding (~1e-3) or below, and zero for a hint."""
+    base = step_logits(graphs, batch, q, context).double()
+    out = {}
+    for spec in variants:
+        with env_variant(graphs, spec):
+            got = step_logits(graphs, batch, q, context).double()
+        out[spec] = {"max_abs": (got - base).abs().max().item(),
+                     "rel_err": ((got - base).norm() / base.norm()).item()}
+    return out
+
+
+def check_step_outputs(graphs: LlamaRunner, torch_ops: LlamaRunner, context: int, shapes,
+                       l2_plans: list[str] = ()) -> list[dict]:
+    """What the timed columns compute, compared on the same cached keys and values (step_logits
+    fills them per sequence, whatever blocks it holds): the kernels with PDL against the same graphs without it
+    (a missing wait would be a race: must be bit-identical), under each L2 prefetch plan (a hint:
+    must be bit-identical) and against the PyTorch-ops twin (bf16 rounding: relative error ~1e-2)."""
+    out = []
+    for batch, q in shapes:
+        with_pdl = step_logits(graphs, batch, q, context)
+        with runner_setting(graphs, "pdl", "off"):
+            without = step_logits(graphs, batch, q, context)
+        prefetch_diff = 0.0
+        for spec in l2_plans:
+            with runner_setting(graphs, "l2_prefetch", PrefetchPlan.parse(spec)):
+                prefetch_diff = max(prefetch_diff, (step_logits(graphs, batch, q, context) - with_pdl).abs().max().item())
+        twin = step_logits(torch_ops, batch, q, context).double()
+        rel = ((with_pdl.double() - twin).norm() / twin.norm()).item()
+        out.append({"batch": batch, "q": q, "pdl_vs_no_pdl_max_abs": (with_pdl - without).abs().max().item(),
+                    "l2_prefetch_vs_none_max_abs": prefetch_diff if l2_plans else None,
+                    "kernels_vs_torch_ops_rel_err": rel, "finite": bool(torch.isfinite(with_pdl).all())})
+        print(f"check batch {batch} q {q}: {out[-1]}", flush=True)
+    return out
