@@ -225,3 +225,16 @@ def test_rope_sums_split_k_partials_as_the_unsplit_qkv():
         print("ok")
     """)
     assert out.strip().endswith("ok"), out
+
+
+def test_norm_warps_override_is_validated(monkeypatch):
+    """SPECD_NORM_WARPS (an experiment's setting for the norm's launch) takes powers of two only;
+    unset, 4 warps up to 4,096 columns and 8 above."""
+    from specd.models.kernels.norm_act import _norm_warps
+    monkeypatch.delenv("SPECD_NORM_WARPS", raising=False)
+    assert (_norm_warps(4096), _norm_warps(8192)) == (4, 8)
+    monkeypatch.setenv("SPECD_NORM_WARPS", "16")
+    assert _norm_warps(4096) == 16
+    monkeypatch.setenv("SPECD_NORM_WARPS", "12")
+    with pytest.raises(ValueError, match="SPECD_NORM_WARPS"):
+        _norm_warps(4096)
