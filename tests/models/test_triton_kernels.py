@@ -12,14 +12,19 @@ pytestmark = pytest.mark.skipif(paged_decode_attention.triton is None, reason="t
 
 
 def test_split_kv_paged_attention_matches_the_gather_sdpa_twin():
+    """Every split layout (one tile per program, many, a last split with no keys: target 12 gives
+    3 splits of 2 of the 4 tiles) against the SDPA twin; the block table read before the PDL wait
+    (the default) and after it (SPECD_ATTN_PRELOAD=0) give the same bits."""
     out = run_interpreted("""
+        import os
         import torch
         from specd.models.kernels.paged_decode_attention import paged_decode_attention, num_splits
         from specd.models.static_attention import StaticAttentionMetadata, static_paged_attention
         g = torch.Generator().manual_seed(0)
         blocks, bs, hkv, d = 12, 16, 2, 16
         for hq, q_len, ctx, window, target in [(8, 4, [5, 30, 0], None, 264), (4, 1, [47, 3], None, 264),
-                                               (8, 3, [40, 17], 9, 264), (8, 4, [33, 60], None, 1)]:
+                                               (8, 3, [40, 17], 9, 264), (8, 4, [33, 60], None, 1),
+                                               (8, 4, [33, 60], None, 12)]:
             paged_decode_attention.__globals__["TARGET_PROGRAMS"] = target  # 1: one split per pair
             b = len(ctx)
             cache_k = torch.randn(blocks + 1, bs, hkv, d, generator=g).half()
@@ -33,6 +38,11 @@ def test_split_kv_paged_attention_matches_the_gather_sdpa_twin():
             ref = static_paged_attention(q.float(), cache_k.float(), cache_v.float(), meta, d ** -0.5, window)
             got = paged_decode_attention(q, cache_k, cache_v, meta.ctx_lens, meta.block_tables, q_len,
                                          d ** -0.5, window)
+            os.environ["SPECD_ATTN_PRELOAD"] = "0"
+            after_wait = paged_decode_attention(q, cache_k, cache_v, meta.ctx_lens, meta.block_tables, q_len,
+                                                d ** -0.5, window)
+            del os.environ["SPECD_ATTN_PRELOAD"]
+            assert torch.equal(got, after_wait)
             assert got.shape == q.shape and torch.isfinite(got).all()
             err = ((got.float() - ref).norm() / ref.norm()).item()
             print(hq, q_len, ctx, window, num_splits(b, hkv, nb * bs, 16), err)
@@ -226,15 +236,3 @@ def test_rope_sums_split_k_partials_as_the_unsplit_qkv():
     """)
     assert out.strip().endswith("ok"), out
 
-
-def test_norm_warps_override_is_validated(monkeypatch):
-    """SPECD_NORM_WARPS (an experiment's setting for the norm's launch) takes powers of two only;
-    unset, 4 warps up to 4,096 columns and 8 above."""
-    from specd.models.kernels.norm_act import _norm_warps
-    monkeypatch.delenv("SPECD_NORM_WARPS", raising=False)
-    assert (_norm_warps(4096), _norm_warps(8192)) == (4, 8)
-    monkeypatch.setenv("SPECD_NORM_WARPS", "16")
-    assert _norm_warps(4096) == 16
-    monkeypatch.setenv("SPECD_NORM_WARPS", "12")
-    with pytest.raises(ValueError, match="SPECD_NORM_WARPS"):
-        _norm_warps(4096)

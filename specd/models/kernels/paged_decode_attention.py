@@ -33,6 +33,7 @@ except Exception:  # ImportError, or a broken install
 MAX_QUERY_LEN = 16  # rows per slot this kernel serves: verify (k + 1) and decode; not prefills
 TARGET_PROGRAMS = 264  # ~2 per multiprocessor on an H200 (132): enough key chunks in flight
 TARGET_PROGRAMS_ENV = "SPECD_ATTN_PROGRAMS"  # an override for experiments (read at capture time)
+PRELOAD_ENV = "SPECD_ATTN_PRELOAD"  # "0": read ctx and the block table after the PDL wait (A/B)
 MIN_CHUNK_TILES = 1
 
 
@@ -55,13 +56,24 @@ if triton is not None:
                          scale, window, tiles_per_split,
                          QLEN: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr,
                          BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                         USE_PDL: tl.constexpr):
-        gdc_wait_and_release(USE_PDL)
+                         USE_PDL: tl.constexpr, PRELOAD: tl.constexpr = True):
         b = tl.program_id(0)
         kv = tl.program_id(1)
         split = tl.program_id(2)
         num_kv = tl.num_programs(1)
         num_splits = tl.num_programs(2)
+        first = split * tiles_per_split * BLOCK_N
+        table_row = tables_ptr + b * stride_tb
+        if PRELOAD:
+            # ctx and the block table come from the step's host copy, which completed before the
+            # graph's first kernel, not from the kernel before this one: read them before the
+            # wait, so their two dependent memory latencies overlap that kernel's tail (pdl.py).
+            ctx = tl.load(ctx_ptr + b)
+            block = tl.load(table_row + first // BLOCK_SIZE, mask=first < ctx + QLEN, other=0)
+        gdc_wait_and_release(USE_PDL)
+        if not PRELOAD:
+            ctx = tl.load(ctx_ptr + b)
+            block = tl.load(table_row + first // BLOCK_SIZE, mask=first < ctx + QLEN, other=0)
         r = tl.arange(0, ROWS)  # tile row r = g * QLEN + i: query head kv * GROUP + g, row i
         g = r // QLEN
         i = r % QLEN
@@ -69,19 +81,20 @@ if triton is not None:
         d = tl.arange(0, D)
         q = tl.load(q_ptr + (b * QLEN + i)[:, None] * stride_qt + (kv * GROUP + g)[:, None] * stride_qh
                     + d[None, :], mask=row_ok[:, None], other=0.0)  # [ROWS, D]
-        ctx = tl.load(ctx_ptr + b)
         q_pos = ctx + i  # [ROWS] absolute position of each row
         m = tl.full((ROWS,), float("-inf"), tl.float32)
         l = tl.zeros((ROWS,), tl.float32)
         acc = tl.zeros((ROWS, D), tl.float32)
         key_end = ctx + QLEN  # no row sees a key at or past ctx + Q
-        first = split * tiles_per_split * BLOCK_N
         last = tl.minimum(first + tiles_per_split * BLOCK_N, key_end)
         for start in range(first, last, BLOCK_N):
             n = start + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions, all in one cache block
-            block = tl.load(tables_ptr + b * stride_tb + start // BLOCK_SIZE)
             offs = block * stride_kb + (n % BLOCK_SIZE) * stride_ks + kv * stride_kh  # [BLOCK_N]
             k = tl.load(k_ptr + offs[:, None] + d[None, :])  # [BLOCK_N, D]
+            v = tl.load(v_ptr + offs[:, None] + d[None, :])  # [BLOCK_N, D], in flight with k
+            # the next tile's block number now, not after this tile's arithmetic
+            nxt = start + BLOCK_N
+            block = tl.load(table_row + nxt // BLOCK_SIZE, mask=nxt < last, other=0)
             s = tl.dot(q, tl.trans(k)) * scale  # [ROWS, BLOCK_N] float32
             allowed = n[None, :] <= q_pos[:, None]
             if HAS_WINDOW:
@@ -92,7 +105,6 @@ if triton is not None:
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             p = tl.exp(s - m_safe[:, None])
             alpha = tl.exp(m - m_safe)
-            v = tl.load(v_ptr + offs[:, None] + d[None, :])  # [BLOCK_N, D]
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             l = l * alpha + tl.sum(p, axis=1)
             m = m_new
@@ -168,7 +180,8 @@ def paged_decode_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torc
         q.stride(0), q.stride(1), cache_k.stride(0), cache_k.stride(1), cache_k.stride(2),
         block_tables.stride(0), scale, sliding_window or 0, tiles_per_split,
         QLEN=query_len, GROUP=group, ROWS=tile_rows, D=head_dim, BLOCK_SIZE=block_size, BLOCK_N=block_n,
-        HAS_WINDOW=sliding_window is not None, num_warps=4, num_stages=2, **launch_options(pdl))
+        HAS_WINDOW=sliding_window is not None, PRELOAD=os.environ.get(PRELOAD_ENV) != "0",
+        num_warps=4, num_stages=2, **launch_options(pdl))
     out = torch.empty((rows, num_heads, head_dim), dtype=q.dtype, device=q.device)
     _combine_kernel[(batch, num_kv_heads, group * query_len)](
         acc, ml, out, out.stride(0), out.stride(1), splits,
