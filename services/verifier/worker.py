@@ -96,9 +96,12 @@ class VerifierWorker(Admission):
 
     def run_once(self) -> StepRecord:
         """One iteration: admit, step, emit, log."""
-        t0 = time.perf_counter()
         record = StepRecord()
+        idle = not self.engine.has_unfinished()
+        t0 = time.perf_counter()
         record.num_admitted = self.admit()
+        if idle:  # the read blocked until work came: idle time, not the loop's own (rest)
+            t0 = time.perf_counter()
         if self.engine.has_unfinished():
             finished = self.step(record)
         else:
