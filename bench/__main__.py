@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
             batches=args.step_batches or ([1, 4] if args.small else [1, 8, 32, 64, 128]),
             qs=(1, args.k + 1), context=args.context or (32 if args.small else 1024), device=device,
             bandwidth_tbs=args.bandwidth_tbs, with_transformers=not args.no_transformers,
-            warmup=1 if args.small else 3, iters=3 if args.small else 10,
+            warmup=1 if args.small else 3, iters=3 if args.small else 30,
             block_size=8 if args.small else 64, compile_mode=args.compile,
             compile_budget_s=args.compile_budget_s, l2_plans=args.l2_prefetch_plans,
             env_variants=args.step_env_variants)

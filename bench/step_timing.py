@@ -19,9 +19,21 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+# On CUDA, warm-up runs at least this long: an idle H200's SM clock sits at ~345 MHz and climbs
+# to ~1980 under load (KINDS.md), and three 4 ms steps did not get it there. In run 8 the column
+# timed first (the default graphs, after the setup's host-only work) came out 4.5% slower than the
+# very same graphs captured again and timed later in the run.
+MIN_CUDA_WARMUP_S = 0.5
+
+
 def _median_ms(fn, device: torch.device, warmup: int, iters: int) -> float:
-    for _ in range(warmup):
+    t_end = time.perf_counter() + (MIN_CUDA_WARMUP_S if device.type == "cuda" else 0.0)
+    done = 0
+    while done < warmup or time.perf_counter() < t_end:
         fn()
+        done += 1
+        if done % 16 == 0:
+            _sync(device)  # keep the host from queueing seconds of work ahead of the clock
     _sync(device)
     times = []
     for _ in range(iters):
