@@ -2,7 +2,8 @@
 
 `what` is one name or a comma list, run in the order given (all = step,e2e). `gemm`: the step's
 products alone, cuBLAS vs the skinny Triton kernel (bench/gemm.py); `profile`: device time per
-kernel of one static-path forward (bench/profile_step.py); both CUDA only.
+kernel of one static-path forward (bench/profile_step.py); `timeline`: what each kernel adds to a
+graph replay's span, PDL overlaps included (bench/profile_graph.py); all three CUDA only.
 
     python -m bench all --out results/h200          # 8B shape on CUDA (bench/gpu_suite.sh)
     python -m bench all --small --out /tmp/bench    # toy sizes on CPU, seconds (tests/bench)
@@ -30,7 +31,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 
-WHATS = ("gemm", "gemm-sweep", "profile", "step", "e2e")
+WHATS = ("gemm", "gemm-sweep", "profile", "timeline", "step", "e2e")
 
 
 def _parts(text: str) -> list[str]:
@@ -195,6 +196,16 @@ def main(argv: list[str] | None = None) -> int:
             print(f"profile failed: {type(e).__name__}: {e}"[:3000], flush=True)
         print(f"profile done at {time.perf_counter() - t_start:.0f} s", flush=True)
         _release_gpu_memory("profile")
+    if "timeline" in args.what:
+        from bench.profile_graph import run_timeline, write_timeline
+
+        try:  # diagnostics only, as the profile
+            sections.append(write_timeline(run_timeline(), out))
+            print(sections[-1], flush=True)
+        except Exception as e:  # noqa: BLE001
+            print(f"timeline failed: {type(e).__name__}: {e}"[:3000], flush=True)
+        print(f"timeline done at {time.perf_counter() - t_start:.0f} s", flush=True)
+        _release_gpu_memory("timeline")
     if "step" in args.what:
         from bench.step import run_step_bench, write_step_results
 

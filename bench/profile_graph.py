@@ -1,0 +1,163 @@
+"""Where a replayed verify step's time goes, kernel by kernel, as the graph runs it (PDL included).
+
+bench/profile_step.py launches the static path's kernels one by one and sums their device time;
+under PDL a kernel starts during its predecessor's tail and waits, so inside a graph replay a
+kernel's own duration no longer says what it costs. What it costs is how much later the step
+ends because of it: its end minus the end of the kernel before it ("added"). Summed by kernel
+kind, "added" splits the replay's span exactly. The per-layer sequence of one middle layer shows
+the overlaps (start before the predecessor's end) and the gaps.
+
+    python -m bench timeline --out results/       # CUDA only (~1 min at 8B)
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from bench.step import arch_config, random_model
+from specd.messages import PytorchEngineConfig
+from specd.models.base import SequenceChunk
+from specd.models.llama_runner import LlamaRunner
+
+# kernel name -> kind, first match wins (Triton kernels carry their Python names)
+KINDS = (("skinny_gemm", "gemm"), ("rmsnorm", "norm"), ("rope_cache", "rope"), ("partials", "attention"),
+         ("combine", "attention merge"), ("silu_mul", "silu"), ("gemm|cutlass|cublas|sm90_xmma", "cublas"),
+         ("index_select|indexselect", "index_select"), ("embedding|index|gather", "embedding"),
+         ("cos|sin|rotary|elementwise|vectorized", "elementwise"))
+
+
+def kernel_kind(name: str) -> str:
+    low = name.lower()
+    return next((kind for pattern, kind in KINDS if re.search(pattern, low)), "other")
+
+
+def attribute(kernels: list[tuple[str, float, float]]) -> dict:
+    """kernels: (name, start us, end us) of one replay. Returns the span, "added" microseconds per
+    kind (end minus the previous kernel's end, by end order; they sum to the span less the first
+    kernel's start offset), and the overlap/gap totals."""
+    ordered = sorted(kernels, key=lambda k: k[2])
+    first_start = min(k[1] for k in ordered)
+    added: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    prev_end, overlap, gaps = first_start, 0.0, 0.0
+    for name, start, end in ordered:
+        kind = kernel_kind(name)
+        added[kind] = added.get(kind, 0.0) + (end - prev_end)
+        counts[kind] = counts.get(kind, 0) + 1
+        if start < prev_end:
+            overlap += prev_end - start
+        else:
+            gaps += start - prev_end
+        prev_end = max(prev_end, end)
+    return {"span_us": prev_end - first_start, "added_us": added, "counts": counts,
+            "overlap_us": overlap, "gap_us": gaps}
+
+
+def _replays(events, n: int) -> list[list[tuple[str, float, float]]]:
+    """Split the recorded kernels into n equal runs of consecutive kernels (one per replay)."""
+    kernels = sorted(events, key=lambda k: k[1])
+    per = len(kernels) // n
+    return [kernels[i * per:(i + 1) * per] for i in range(n)] if per else []
+
+
+def profile_replays(runner: LlamaRunner, batch: int, q: int, context: int, repeats: int = 5) -> dict:
+    ids = list(range(batch))
+    for s in ids:
+        runner.add_sequence(s)
+        runner.kv_cache.append_slots(s, context)
+    chunks = [SequenceChunk(s, [(7 * s + j) % runner.config.vocab_size for j in range(q)]) for s in ids]
+
+    def step():
+        runner.forward(chunks)
+        for s in ids:
+            runner.truncate(s, context)
+        torch.cuda.synchronize()  # one replay at a time: replays never overlap in the trace
+
+    try:
+        for _ in range(50):
+            step()  # capture, autotuning, and the SM clock up from idle
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(repeats):
+                step()
+    finally:
+        for s in ids:
+            runner.free(s)
+    events = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+              if str(getattr(e, "device_type", "")).endswith("CUDA") and e.time_range.end > e.time_range.start]
+    events = [e for e in events if not e[0].startswith(("Memcpy", "Memset"))]
+    runs = [attribute(r) for r in _replays(events, repeats) if r]
+    if not runs:
+        return {"batch": batch, "q": q, "error": "no kernel events recorded"}
+    best = min(runs, key=lambda r: r["span_us"])
+    layer = _one_layer(sorted(_replays(events, repeats)[runs.index(best)], key=lambda k: k[1]))
+    return {"batch": batch, "q": q, "kernels_per_replay": sum(best["counts"].values()),
+            "spans_us": [round(r["span_us"], 1) for r in runs], **{k: v for k, v in best.items() if k != "counts"},
+            "counts": best["counts"], "middle_layer": layer}
+
+
+def _one_layer(kernels: list[tuple[str, float, float]]) -> list[dict]:
+    """The kernels of a middle layer: from the 16th norm to the next norm but one."""
+    norms = [i for i, k in enumerate(kernels) if kernel_kind(k[0]) == "norm"]
+    if len(norms) < 36:
+        return []
+    lo, hi = norms[32], norms[34]  # two norms per layer: layer 16's first norm to layer 17's
+    out, prev_end = [], kernels[lo - 1][2]
+    for name, start, end in kernels[lo:hi]:
+        out.append({"kind": kernel_kind(name), "start_vs_prev_end_us": round(start - prev_end, 2),
+                    "duration_us": round(end - start, 2), "added_us": round(end - prev_end, 2)})
+        prev_end = end
+    return out
+
+
+def run_timeline(cases=((1, 4), (1, 1)), context: int = 1024) -> list[dict]:
+    assert torch.cuda.is_available(), "the timeline reads CUDA kernels"
+    dev = torch.device("cuda")
+    config = arch_config("8b")
+    model = random_model(config, torch.bfloat16, dev)
+    batch_max = max(b for b, _ in cases)
+    ec = PytorchEngineConfig(max_batch_size=batch_max, block_size=64,
+                             num_gpu_blocks=batch_max * -(-(context + 16) // 64) + 8,
+                             session_len=context + 16, device_type="cuda", dtype="bfloat16")
+    runner = LlamaRunner(".", ec, model=model, config=config, use_static_path=True, compile_mode="0",
+                         gemm="auto", kernels="auto", pdl="auto")
+    out = []
+    for batch, q in cases:
+        result = profile_replays(runner, batch, q, context)
+        print(json.dumps({k: v for k, v in result.items() if k != "middle_layer"}), flush=True)
+        out.append(result)
+    return out
+
+
+def format_timeline(results: list[dict]) -> str:
+    lines = ["where a graph replay's time goes (added = a kernel's end minus its predecessor's end; "
+             "the kinds' added times sum to the span):", ""]
+    for r in results:
+        if "error" in r:
+            lines.append(f"batch {r['batch']} q {r['q']}: {r['error']}")
+            continue
+        lines += [f"batch {r['batch']}, q {r['q']}: span {r['span_us']:.1f} us (replays {r['spans_us']}), "
+                  f"{r['kernels_per_replay']} kernels, overlap {r['overlap_us']:.1f} us, gaps {r['gap_us']:.1f} us",
+                  "", "| kind | kernels | added us | per kernel us |", "|---|---|---|---|"]
+        for kind, us in sorted(r["added_us"].items(), key=lambda kv: -kv[1]):
+            n = r["counts"][kind]
+            lines.append(f"| {kind} | {n} | {us:.1f} | {us / n:.2f} |")
+        if r["middle_layer"]:
+            lines += ["", "one middle layer:", "", "| kind | start vs prev end us | duration us | added us |",
+                      "|---|---|---|---|"]
+            lines += [f"| {k['kind']} | {k['start_vs_prev_end_us']} | {k['duration_us']} | {k['added_us']} |"
+                      for k in r["middle_layer"]]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def write_timeline(results: list[dict], out_dir: Path) -> str:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "timeline.json").write_text(json.dumps(results, indent=1))
+    text = format_timeline(results)
+    (out_dir / "timeline.md").write_text(text)
+    return text
