@@ -34,7 +34,6 @@ from specd.models.static_attention import StaticAttentionMetadata, flash_kvcache
 
 
 QKV_SPLIT_K_ENV = "SPECD_QKV_SPLIT_K"  # "1": the QKV GEMM split-K too (read at capture time)
-FUSED_NORM_ENV = "SPECD_FUSED_NORM"  # "1": the in-layer norms folded into the GEMMs (read at capture time)
 
 
 def applies(model, kv_cache: PagedKVCache) -> bool:
@@ -53,8 +52,6 @@ def fused_forward(model, input_ids: torch.Tensor, positions: torch.Tensor, meta:
                   kv_cache: PagedKVCache, aux_layer_ids: tuple[int, ...] = ()
                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """LlamaForCausalLM.forward's contract: (hidden [T, H] after the final norm, aux or None)."""
-    if _fused_norm_applies(model, input_ids.shape[0]):
-        return _fused_norm_forward(model, input_ids, positions, meta, kv_cache, aux_layer_ids)
     config = model.config
     eps = config.rms_norm_eps
     x = model.model.embed_tokens(input_ids)  # [T, H]
@@ -75,7 +72,12 @@ def fused_forward(model, input_ids: torch.Tensor, positions: torch.Tensor, meta:
                                             attn.num_heads, attn.num_kv_heads)  # [T, Hq, D]
         # flash-attn installed and 256-token blocks: its kernel; a prefill's Q rows (static
         # prefill, cuda_graphs.py) overflow the decode kernel's tile: the PyTorch twin (SDPA)
-        o = _attention(attn, q, cache_k, cache_v, meta)  # [T, Hq, D]
+        if flash_kvcache_applies(q, meta) or not paged_decode_attention.serves_query_len(meta.query_len):
+            o = static_paged_attention(q, cache_k, cache_v, meta, attn.scale, attn.sliding_window)
+        else:
+            o = paged_decode_attention.paged_decode_attention(
+                q, cache_k, cache_v, meta.ctx_lens, meta.block_tables, meta.query_len, attn.scale,
+                attn.sliding_window)  # [T, Hq, D]
         x, h = norm_act.rms_norm(x, layer.post_attention_layernorm.weight, eps,
                                  _residual_delta(attn.o_proj, o.reshape(tokens, -1),
                                                  l2_prefetch.target_for("gate_up", mlp.gate_up_proj.weight)))
@@ -87,66 +89,6 @@ def fused_forward(model, input_ids: torch.Tensor, positions: torch.Tensor, meta:
     _, hidden = norm_act.rms_norm(x, model.model.norm.weight, eps, delta)
     aux = torch.cat([captured[i] for i in aux_layer_ids], dim=-1) if aux_layer_ids else None
     return hidden, aux
-
-
-def _fused_norm_applies(model, tokens: int) -> bool:
-    """SPECD_FUSED_NORM=1, and every product of the layers takes the skinny kernel (few rows, "auto"
-    backend, no bias) at a width the folded norm can take (skinny_gemm.fused_norm_applies)."""
-    if os.environ.get(FUSED_NORM_ENV) != "1" or not skinny_gemm.fused_norm_applies(model.config.hidden_size):
-        return False
-    probe = model.model.embed_tokens.weight.new_empty((tokens, model.config.hidden_size))
-    layer = model.model.layers[0]
-    projections = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
-    return all(p.bias is None for p in projections) and takes_skinny_kernel(probe, layer.self_attn.qkv_proj.weight)
-
-
-def _fused_norm_forward(model, input_ids: torch.Tensor, positions: torch.Tensor, meta: StaticAttentionMetadata,
-                        kv_cache: PagedKVCache, aux_layer_ids: tuple[int, ...]
-                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """fused_forward with the in-layer RMSNorms folded into the GEMMs (an experiment, off by
-    default): o_proj and down_proj (unsplit) add their product to the residual and sum its
-    squares per 16 columns in their epilogue (skinny_gemm_residual); the next GEMM (gate_up, the
-    next layer's qkv) norms its x tiles on the fly from those sums (skinny_gemm_normed). Two
-    launches, and their kernel boundaries, fewer a layer. The first layer's norm (the embeddings
-    have no producer) and the final one (the hidden state is an output) stay norm kernels."""
-    config = model.config
-    eps = config.rms_norm_eps
-    x = model.model.embed_tokens(input_ids)  # [T, H]
-    cos, sin = model.model.rotary_emb(positions, x.dtype)  # [T, D] each
-    tokens = x.shape[0]
-    captured: dict[int, torch.Tensor] = {}
-    ssq = None  # [T, H / 16] sums of squares of x, from the GEMM that produced x
-    for i, layer in enumerate(model.model.layers):
-        attn, mlp = layer.self_attn, layer.mlp
-        if ssq is None:
-            x, h = norm_act.rms_norm(x, layer.input_layernorm.weight, eps)
-            qkv = skinny_gemm.skinny_gemm(h, attn.qkv_proj.weight)
-        else:
-            qkv = skinny_gemm.skinny_gemm_normed(x, attn.qkv_proj.weight, ssq, layer.input_layernorm.weight,
-                                                 eps, False)
-        if i in aux_layer_ids:
-            captured[i] = x
-        cache_k, cache_v = kv_cache.k_caches[i], kv_cache.v_caches[i]
-        q = rope_cache.rope_and_cache_write(qkv, cos, sin, meta.slot_mapping, cache_k, cache_v,
-                                            attn.num_heads, attn.num_kv_heads)  # [T, Hq, D]
-        o = _attention(attn, q, cache_k, cache_v, meta)
-        x, ssq = skinny_gemm.skinny_gemm_residual(o.reshape(tokens, -1), attn.o_proj.weight, x)
-        act = skinny_gemm.skinny_gemm_normed(x, mlp.gate_up_proj.weight, ssq, layer.post_attention_layernorm.weight,
-                                             eps, True)
-        x, ssq = skinny_gemm.skinny_gemm_residual(act, mlp.down_proj.weight, x)
-    _, hidden = norm_act.rms_norm(x, model.model.norm.weight, eps)
-    aux = torch.cat([captured[i] for i in aux_layer_ids], dim=-1) if aux_layer_ids else None
-    return hidden, aux
-
-
-def _attention(attn, q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor,
-               meta: StaticAttentionMetadata) -> torch.Tensor:
-    """Paged attention of the step's q [T, Hq, D]: specd's split-KV kernel, or where flash-attn
-    takes the blocks or the rows are a prefill's, the static_attention twin."""
-    if flash_kvcache_applies(q, meta) or not paged_decode_attention.serves_query_len(meta.query_len):
-        return static_paged_attention(q, cache_k, cache_v, meta, attn.scale, attn.sliding_window)
-    return paged_decode_attention.paged_decode_attention(
-        q, cache_k, cache_v, meta.ctx_lens, meta.block_tables, meta.query_len, attn.scale, attn.sliding_window)
 
 
 def _prefetch_args(target: l2_prefetch.PrefetchTarget | None) -> tuple:

@@ -65,14 +65,6 @@ def _configs():
 if triton is not None:
     from specd.models.kernels.l2_prefetch import prefetch_share
     from specd.models.kernels.pdl import gdc_release, gdc_wait
-    from specd.models.kernels.tree_sum import tree_sum_rows
-
-    @triton.jit
-    def _normed(x, rstd, nw):
-        """RMSNorm(x) * nw of an x tile [M_BUCKET, BLOCK_K], rstd [M_BUCKET], nw [BLOCK_K]: rounded
-        step for step as norm_act.rms_norm rounds (normed to x's dtype, then times the weight)."""
-        normed = (x.to(tl.float32) * rstd[:, None]).to(x.dtype).to(tl.float32)
-        return (normed * nw.to(tl.float32)[None, :]).to(x.dtype)
 
     def _divides_k(configs, named_args, **kwargs):
         """Only block shapes whose BLOCK_K divides a split's K range, K / SPLIT_K (the loop has no
@@ -80,30 +72,20 @@ if triton is not None:
         k_len = named_args["K"] // {**named_args, **kwargs}["SPLIT_K"]  # a keyword from _launch
         return [c for c in configs if k_len % c.kwargs["BLOCK_K"] == 0] or configs[-1:]
 
-    @triton.autotune(configs=_configs(), key=["M_BUCKET", "N", "K", "SWIGLU", "SPLIT_K", "RESIDUAL_OUT", "NORM_IN"],
+    @triton.autotune(configs=_configs(), key=["M_BUCKET", "N", "K", "SWIGLU", "SPLIT_K"],
                      prune_configs_by={"early_config_prune": _divides_k})
     @triton.jit
     def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ys, stride_ym,
                             pf_ptr, pf_units, pf_regions, pf_region_stride,
-                            res_ptr, ssq_ptr, nw_ptr, eps, stride_ssq,
                             M_BUCKET: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                             SWIGLU: tl.constexpr, SPLIT_K: tl.constexpr, USE_PDL: tl.constexpr,
-                            PF_KIND: tl.constexpr = 0, PF_UNIT: tl.constexpr = 64,
-                            RESIDUAL_OUT: tl.constexpr = False, NORM_IN: tl.constexpr = False,
-                            LOG2_GROUPS: tl.constexpr = 0):
+                            PF_KIND: tl.constexpr = 0, PF_UNIT: tl.constexpr = 64):
         """Grid (cdiv(N, BLOCK_N), SPLIT_K). SPLIT_K 1: y [M, N] in x's dtype. SPLIT_K > 1: program
         (n, s) sums K range s (K / SPLIT_K long) into y[s] of fp32 partials y [SPLIT_K, M, N].
         PF_KIND > 0: after its stores, each program prefetches its share of the next GEMM's
-        weights into L2 (pf_*: kernels/l2_prefetch.py).
-        RESIDUAL_OUT (the fused norm's producer): y = res + x @ W^T (the product rounded, then the
-        add rounded, as norm_act.rms_norm adds a delta), and ssq_ptr [M, N / 16] gets the sums of
-        y^2 over each 16 columns. NORM_IN (its consumer): x is that residual and ssq_ptr its
-        [M, K / 16] sums (2 ** LOG2_GROUPS of them): each x tile becomes RMSNorm(x) * nw, rounded
-        as norm_act.rms_norm rounds, before it is multiplied."""
+        weights into L2 (pf_*: kernels/l2_prefetch.py)."""
         # silu(gate) * up is not linear: it needs the whole sum, so no split with the epilogue
         tl.static_assert(SPLIT_K == 1 or not SWIGLU)
-        tl.static_assert(SPLIT_K == 1 or not (RESIDUAL_OUT or NORM_IN))
-        tl.static_assert(not (RESIDUAL_OUT and SWIGLU))
         pid = tl.program_id(0)
         split = tl.program_id(1)
         k_len = K // SPLIT_K  # a multiple of BLOCK_K (_divides_k, split_k_for)
@@ -121,19 +103,8 @@ if triton is not None:
         u = w
         if SWIGLU:
             u = tl.load(u_ptrs, mask=col_ok, other=0.0)
-        nw_ptrs = nw_ptr + ks  # NORM_IN: the norm's weight over this K tile
         gdc_wait(USE_PDL)
-        rstd = tl.zeros((M_BUCKET,), dtype=tl.float32)
-        if NORM_IN:  # the rows' RMS from the producer's sums, in a fixed order (tree_sum.py)
-            groups = tl.arange(0, 1 << LOG2_GROUPS)
-            sums = tl.load(ssq_ptr + rows[:, None] * stride_ssq + groups[None, :], mask=row_ok, other=0.0)
-            rstd = 1.0 / tl.sqrt(tree_sum_rows(sums, M_BUCKET, 1 << LOG2_GROUPS, LOG2_GROUPS) / K + eps)
-        if RESIDUAL_OUT:  # written kernels ago: read now, its latency hidden behind the K loop
-            res = tl.load(res_ptr + rows[:, None] * stride_ym + cols[None, :],
-                          mask=row_ok & (cols[None, :] < N), other=0.0)
         x = tl.load(x_ptrs, mask=row_ok, other=0.0)
-        if NORM_IN:
-            x = _normed(x, rstd, tl.load(nw_ptrs))
         acc = tl.dot(x, tl.trans(w))  # [M_BUCKET, BLOCK_N] float32
         acc_up = tl.zeros((M_BUCKET, BLOCK_N), dtype=tl.float32)
         if SWIGLU:
@@ -142,9 +113,6 @@ if triton is not None:
             x_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
             x = tl.load(x_ptrs, mask=row_ok, other=0.0)
-            if NORM_IN:
-                nw_ptrs += BLOCK_K
-                x = _normed(x, rstd, tl.load(nw_ptrs))
             w = tl.load(w_ptrs, mask=col_ok, other=0.0)
             acc += tl.dot(x, tl.trans(w))
             if SWIGLU:
@@ -160,14 +128,6 @@ if triton is not None:
             up = acc_up.to(y_ptr.dtype.element_ty).to(tl.float32)
             act = (gate / (1.0 + tl.exp(-gate))).to(y_ptr.dtype.element_ty).to(tl.float32)
             out = (act * up).to(y_ptr.dtype.element_ty)
-        if RESIDUAL_OUT:  # y = res + product, and the sums of y^2 per 16 columns
-            out = (res.to(tl.float32) + out.to(tl.float32)).to(y_ptr.dtype.element_ty)
-            sq = out.to(tl.float32) * out.to(tl.float32)  # [M_BUCKET, BLOCK_N], 0 where masked
-            group_sums = tl.reshape(tree_sum_rows(tl.reshape(sq, (M_BUCKET * (BLOCK_N // 16), 16)),
-                                                  M_BUCKET * (BLOCK_N // 16), 16, 4), (M_BUCKET, BLOCK_N // 16))
-            g = pid * (BLOCK_N // 16) + tl.arange(0, BLOCK_N // 16)
-            tl.store(ssq_ptr + rows[:, None] * stride_ssq + g[None, :], group_sums,
-                     mask=row_ok & (g[None, :] < N // 16))
         y_ptrs = y_ptr + split * stride_ys + rows[:, None] * stride_ym + cols[None, :]
         tl.store(y_ptrs, out, mask=row_ok & (cols[None, :] < N))
         if PF_KIND > 0:  # the next GEMM's weights, while this grid's last programs finish
@@ -200,13 +160,9 @@ def split_k_for(n: int, k: int) -> int:
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, n: int, swiglu: bool, splits: int = 1,
             prefetch: torch.Tensor | None = None, prefetch_units: int = 0, prefetch_regions: int = 1,
-            prefetch_kind: int = 0, residual: torch.Tensor | None = None, ssq: torch.Tensor | None = None,
-            norm_weight: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
+            prefetch_kind: int = 0) -> torch.Tensor:
     """y [M, N] in x's dtype (splits 1), or fp32 partials [splits, M, N]; prefetch_*: what the
-    programs pull into L2 after their stores (kernels/l2_prefetch.PrefetchTarget).
-    residual [M, N]: y = residual + the product, its sums of squares per 16 columns into ssq
-    [M, N / 16] (float32, given). norm_weight [K]: x is normed on the fly, its rows' sums of
-    squares per 16 columns read from ssq [M, K / 16]."""
+    programs pull into L2 after their stores (kernels/l2_prefetch.PrefetchTarget)."""
     m, k = x.shape
     assert k % (splits * MIN_BLOCK_K) == 0, (k, splits)
     shape, dtype = ((m, n), x.dtype) if splits == 1 else ((splits, m, n), torch.float32)
@@ -219,22 +175,10 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, n: int, swiglu: bool, splits:
         pf = {"PF_KIND": prefetch_kind, "PF_UNIT": PREFETCH_UNIT_ELEMS[prefetch_kind]}
     else:
         prefetch, prefetch_units, prefetch_regions = weight, 0, 1
-    fused: dict = {}
-    if residual is not None:  # the fused norm's producer
-        assert splits == 1 and not swiglu and n % 16 == 0 and ssq.shape == (m, n // 16), (n, ssq.shape)
-        assert residual.shape == (m, n) and residual.is_contiguous() and residual.dtype == x.dtype
-        fused = {"RESIDUAL_OUT": True}
-    if norm_weight is not None:  # its consumer
-        groups = k // 16
-        assert splits == 1 and groups & (groups - 1) == 0 and ssq.shape == (m, groups), (k, ssq.shape)
-        fused = {"NORM_IN": True, "LOG2_GROUPS": groups.bit_length() - 1}
     _skinny_gemm_kernel[grid](x, weight, y, m, n, k, x.stride(0), weight.stride(0), m * n, n,
                               prefetch, prefetch_units, prefetch_regions, prefetch.numel() // prefetch_regions,
-                              residual if residual is not None else weight, ssq if ssq is not None else weight,
-                              norm_weight if norm_weight is not None else weight, eps,
-                              ssq.stride(0) if ssq is not None else 0,
                               M_BUCKET=_row_bucket(m), SWIGLU=swiglu, SPLIT_K=splits,
-                              **pf, **fused, **launch_options(use_pdl(x)))
+                              **pf, **launch_options(use_pdl(x)))
     return y
 
 
@@ -283,45 +227,6 @@ def skinny_gemm_swiglu(x: torch.Tensor, gate_up: torch.Tensor, prefetch: torch.T
 def _(x: torch.Tensor, gate_up: torch.Tensor, prefetch=None, prefetch_units=0, prefetch_regions=1,
       prefetch_kind=0) -> torch.Tensor:
     return x.new_empty((x.shape[0], gate_up.shape[0] // 2))
-
-
-@torch.library.custom_op("specd::skinny_gemm_residual", mutates_args=())
-def skinny_gemm_residual(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The fused norm's producer (o_proj, down_proj): residual + x @ weight^T [M, N] in x's dtype
-    (the product rounded, then the add, as norm_act.rms_norm adds a delta), and its rows' sums of
-    squares per 16 columns [M, N / 16] float32 (tree_sum order) for the next norm's scale."""
-    ssq = torch.empty((x.shape[0], weight.shape[0] // 16), dtype=torch.float32, device=x.device)
-    return _launch(x, weight, weight.shape[0], False, residual=residual, ssq=ssq), ssq
-
-
-@skinny_gemm_residual.register_fake
-def _(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return (x.new_empty((x.shape[0], weight.shape[0])),
-            x.new_empty((x.shape[0], weight.shape[0] // 16), dtype=torch.float32))
-
-
-@torch.library.custom_op("specd::skinny_gemm_normed", mutates_args=())
-def skinny_gemm_normed(x: torch.Tensor, weight: torch.Tensor, ssq: torch.Tensor, norm_weight: torch.Tensor,
-                       eps: float, swiglu: bool) -> torch.Tensor:
-    """The fused norm's consumer (qkv, gate_up): RMSNorm(x) * norm_weight @ weight^T, the norm
-    computed on the fly from skinny_gemm_residual's sums (ssq [M, K / 16]), rounded as
-    norm_act.rms_norm rounds; swiglu: gate_up's silu(gate) * up epilogue, as skinny_gemm_swiglu."""
-    n = weight.shape[0] // 2 if swiglu else weight.shape[0]
-    return _launch(x, weight, n, swiglu, ssq=ssq, norm_weight=norm_weight, eps=eps)
-
-
-@skinny_gemm_normed.register_fake
-def _(x: torch.Tensor, weight: torch.Tensor, ssq: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-      swiglu: bool) -> torch.Tensor:
-    return x.new_empty((x.shape[0], weight.shape[0] // 2 if swiglu else weight.shape[0]))
-
-
-def fused_norm_applies(hidden: int) -> bool:
-    """Whether a norm of this width can be folded into the skinny GEMMs around it: whole 16-column
-    groups, a power of two of them (the consumer's tree), and a whole number of K tiles."""
-    groups = hidden // 16
-    return hidden % MIN_BLOCK_K == 0 and groups & (groups - 1) == 0
 
 
 def kernel_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:

@@ -64,14 +64,10 @@ def test_kernels_compile_to_sm90_ptx():
     gemm_sig = {"x_ptr":P,"w_ptr":P,"y_ptr":P,"M":"i32","N":"i32","K":"i32","stride_xm":"i32","stride_wn":"i32","stride_ys":"i32","stride_ym":"i32",
                 "pf_ptr":P,"pf_units":"i32","pf_regions":"i32","pf_region_stride":"i64",
                 "M_BUCKET":"constexpr","BLOCK_N":"constexpr","BLOCK_K":"constexpr","SWIGLU":"constexpr","SPLIT_K":"constexpr",
-                "PF_KIND":"constexpr","PF_UNIT":"constexpr","res_ptr":P,"ssq_ptr":"*fp32","nw_ptr":P,"eps":"fp32",
-                "stride_ssq":"i32","RESIDUAL_OUT":"constexpr","NORM_IN":"constexpr","LOG2_GROUPS":"constexpr"}
-    # plain, SwiGLU, split-K partials; the folded norm's producer, and its consumers (qkv, gate_up)
-    for y_ptr, swiglu, split_k, residual_out, norm_in in [(P, False, 1, False, False), (P, True, 1, False, False),
-                                                          ("*fp32", False, 2, False, False), (P, False, 1, True, False),
-                                                          (P, False, 1, False, True), (P, True, 1, False, True)]:
+                "PF_KIND":"constexpr","PF_UNIT":"constexpr"}
+    for y_ptr, swiglu, split_k in [(P, False, 1), (P, True, 1), ("*fp32", False, 2)]:  # plain, SwiGLU, split-K partials
         comp(skinny_gemm._skinny_gemm_kernel.fn, dict(gemm_sig, y_ptr=y_ptr), {"M_BUCKET":16,"BLOCK_N":32,"BLOCK_K":128,"SWIGLU":swiglu,"SPLIT_K":split_k,
-             "PF_KIND":0,"PF_UNIT":64,"RESIDUAL_OUT":residual_out,"NORM_IN":norm_in,"LOG2_GROUPS":8}, release_after_loads=True)
+             "PF_KIND":0,"PF_UNIT":64}, release_after_loads=True)
     with pytest.raises(CompileTimeAssertionFailure):  # SwiGLU's epilogue needs the whole sum, no split
         comp(skinny_gemm._skinny_gemm_kernel.fn, dict(gemm_sig, y_ptr="*fp32"), {"M_BUCKET":16,"BLOCK_N":32,"BLOCK_K":128,"SWIGLU":True,"SPLIT_K":2})
 
@@ -89,12 +85,10 @@ def test_gemm_epilogue_prefetch_compiles_after_the_release_and_the_stores():
     sig = {"x_ptr":P,"w_ptr":P,"y_ptr":P,"M":"i32","N":"i32","K":"i32","stride_xm":"i32","stride_wn":"i32","stride_ys":"i32",
            "stride_ym":"i32","pf_ptr":P,"pf_units":"i32","pf_regions":"i32","pf_region_stride":"i64","M_BUCKET":"constexpr",
            "BLOCK_N":"constexpr","BLOCK_K":"constexpr","SWIGLU":"constexpr","SPLIT_K":"constexpr","USE_PDL":"constexpr",
-           "PF_KIND":"constexpr","PF_UNIT":"constexpr","res_ptr":P,"ssq_ptr":"*fp32","nw_ptr":P,"eps":"fp32","stride_ssq":"i32",
-           "RESIDUAL_OUT":"constexpr","NORM_IN":"constexpr","LOG2_GROUPS":"constexpr"}
+           "PF_KIND":"constexpr","PF_UNIT":"constexpr"}
     instruction = {1: "prefetch.global.L2", 2: "prefetch.global.L2", 3: "cp.async.bulk.prefetch.L2.global"}
     for kind, unit in [(0, 64), (1, 16), (2, 64), (3, 2048)]:
-        consts = {"M_BUCKET":16,"BLOCK_N":32,"BLOCK_K":128,"SWIGLU":True,"SPLIT_K":1,"USE_PDL":True,"PF_KIND":kind,"PF_UNIT":unit,
-                  "RESIDUAL_OUT":False,"NORM_IN":False,"LOG2_GROUPS":0}
+        consts = {"M_BUCKET":16,"BLOCK_N":32,"BLOCK_K":128,"SWIGLU":True,"SPLIT_K":1,"USE_PDL":True,"PF_KIND":kind,"PF_UNIT":unit}
         ptx = triton.compile(ASTSource(fn=skinny_gemm._skinny_gemm_kernel.fn, signature=sig, constexprs=consts),
                              target=GPUTarget("cuda", 90, 32)).asm["ptx"]
         if kind == 0:
