@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
                          "e.g. 'o=32;o=32,gate_up=8,kind=sector'")
     ap.add_argument("--step-env-variants", type=lambda t: [p for p in t.split(";") if p], default=[],
                     help="step: also time the graphs under each set of kernel settings, ';'-separated, e.g. "
-                         "'SPECD_ATTN_PROGRAMS=132;SPECD_QKV_SPLIT_K=1' (logits compared with the default)")
+                         "'SPECD_ATTN_PROGRAMS=132;SPECD_ATTN_PROGRAMS=528' (logits compared with the default)")
     ap.add_argument("--k", type=int, default=3, help="draft tokens per step (verify q = k + 1)")
     ap.add_argument("--bandwidth-tbs", type=float, default=4.8, help="for the weight-read floor")
     ap.add_argument("--no-transformers", action="store_true")

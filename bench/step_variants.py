@@ -39,8 +39,8 @@ def time_without_pdl(runner: LlamaRunner, batch: int, q: int, context: int, warm
 
 
 class env_variant:
-    """Context manager: the environment settings of a kernel experiment ("SPECD_ATTN_PROGRAMS=132,
-    SPECD_QKV_SPLIT_K=1"; the kernels read them at capture time) with the runner's graphs dropped
+    """Context manager: the environment settings of a kernel experiment ("SPECD_ATTN_PROGRAMS=132";
+    the kernels read them at capture time) with the runner's graphs dropped
     before and after, so the variant's graphs are captured under them and nothing else differs."""
 
     def __init__(self, runner: LlamaRunner, spec: str) -> None:

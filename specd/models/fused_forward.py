@@ -22,7 +22,6 @@ head_dim. Otherwise StaticForward runs the PyTorch body (the twin the tests comp
 
 from __future__ import annotations
 
-import os
 
 import torch
 
@@ -33,7 +32,6 @@ from specd.models.linear import takes_skinny_kernel
 from specd.models.static_attention import StaticAttentionMetadata, flash_kvcache_applies, static_paged_attention
 
 
-QKV_SPLIT_K_ENV = "SPECD_QKV_SPLIT_K"  # "1": the QKV GEMM split-K too (read at capture time)
 
 
 def applies(model, kv_cache: PagedKVCache) -> bool:
@@ -67,7 +65,7 @@ def fused_forward(model, input_ids: torch.Tensor, positions: torch.Tensor, meta:
             captured[i] = x
         attn, mlp = layer.self_attn, layer.mlp
         cache_k, cache_v = kv_cache.k_caches[i], kv_cache.v_caches[i]
-        qkv = _qkv(attn.qkv_proj, h, l2_prefetch.target_for("o", attn.o_proj.weight))
+        qkv = _project(attn.qkv_proj, h, l2_prefetch.target_for("o", attn.o_proj.weight))
         q = rope_cache.rope_and_cache_write(qkv, cos, sin, meta.slot_mapping, cache_k, cache_v,
                                             attn.num_heads, attn.num_kv_heads)  # [T, Hq, D]
         # flash-attn installed and 256-token blocks: its kernel; a prefill's Q rows (static
@@ -103,17 +101,6 @@ def _project(proj, h: torch.Tensor, prefetch: l2_prefetch.PrefetchTarget | None)
     if prefetch is not None and proj.bias is None and takes_skinny_kernel(h, proj.weight):
         return skinny_gemm.skinny_gemm(h, proj.weight, *_prefetch_args(prefetch))
     return proj(h)
-
-
-def _qkv(proj, h: torch.Tensor, prefetch: l2_prefetch.PrefetchTarget | None) -> torch.Tensor:
-    """The fused QKV product for rope_cache: split-K fp32 partials when SPECD_QKV_SPLIT_K=1 (an
-    experiment, off by default: like o_proj's, with the RoPE kernel summing them) and the skinny
-    kernel takes the product; else qkv [T, N]."""
-    if (os.environ.get(QKV_SPLIT_K_ENV) == "1" and proj.bias is None and takes_skinny_kernel(h, proj.weight)):
-        splits = skinny_gemm.split_k_for(*proj.weight.shape)
-        if splits > 1:
-            return skinny_gemm.skinny_gemm_partials(h, proj.weight, splits, *_prefetch_args(prefetch))
-    return _project(proj, h, prefetch)
 
 
 def _residual_delta(proj, h: torch.Tensor, prefetch: l2_prefetch.PrefetchTarget | None = None) -> torch.Tensor:

@@ -37,8 +37,6 @@ from specd.models.kernels.pdl import launch_options, use_pdl
 
 MAX_ROWS = 32
 MIN_BLOCK_K = 64
-SPLIT_K = 2  # K splits of the narrow products (split_k_for)
-SPLIT_K_ENV = "SPECD_SPLIT_K"  # an experiment's override of SPLIT_K (read at capture time)
 PREFETCH_UNIT_ELEMS = {code: unit for code, unit in KINDS.values()}  # prefetch kind -> elements a unit
 
 try:
@@ -141,9 +139,8 @@ def _row_bucket(m: int) -> int:
 
 
 def split_k_for(n: int, k: int) -> int:
-    """The number of K splits for a product with weight [N, K]: SPLIT_K (2; SPECD_SPLIT_K for an
-    experiment) when N <= 8192 and each split of K is a whole number of the smallest BLOCK_K tiles,
-    else 1.
+    """The number of K splits for a product with weight [N, K]: 2 when N <= 8192 and each half of K
+    is a whole number of the smallest BLOCK_K tiles, else 1.
 
     Why: at N = 4096 (o_proj, down_proj) the N / BLOCK_N column programs are too few to keep the
     H200's 132 SMs streaming weights; split-K 2 took 16% (o) and 9% (down) off their time at M = 4
@@ -152,10 +149,7 @@ def split_k_for(n: int, k: int) -> int:
     (fused_forward: o_proj and down_proj, whose outputs go to an rms_norm).
     Why fixed and not autotuned: the split changes the fp32 summation order, so it must be a rule
     of the shape alone (never of M, nor of a timing), like today's one-program-per-column sum."""
-    splits = int(os.environ.get(SPLIT_K_ENV) or SPLIT_K)
-    if splits < 1:
-        raise ValueError(f"{SPLIT_K_ENV}: expected a positive number of K splits, got {splits}")
-    return splits if n <= 8192 and k % (splits * MIN_BLOCK_K) == 0 else 1
+    return 2 if n <= 8192 and k % (2 * MIN_BLOCK_K) == 0 else 1
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, n: int, swiglu: bool, splits: int = 1,

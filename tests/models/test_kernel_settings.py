@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 
 from specd.models.kernels import paged_decode_attention as pda
-from specd.models.kernels.norm_act import _norm_warps
 
 
 def test_attention_programs_override_sets_the_key_chunks(monkeypatch):
@@ -18,14 +17,3 @@ def test_attention_programs_override_sets_the_key_chunks(monkeypatch):
     with pytest.raises(ValueError, match="positive"):
         pda.num_splits(1, 8, 1088, 64)
 
-
-def test_norm_warps_override_is_validated(monkeypatch):
-    """SPECD_NORM_WARPS (an experiment's setting for the norm's launch) takes powers of two only;
-    unset, 4 warps up to 4,096 columns and 8 above."""
-    monkeypatch.delenv("SPECD_NORM_WARPS", raising=False)
-    assert (_norm_warps(4096), _norm_warps(8192)) == (4, 8)
-    monkeypatch.setenv("SPECD_NORM_WARPS", "16")
-    assert _norm_warps(4096) == 16
-    monkeypatch.setenv("SPECD_NORM_WARPS", "12")
-    with pytest.raises(ValueError, match="SPECD_NORM_WARPS"):
-        _norm_warps(4096)

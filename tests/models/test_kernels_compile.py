@@ -40,25 +40,22 @@ def test_kernels_compile_to_sm90_ptx():
                     assert last_load > 0 and ptx.index("griddepcontrol.launch_dependents") > last_load, fn
 
     P = "*bf16"
-    rope_sig = {"qkv_ptr":P,"cos_ptr":P,"sin_ptr":P,"slots_ptr":"*i64","q_out_ptr":P,"k_cache_ptr":P,"v_cache_ptr":P,
+    comp(rope_cache._rope_cache_kernel, {"qkv_ptr":P,"cos_ptr":P,"sin_ptr":P,"slots_ptr":"*i64","q_out_ptr":P,"k_cache_ptr":P,"v_cache_ptr":P,
       "stride_qkv":"i32","stride_cos":"i32","stride_qo_t":"i32","stride_qo_h":"i32","stride_slot":"i32","stride_cache_h":"i32",
-      "NUM_HEADS":"constexpr","NUM_KV_HEADS":"constexpr","HALF":"constexpr","stride_qs":"i32","QKV_SPLITS":"constexpr"}
-    for qkv_ptr, splits in [(P, 1), ("*fp32", 2)]:  # qkv, or the QKV GEMM's split-K partials
-        comp(rope_cache._rope_cache_kernel, dict(rope_sig, qkv_ptr=qkv_ptr), {"NUM_HEADS":32,"NUM_KV_HEADS":8,"HALF":64,"QKV_SPLITS":splits})
+      "NUM_HEADS":"constexpr","NUM_KV_HEADS":"constexpr","HALF":"constexpr"}, {"NUM_HEADS":32,"NUM_KV_HEADS":8,"HALF":64})
     norm_sig = {"x_ptr":P,"delta_ptr":P,"w_ptr":P,"res_out_ptr":P,"out_ptr":P,"stride_x":"i32","stride_ds":"i32","stride_d":"i32","stride_r":"i32","stride_o":"i32","eps":"fp32","H":"constexpr","BLOCK":"constexpr","DELTA_SPLITS":"constexpr"}
     for delta_ptr, splits in [(P, 0), (P, 1), ("*fp32", 2)]:  # no delta, a bf16 delta, split-K partials
         comp(norm_act._rmsnorm_kernel, dict(norm_sig, delta_ptr=delta_ptr), {"H":4096,"BLOCK":4096,"DELTA_SPLITS":splits})
     comp(norm_act._silu_mul_kernel, {"gu_ptr":P,"out_ptr":P,"stride_gu":"i32","stride_o":"i32","inter":"i32","BLOCK":"constexpr"},{"BLOCK":1024})
     attn_sig = {"q_ptr":P,"k_ptr":P,"v_ptr":P,"tables_ptr":"*i64","ctx_ptr":"*i64","acc_ptr":"*fp32","ml_ptr":"*fp32",
       "stride_qt":"i32","stride_qh":"i32","stride_kb":"i32","stride_ks":"i32","stride_kh":"i32","stride_tb":"i32","scale":"fp32","window":"i32","tiles_per_split":"i32",
-      "QLEN":"constexpr","GROUP":"constexpr","ROWS":"constexpr","D":"constexpr","BLOCK_SIZE":"constexpr","BLOCK_N":"constexpr","HAS_WINDOW":"constexpr",
-      "PRELOAD":"constexpr"}
+      "QLEN":"constexpr","GROUP":"constexpr","ROWS":"constexpr","D":"constexpr","BLOCK_SIZE":"constexpr","BLOCK_N":"constexpr","HAS_WINDOW":"constexpr"}
     attn_consts = {"QLEN":4,"GROUP":4,"ROWS":16,"D":128,"BLOCK_SIZE":64,"BLOCK_N":64,"HAS_WINDOW":True}
-    for preload in (False, True):  # the host-copied ctx and block table read before the wait, or after it
-        comp(pda._partials_kernel, attn_sig, dict(attn_consts, PRELOAD=preload))
-        ptx = triton.compile(ASTSource(fn=pda._partials_kernel, signature=dict(attn_sig, USE_PDL="constexpr"),
-                                       constexprs=dict(attn_consts, PRELOAD=preload, USE_PDL=True)), target=tgt).asm["ptx"]
-        assert (ptx.index("ld.global") < ptx.index("griddepcontrol.wait")) == preload
+    comp(pda._partials_kernel, attn_sig, attn_consts)
+    # the host-copied ctx and block table are read before the wait (pdl.py)
+    ptx = triton.compile(ASTSource(fn=pda._partials_kernel, signature=dict(attn_sig, USE_PDL="constexpr"),
+                                   constexprs=dict(attn_consts, USE_PDL=True)), target=tgt).asm["ptx"]
+    assert ptx.index("ld.global") < ptx.index("griddepcontrol.wait")
     comp(pda._combine_kernel, {"acc_ptr":"*fp32","ml_ptr":"*fp32","out_ptr":P,"stride_ot":"i32","stride_oh":"i32","num_splits":"i32",
       "QLEN":"constexpr","GROUP":"constexpr","ROWS":"constexpr","D":"constexpr","SPLITS_POW2":"constexpr"},{"QLEN":4,"GROUP":4,"ROWS":16,"D":128,"SPLITS_POW2":32})
     gemm_sig = {"x_ptr":P,"w_ptr":P,"y_ptr":P,"M":"i32","N":"i32","K":"i32","stride_xm":"i32","stride_wn":"i32","stride_ys":"i32","stride_ym":"i32",

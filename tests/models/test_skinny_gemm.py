@@ -76,17 +76,6 @@ def test_split_count_is_a_rule_of_the_weight_shape():
         skinny_gemm._launch(torch.zeros(2, 192).half(), torch.zeros(8, 192).half(), 8, False, splits=2)
 
 
-def test_split_count_override_for_experiments(monkeypatch):
-    """SPECD_SPLIT_K sets the narrow products' split (still a rule of the shape: K must hold whole
-    64-wide tiles per split); nonsense is refused by name."""
-    monkeypatch.setenv("SPECD_SPLIT_K", "4")
-    assert skinny_gemm.split_k_for(4096, 4096) == 4 and skinny_gemm.split_k_for(4096, 14336) == 4
-    assert skinny_gemm.split_k_for(4096, 4224) == 1 and skinny_gemm.split_k_for(28672, 4096) == 1
-    monkeypatch.setenv("SPECD_SPLIT_K", "0")
-    with pytest.raises(ValueError, match="SPECD_SPLIT_K"):
-        skinny_gemm.split_k_for(4096, 4096)
-
-
 def test_autotune_prune_keeps_block_k_that_divide_a_split():
     """The autotuner's own prune call, as a launch makes it (no GPU needed): every kept BLOCK_K
     divides K / SPLIT_K, and a split that only BLOCK_K 64 divides keeps that one."""

@@ -13,10 +13,8 @@ pytestmark = pytest.mark.skipif(paged_decode_attention.triton is None, reason="t
 
 def test_split_kv_paged_attention_matches_the_gather_sdpa_twin():
     """Every split layout (one tile per program, many, a last split with no keys: target 12 gives
-    3 splits of 2 of the 4 tiles) against the SDPA twin; the block table read before the PDL wait
-    (the default) and after it (SPECD_ATTN_PRELOAD=0) give the same bits."""
+    3 splits of 2 of the 4 tiles) against the SDPA twin."""
     out = run_interpreted("""
-        import os
         import torch
         from specd.models.kernels.paged_decode_attention import paged_decode_attention, num_splits
         from specd.models.static_attention import StaticAttentionMetadata, static_paged_attention
@@ -38,11 +36,6 @@ def test_split_kv_paged_attention_matches_the_gather_sdpa_twin():
             ref = static_paged_attention(q.float(), cache_k.float(), cache_v.float(), meta, d ** -0.5, window)
             got = paged_decode_attention(q, cache_k, cache_v, meta.ctx_lens, meta.block_tables, q_len,
                                          d ** -0.5, window)
-            os.environ["SPECD_ATTN_PRELOAD"] = "0"
-            after_wait = paged_decode_attention(q, cache_k, cache_v, meta.ctx_lens, meta.block_tables, q_len,
-                                                d ** -0.5, window)
-            del os.environ["SPECD_ATTN_PRELOAD"]
-            assert torch.equal(got, after_wait)
             assert got.shape == q.shape and torch.isfinite(got).all()
             err = ((got.float() - ref).norm() / ref.norm()).item()
             print(hq, q_len, ctx, window, num_splits(b, hkv, nb * bs, 16), err)
@@ -126,16 +119,12 @@ def test_rms_norm_sums_split_k_partials_then_adds_as_the_unsplit_delta():
     assert out.strip().endswith("ok"), out
 
 
-@pytest.mark.parametrize("qkv_split", [False, True])
-def test_fused_forward_with_split_k_gemms_equals_the_pytorch_body(qkv_split):
+def test_fused_forward_with_split_k_gemms_equals_the_pytorch_body():
     """The static step with the skinny GEMMs ("auto"), o_proj and down_proj split-K into the
-    norms (K = 128 and 256 here), and with SPECD_QKV_SPLIT_K=1 the QKV GEMM split-K into the RoPE
-    kernel, vs PyTorch ops and F.linear."""
+    norms (K = 128 and 256 here), vs PyTorch ops and F.linear."""
     out = run_interpreted("""
         import dataclasses
-        import os
         import torch
-        os.environ["SPECD_QKV_SPLIT_K"] = "@QKV@"
         from bench.step import arch_config, random_model
         from specd.messages import PytorchEngineConfig
         from specd.models import skinny_gemm
@@ -161,16 +150,14 @@ def test_fused_forward_with_split_k_gemms_equals_the_pytorch_body(qkv_split):
                 r.kv_cache.append_slots(s, ctx)
             step = r.forward([SequenceChunk(0, [1, 2, 3]), SequenceChunk(1, [4, 5, 6])], want_aux_hidden=True)
             results[gemm] = (step.logits, step.aux_hidden_states)
-        # o_proj [128, 128] and down_proj [128, 256] of both layers (and qkv [N, 128] when asked),
-        # split in two, in the fused runner only
-        qkv = [(r.model.model.layers[0].self_attn.qkv_proj.weight.shape[0], 128, 2)] if os.environ["SPECD_QKV_SPLIT_K"] == "1" else []
-        assert splits == (qkv + [(128, 128, 2), (128, 256, 2)]) * 2, splits
+        # o_proj [128, 128] and down_proj [128, 256] of both layers, split in two, in the fused runner only
+        assert splits == [(128, 128, 2), (128, 256, 2)] * 2, splits
         for a, b in zip(results["auto"], results["torch"]):
             err = ((a.float() - b.float()).norm() / b.float().norm()).item()
             print(tuple(a.shape), err)
             assert a.shape == b.shape and err < 5e-3, err
         print("ok")
-    """.replace("@QKV@", "1" if qkv_split else "0"))
+    """)
     assert out.strip().endswith("ok"), out
 
 
@@ -206,32 +193,6 @@ def test_fused_static_forward_equals_the_pytorch_body():
             err = ((a.float() - b.float()).norm() / b.float().norm()).item()
             print(tuple(a.shape), err)
             assert a.shape == b.shape and err < 5e-3, err
-        print("ok")
-    """)
-    assert out.strip().endswith("ok"), out
-
-
-def test_rope_sums_split_k_partials_as_the_unsplit_qkv():
-    """rope_cache with the QKV GEMM's fp32 partials [2, T, N] writes exactly what it writes for
-    their sum rounded to the model dtype (what the unsplit GEMM would have stored)."""
-    out = run_interpreted("""
-        import torch
-        from specd.models.kernels.rope_cache import rope_and_cache_write
-        torch.manual_seed(0)
-        tokens, hq, hkv, d = 3, 4, 2, 16
-        parts = torch.randn(2, tokens, (hq + 2 * hkv) * d)
-        summed = (parts[0] + parts[1]).to(torch.float16)
-        cos, sin = torch.randn(tokens, d).half(), torch.randn(tokens, d).half()
-        slots = torch.tensor([0, 1, 5])
-        outs = []
-        for qkv in (summed, parts):
-            k, v = torch.zeros(2, 4, hkv, d, dtype=torch.float16), torch.zeros(2, 4, hkv, d, dtype=torch.float16)
-            q = rope_and_cache_write(qkv, cos, sin, slots, k, v, hq, hkv)
-            outs.append((q, k, v))
-        assert outs[1][0].dtype == torch.float16
-        for a, b in zip(*outs):
-            assert torch.equal(a, b), (a - b).abs().max()
-        assert outs[1][1].abs().sum() > 0 and outs[1][2].abs().sum() > 0
         print("ok")
     """)
     assert out.strip().endswith("ok"), out

@@ -70,18 +70,6 @@ if triton is not None:
         tl.store(out_ptr + t * stride_o + c, (act * up).to(out_ptr.dtype.element_ty), mask=ok)
 
 
-NORM_WARPS_ENV = "SPECD_NORM_WARPS"  # an experiment's override of the norm's warps (read at capture time)
-
-
-def _norm_warps(hidden: int) -> int:
-    """Warps of one norm program (one token row): 4 up to 4,096 columns, else 8. At batch 1 a norm
-    is a few programs whose loads are its whole latency, so SPECD_NORM_WARPS tries wider ones."""
-    warps = int(os.environ.get(NORM_WARPS_ENV) or (4 if hidden <= 4096 else 8))
-    if warps not in (1, 2, 4, 8, 16, 32):
-        raise ValueError(f"{NORM_WARPS_ENV}: expected a power of two up to 32, got {warps}")
-    return warps
-
-
 def kernel_applies(x: torch.Tensor) -> bool:
     return (triton is not None and (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
             and x.dtype in (torch.float16, torch.bfloat16) and x.ndim == 2 and x.stride(-1) == 1)
@@ -104,7 +92,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch.Ten
         _rmsnorm_kernel[(tokens,)](
             x, d, weight, residual, out, x.stride(0), stride_ds, d.stride(-2), residual.stride(0),
             out.stride(0), eps, H=hidden, BLOCK=triton.next_power_of_2(hidden), DELTA_SPLITS=splits,
-            num_warps=_norm_warps(hidden), **launch_options(use_pdl(x)))
+            num_warps=4 if hidden <= 4096 else 8, **launch_options(use_pdl(x)))
     return residual, out
 
 

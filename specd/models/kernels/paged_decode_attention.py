@@ -33,7 +33,6 @@ except Exception:  # ImportError, or a broken install
 MAX_QUERY_LEN = 16  # rows per slot this kernel serves: verify (k + 1) and decode; not prefills
 TARGET_PROGRAMS = 264  # ~2 per multiprocessor on an H200 (132): enough key chunks in flight
 TARGET_PROGRAMS_ENV = "SPECD_ATTN_PROGRAMS"  # an override for experiments (read at capture time)
-PRELOAD_ENV = "SPECD_ATTN_PRELOAD"  # "0": read ctx and the block table after the PDL wait (A/B)
 MIN_CHUNK_TILES = 1
 
 
@@ -56,7 +55,7 @@ if triton is not None:
                          scale, window, tiles_per_split,
                          QLEN: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr,
                          BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                         USE_PDL: tl.constexpr, PRELOAD: tl.constexpr = True):
+                         USE_PDL: tl.constexpr):
         b = tl.program_id(0)
         kv = tl.program_id(1)
         split = tl.program_id(2)
@@ -64,16 +63,12 @@ if triton is not None:
         num_splits = tl.num_programs(2)
         first = split * tiles_per_split * BLOCK_N
         table_row = tables_ptr + b * stride_tb
-        if PRELOAD:
-            # ctx and the block table come from the step's host copy, which completed before the
-            # graph's first kernel, not from the kernel before this one: read them before the
-            # wait, so their two dependent memory latencies overlap that kernel's tail (pdl.py).
-            ctx = tl.load(ctx_ptr + b)
-            block = tl.load(table_row + first // BLOCK_SIZE, mask=first < ctx + QLEN, other=0)
+        # ctx and the block table come from the step's host copy, which completed before the
+        # graph's first kernel, not from the kernel before this one: read them before the wait,
+        # so their two dependent memory latencies overlap that kernel's tail (pdl.py).
+        ctx = tl.load(ctx_ptr + b)
+        block = tl.load(table_row + first // BLOCK_SIZE, mask=first < ctx + QLEN, other=0)
         gdc_wait_and_release(USE_PDL)
-        if not PRELOAD:
-            ctx = tl.load(ctx_ptr + b)
-            block = tl.load(table_row + first // BLOCK_SIZE, mask=first < ctx + QLEN, other=0)
         r = tl.arange(0, ROWS)  # tile row r = g * QLEN + i: query head kv * GROUP + g, row i
         g = r // QLEN
         i = r % QLEN
@@ -180,8 +175,7 @@ def paged_decode_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torc
         q.stride(0), q.stride(1), cache_k.stride(0), cache_k.stride(1), cache_k.stride(2),
         block_tables.stride(0), scale, sliding_window or 0, tiles_per_split,
         QLEN=query_len, GROUP=group, ROWS=tile_rows, D=head_dim, BLOCK_SIZE=block_size, BLOCK_N=block_n,
-        HAS_WINDOW=sliding_window is not None, PRELOAD=os.environ.get(PRELOAD_ENV) != "0",
-        num_warps=4, num_stages=2, **launch_options(pdl))
+        HAS_WINDOW=sliding_window is not None, num_warps=4, num_stages=2, **launch_options(pdl))
     out = torch.empty((rows, num_heads, head_dim), dtype=q.dtype, device=q.device)
     _combine_kernel[(batch, num_kv_heads, group * query_len)](
         acc, ml, out, out.stride(0), out.stride(1), splits,

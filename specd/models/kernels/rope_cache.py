@@ -6,10 +6,6 @@ few microseconds of an almost empty GPU. Here one program per (token, head) read
 of the qkv output once: a q head is rotated into q_out, a KV head's k is rotated and written with
 its v straight into the token's cache slot.
 
-qkv may also come as the QKV GEMM's split-K partials (fp32, SPECD_QKV_SPLIT_K=1 in
-fused_forward.py, an experiment): the kernel sums them in fixed order and rounds the sum to the
-model dtype before anything else, so the rest is today's arithmetic.
-
 Same arithmetic as llama.apply_rotary (x * cos + cat(x2, x1) * signed_sin, the tables from
 RotaryEmbedding) in float32, rounded once to the cache dtype; the tests compare it with that
 PyTorch path on CPU through Triton's interpreter.
@@ -34,24 +30,11 @@ if triton is not None:
     from specd.models.kernels.pdl import gdc_wait_and_release
 
     @triton.jit
-    def _load_qkv(ptr, stride_s, SPLITS: tl.constexpr, OUT_DTYPE: tl.constexpr):
-        """A row slice of qkv in float32. SPLITS 1: qkv itself (model dtype). SPLITS > 1: fp32
-        split-K partials stride_s apart, summed in fixed order and rounded to the model dtype,
-        as the unsplit GEMM's output would have been (norm_act.rms_norm does the same)."""
-        if SPLITS == 1:
-            return tl.load(ptr).to(tl.float32)
-        acc = tl.load(ptr)
-        for s in tl.static_range(1, SPLITS):
-            acc += tl.load(ptr + s * stride_s)
-        return acc.to(OUT_DTYPE).to(tl.float32)
-
-    @triton.jit
     def _rope_cache_kernel(qkv_ptr, cos_ptr, sin_ptr, slots_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
                            stride_qkv, stride_cos, stride_qo_t, stride_qo_h, stride_slot, stride_cache_h,
                            NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr,
-                           USE_PDL: tl.constexpr, stride_qs=0, QKV_SPLITS: tl.constexpr = 1):
+                           USE_PDL: tl.constexpr):
         gdc_wait_and_release(USE_PDL)
-        dtype = q_out_ptr.dtype.element_ty
         t = tl.program_id(0)
         h = tl.program_id(1)  # 0..Hq-1: a q head; Hq..Hq+Hkv-1: a KV head
         j = tl.arange(0, HALF)
@@ -60,8 +43,8 @@ if triton is not None:
         sin1 = tl.load(sin_ptr + t * stride_cos + j).to(tl.float32)  # signed: -sin
         sin2 = tl.load(sin_ptr + t * stride_cos + HALF + j).to(tl.float32)
         row = qkv_ptr + t * stride_qkv + h * 2 * HALF
-        x1 = _load_qkv(row + j, stride_qs, QKV_SPLITS, dtype)
-        x2 = _load_qkv(row + HALF + j, stride_qs, QKV_SPLITS, dtype)
+        x1 = tl.load(row + j).to(tl.float32)
+        x2 = tl.load(row + HALF + j).to(tl.float32)
         out1 = x1 * cos1 + x2 * sin1
         out2 = x2 * cos2 + x1 * sin2
         if h < NUM_HEADS:
@@ -75,8 +58,8 @@ if triton is not None:
             tl.store(k_cache_ptr + offset + j, out1.to(k_cache_ptr.dtype.element_ty))
             tl.store(k_cache_ptr + offset + HALF + j, out2.to(k_cache_ptr.dtype.element_ty))
             v_row = qkv_ptr + t * stride_qkv + (NUM_HEADS + NUM_KV_HEADS + kv) * 2 * HALF
-            v1 = _load_qkv(v_row + j, stride_qs, QKV_SPLITS, dtype).to(dtype)
-            v2 = _load_qkv(v_row + HALF + j, stride_qs, QKV_SPLITS, dtype).to(dtype)
+            v1 = tl.load(v_row + j)
+            v2 = tl.load(v_row + HALF + j)
             tl.store(v_cache_ptr + offset + j, v1.to(v_cache_ptr.dtype.element_ty))
             tl.store(v_cache_ptr + offset + HALF + j, v2.to(v_cache_ptr.dtype.element_ty))
 
@@ -91,26 +74,20 @@ def kernel_applies(qkv: torch.Tensor, cache_k: torch.Tensor, head_dim: int) -> b
 def rope_and_cache_write(qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
                          slot_mapping: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor,
                          num_heads: int, num_kv_heads: int) -> torch.Tensor:
-    """qkv: [T, (Hq + 2 Hkv) * D] (rows q heads, k heads, v heads), or its split-K partials
-    [S, T, (Hq + 2 Hkv) * D] in fp32 (skinny_gemm_partials; summed here, see _load_qkv);
-    cos/signed_sin: [T, D] in the model dtype; slot_mapping: [T]; cache_k/v: [num_blocks,
-    block_size, Hkv, D]. Writes rotated k and v into the slots; returns rotated q [T, Hq, D] in
-    the model dtype."""
-    splits = 1 if qkv.ndim == 2 else qkv.shape[0]
-    if splits > 1:
-        assert qkv.dtype == torch.float32 and qkv.stride(0) == qkv.shape[1] * qkv.stride(1), qkv.stride()
-    tokens = qkv.shape[-2]
+    """qkv: [T, (Hq + 2 Hkv) * D] (rows q heads, k heads, v heads); cos/signed_sin: [T, D];
+    slot_mapping: [T]; cache_k/v: [num_blocks, block_size, Hkv, D]. Writes rotated k and v into
+    the slots; returns rotated q [T, Hq, D]."""
+    tokens = qkv.shape[0]
     head_dim = cache_k.shape[-1]
-    q_out = torch.empty((tokens, num_heads, head_dim), dtype=cos.dtype if splits > 1 else qkv.dtype,
-                        device=qkv.device)
+    q_out = torch.empty((tokens, num_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
     if tokens == 0:
         return q_out
     assert cos.stride(-1) == 1 and cos.stride() == signed_sin.stride(), (cos.stride(), signed_sin.stride())
     assert slot_mapping.stride(0) == 1 and cache_k.stride() == cache_v.stride()
     _rope_cache_kernel[(tokens, num_heads + num_kv_heads)](
         qkv, cos, signed_sin, slot_mapping, q_out, cache_k, cache_v,
-        qkv.stride(-2), cos.stride(0), q_out.stride(0), q_out.stride(1),
+        qkv.stride(0), cos.stride(0), q_out.stride(0), q_out.stride(1),
         cache_k.stride(1), cache_k.stride(2),  # a slot (block * block_size + offset) is one row step
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HALF=head_dim // 2, num_warps=1,
-        stride_qs=qkv.stride(0) if splits > 1 else 0, QKV_SPLITS=splits, **launch_options(use_pdl(qkv)))
+        **launch_options(use_pdl(qkv)))
     return q_out
