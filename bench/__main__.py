@@ -141,6 +141,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--step-env-variants", type=lambda t: [p for p in t.split(";") if p], default=[],
                     help="step: also time the graphs under each set of kernel settings, ';'-separated, e.g. "
                          "'SPECD_ATTN_PROGRAMS=132;SPECD_ATTN_PROGRAMS=528' (logits compared with the default)")
+    ap.add_argument("--step-captures", type=int, default=None,
+                    help="step: time the default graphs this many times, captured anew each time, and "
+                         "report the median (default 3; small: 1)")
     ap.add_argument("--k", type=int, default=3, help="draft tokens per step (verify q = k + 1)")
     ap.add_argument("--bandwidth-tbs", type=float, default=4.8, help="for the weight-read floor")
     ap.add_argument("--no-transformers", action="store_true")
@@ -217,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
             warmup=1 if args.small else 3, iters=3 if args.small else 30,
             block_size=8 if args.small else 64, compile_mode=args.compile,
             compile_budget_s=args.compile_budget_s, l2_plans=args.l2_prefetch_plans,
-            env_variants=args.step_env_variants)
+            env_variants=args.step_env_variants, graph_captures=args.step_captures or (1 if args.small else 3))
         sections.append(write_step_results(rows, info, out))
         print(sections[-1], flush=True)
         print(f"step bench done at {time.perf_counter() - t_start:.0f} s", flush=True)

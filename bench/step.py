@@ -32,7 +32,7 @@ from specd.models.merged_linear import checkpoint_tensors
 
 from bench.step_timing import _median_ms, time_specd
 from bench.step_variants import check_env_variants, check_step_outputs, time_env_variants, time_l2_prefetch, \
-    time_without_pdl
+    time_recaptured, time_without_pdl
 
 SHAPES = {
     "8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
@@ -57,6 +57,7 @@ class StepRow:
     specd_no_pdl_ms: float | None = None  # graphs over the kernels, launched without PDL (CUDA only)
     l2_prefetch_ms: dict[str, float] = field(default_factory=dict)  # plan -> graphs ms under it (CUDA)
     env_variant_ms: dict[str, float] = field(default_factory=dict)  # "K=V,..." -> graphs ms under it
+    specd_graphs_captures_ms: list[float] = field(default_factory=list)  # each capture's time; the median above
 
     @property
     def compiled_over_floor(self) -> float | None:
@@ -143,7 +144,7 @@ def run_step_bench(shape: str = "8b", batches=(1, 8, 32, 64, 128), qs=(1, 4), co
                    device: str | None = None, bandwidth_tbs: float = 4.8, warmup: int = 3, iters: int = 10,
                    with_transformers: bool = True, block_size: int = 64, compile_mode: str | None = None,
                    compile_budget_s: float = 240.0, l2_plans: list[str] = (), prefill_lens=(32, 128),
-                   env_variants: list[str] = ()) -> tuple[list[StepRow], dict]:
+                   env_variants: list[str] = (), graph_captures: int = 1) -> tuple[list[StepRow], dict]:
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     config = arch_config(shape)
@@ -173,7 +174,8 @@ def run_step_bench(shape: str = "8b", batches=(1, 8, 32, 64, 128), qs=(1, 4), co
     rows = []
     for batch in batches:
         for q in qs:
-            g = time_specd(graphs, batch, q, context, warmup, iters)
+            each = time_recaptured(graphs, batch, q, context, warmup, iters, graph_captures)
+            g = sorted(each)[len(each) // 2]
             n = time_without_pdl(graphs, batch, q, context, warmup, iters) if dev.type == "cuda" else None
             pf = time_l2_prefetch(graphs, list(l2_plans), batch, q, context, warmup, iters) if dev.type == "cuda" else {}
             ev = time_env_variants(graphs, list(env_variants), batch, q, context, warmup, iters)
@@ -182,8 +184,10 @@ def run_step_bench(shape: str = "8b", batches=(1, 8, 32, 64, 128), qs=(1, 4), co
             h = (time_transformers(hf, config, batch, q, context, dev, dtype, warmup, iters)
                  if hf is not None else None)
             rows.append(StepRow(batch, q, g, e, h, floor_ms, specd_torch_ops_ms=c, specd_no_pdl_ms=n,
-                                l2_prefetch_ms=pf, env_variant_ms=ev))
+                                l2_prefetch_ms=pf, env_variant_ms=ev, specd_graphs_captures_ms=each))
             print(format_row(rows[-1]), flush=True)
+            if len(each) > 1:
+                print(f"  graphs, each capture: {', '.join(f'{ms:.3f}' for ms in each)} ms", flush=True)
             for plan, ms in pf.items():
                 print(f"  l2 prefetch {plan}: {ms:.3f} ms (graphs {g:.3f})", flush=True)
             for spec, ms in ev.items():
