@@ -20,8 +20,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from bench.step import arch_config, random_model
+from bench.step_timing import repeatable_step
 from specd.messages import PytorchEngineConfig
-from specd.models.base import SequenceChunk
 from specd.models.llama_runner import LlamaRunner
 
 # kernel name -> kind, first match wins (Triton kernels carry their Python names)
@@ -66,27 +66,16 @@ def _replays(events, n: int) -> list[list[tuple[str, float, float]]]:
 
 
 def profile_replays(runner: LlamaRunner, batch: int, q: int, context: int, repeats: int = 5) -> dict:
-    ids = list(range(batch))
-    for s in ids:
-        runner.add_sequence(s)
-        runner.kv_cache.append_slots(s, context)
-    chunks = [SequenceChunk(s, [(7 * s + j) % runner.config.vocab_size for j in range(q)]) for s in ids]
+    with repeatable_step(runner, batch, q, context) as forward:
+        def step():
+            forward()
+            torch.cuda.synchronize()  # one replay at a time: replays never overlap in the trace
 
-    def step():
-        runner.forward(chunks)
-        for s in ids:
-            runner.truncate(s, context)
-        torch.cuda.synchronize()  # one replay at a time: replays never overlap in the trace
-
-    try:
         for _ in range(50):
             step()  # capture, autotuning, and the SM clock up from idle
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(repeats):
                 step()
-    finally:
-        for s in ids:
-            runner.free(s)
     events = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
               if str(getattr(e, "device_type", "")).endswith("CUDA") and e.time_range.end > e.time_range.start]
     events = [e for e in events if not e[0].startswith(("Memcpy", "Memset"))]

@@ -17,24 +17,13 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from bench.step import arch_config, random_model
+from bench.step_timing import repeatable_step
 from specd.messages import PytorchEngineConfig
-from specd.models.base import SequenceChunk
 from specd.models.llama_runner import LlamaRunner
 
 
 def profile_forward(runner: LlamaRunner, batch: int, q: int, context: int, repeats: int = 5) -> dict:
-    ids = list(range(batch))
-    for s in ids:
-        runner.add_sequence(s)
-        runner.kv_cache.append_slots(s, context)
-    chunks = [SequenceChunk(s, [(7 * s + j) % runner.config.vocab_size for j in range(q)]) for s in ids]
-
-    def step():
-        runner.forward(chunks)
-        for s in ids:
-            runner.truncate(s, context)
-
-    try:
+    with repeatable_step(runner, batch, q, context) as step:
         for _ in range(3):
             step()  # warm-up: autotuning, workspaces
         torch.cuda.synchronize()
@@ -42,9 +31,6 @@ def profile_forward(runner: LlamaRunner, batch: int, q: int, context: int, repea
             for _ in range(repeats):
                 step()
             torch.cuda.synchronize()
-    finally:
-        for s in ids:
-            runner.free(s)
     kernels = []
     for ev in prof.key_averages():
         device_us = getattr(ev, "self_device_time_total", None) or getattr(ev, "self_cuda_time_total", 0)

@@ -6,6 +6,7 @@ back after, so the same step repeats; its time is the median over iterations, sy
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -45,8 +46,10 @@ def _median_ms(fn, device: torch.device, warmup: int, iters: int) -> float:
     return times[len(times) // 2]
 
 
-def time_specd(runner: LlamaRunner, batch: int, q: int, context: int, warmup: int, iters: int) -> float:
-    """Forward of `batch` sequences holding `context` tokens, q new tokens each (rolled back after)."""
+@contextlib.contextmanager
+def repeatable_step(runner: LlamaRunner, batch: int, q: int, context: int):
+    """Yields step(): a forward of `batch` sequences holding `context` cached tokens, q new tokens
+    each, rolled back after, so the same step repeats. The sequences are freed on exit."""
     ids = list(range(batch))
     for s in ids:
         runner.add_sequence(s)
@@ -60,10 +63,16 @@ def time_specd(runner: LlamaRunner, batch: int, q: int, context: int, warmup: in
             runner.truncate(s, context)
 
     try:
-        return _median_ms(step, runner.device, warmup, iters)
+        yield step
     finally:
         for s in ids:
             runner.free(s)
+
+
+def time_specd(runner: LlamaRunner, batch: int, q: int, context: int, warmup: int, iters: int) -> float:
+    """Forward of `batch` sequences holding `context` tokens, q new tokens each (rolled back after)."""
+    with repeatable_step(runner, batch, q, context) as step:
+        return _median_ms(step, runner.device, warmup, iters)
 
 
 def step_logits(runner: LlamaRunner, batch: int, q: int, context: int) -> torch.Tensor:
