@@ -1,0 +1,139 @@
+"""RemoteProposer's drafter membership: losing a drafter, reconnecting it, following DNS, and
+moving sequences to the drafters that join the ring (specd/proposers/remote.py says when each
+happens). A mixin over RemoteProposer's state: `_drafters` (address -> live DrafterStream),
+`_ring`, `_owner` (seq -> its drafter, None when parked), `_parked`, `_wanted` (the addresses DNS
+names), `_reconnecting` (address -> cancel event), `_revived` (streams the reconnect threads hand
+to the engine thread), `_discovery`, `_closed`, `_rebalance` and the num_* counters. Only the
+engine thread changes the ring; the reconnect and discovery threads hand over through queues.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from specd.proposers.drafter_stream import DrafterError, DrafterStream, DrafterUnavailableError
+
+log = logging.getLogger("specd.proposers.remote")
+
+
+def _contract(info) -> tuple:
+    """What every drafter of one proposer must agree on."""
+    return info.method, info.hidden_kind, list(info.aux_layer_ids), info.vocab_size
+
+
+class DrafterMembership:
+    """Failure, recovery and membership of RemoteProposer's drafters (see the module doc)."""
+
+    def _lose(self, drafter: DrafterStream, err: DrafterError) -> list[int]:
+        """Drop a failed drafter: park its sequences, reconnect in the background; returns them."""
+        lost = self._drop(drafter, err)
+        self.num_failovers += 1
+        log.warning("drafter lost, %d sequences decode target-only until resynced: %s", len(lost), err)
+        if drafter.address in self._wanted:
+            self._start_reconnect(drafter.address)
+        return lost
+
+    def _drop(self, drafter: DrafterStream, err: DrafterError) -> list[int]:
+        """Take a drafter off the ring, end its stream and park its sequences; returns them."""
+        lost = sorted(s for s, d in self._owner.items() if d is drafter)
+        for seq_id in lost:
+            self._owner[seq_id] = None
+        self._parked.update(lost)
+        self._drafters.pop(drafter.address, None)
+        self._ring.remove(drafter.address)
+        drafter.error = drafter.error or err
+        drafter.shutdown(timeout_s=0.1)
+        return lost
+
+    def _start_reconnect(self, address: str, first_delay_s: float | None = None) -> None:
+        if address in self._reconnecting or self._closed.is_set():
+            return
+        cancel = threading.Event()
+        self._reconnecting[address] = cancel
+        delay = self.reconnect_backoff_s if first_delay_s is None else first_delay_s
+        threading.Thread(target=self._reconnect, args=(address, cancel, delay), daemon=True,
+                         name=f"drafter-reconnect-{address}").start()
+
+    def _reconnect(self, address: str, cancel: threading.Event, delay: float) -> None:
+        """Runs in its own thread: Info with backoff until the drafter answers with our contract,
+        or until the address leaves DNS (`cancel`) or the proposer shuts down."""
+        while not self._closed.wait(delay) and not cancel.is_set():
+            delay = min(max(delay, self.reconnect_backoff_s) * 2, self.reconnect_max_backoff_s)
+            try:
+                stream = DrafterStream(address, self.reconnect_timeout_s, self.credentials)
+            except DrafterError:
+                continue
+            if _contract(stream.info) != self._contract:
+                log.error("drafter %s came back running %s, expected %s; not used", address,
+                          _contract(stream.info), self._contract)
+                stream.shutdown()
+                continue
+            if stream.info.max_num_draft_tokens < self.max_num_draft_tokens:  # it would refuse our steps
+                log.error("drafter %s drafts at most %d tokens, the others %d; not used", address,
+                          stream.info.max_num_draft_tokens, self.max_num_draft_tokens)
+                stream.shutdown()
+                continue
+            self._revived.put((stream, cancel))  # handed to the engine thread, which owns the ring
+            return
+
+    def _absorb(self) -> None:
+        """Apply what the background threads found (engine thread only: no lock on the ring)."""
+        if self._discovery is not None:
+            wanted = self._discovery.take()
+            if wanted is not None:
+                self._follow(wanted)
+        while not self._revived.empty():
+            stream, cancel = self._revived.get()
+            if self._closed.is_set() or self._reconnecting.get(stream.address) is not cancel:
+                stream.shutdown()  # closed, or the address left DNS while it connected
+                continue
+            del self._reconnecting[stream.address]
+            self._drafters[stream.address] = stream
+            self._ring.add(stream.address)
+            self._rebalance = True
+            self.num_reconnects += 1
+            log.info("drafter on the ring: %s (%d parked sequences to resync)", stream.address,
+                     len(self._parked))
+
+    def _follow(self, wanted: list[str]) -> None:
+        """Make the drafters what DNS says: connect new addresses, drop those that are gone."""
+        added = [a for a in wanted if a not in self._wanted]
+        removed = [a for a in self._wanted if a not in wanted]
+        self._wanted = list(wanted)
+        for address in removed:
+            cancel = self._reconnecting.pop(address, None)
+            if cancel is not None:  # dead or still connecting: stop trying
+                cancel.set()
+            drafter = self._drafters.get(address)
+            lost = self._drop(drafter, DrafterUnavailableError(address, "left DNS")) if drafter else []
+            self.num_removed += 1
+            log.info("drafter left DNS: %s (%d sequences resync on the others)", address, len(lost))
+        for address in added:
+            log.info("drafter appeared in DNS, connecting: %s", address)
+            self._start_reconnect(address, first_delay_s=0.0)
+
+    def _move_to_ring_owners(self) -> None:
+        """Sequences whose hash lands on another live drafter than theirs go there: those not
+        sent yet just change owner; the others are closed on the old drafter and parked (their
+        draft state cannot move), for take_resync to name."""
+        self._rebalance = False
+        moved = 0
+        for seq_id, owner in list(self._owner.items()):
+            if owner is None:
+                continue
+            target = self._drafters[self._ring.lookup(seq_id)]
+            if target is owner:
+                continue
+            moved += 1
+            pending = owner.pending_open.pop(seq_id, None)
+            if pending is not None:
+                target.pending_open[seq_id] = pending
+                self._owner[seq_id] = target
+                continue
+            owner.pending_close.append(seq_id)
+            self._owner[seq_id] = None
+            self._parked.add(seq_id)
+        self.num_moved += moved
+        if moved:
+            log.info("rebalanced: %d sequences move to the drafters that joined the ring", moved)
