@@ -22,7 +22,6 @@ head_dim. Otherwise StaticForward runs the PyTorch body (the twin the tests comp
 
 from __future__ import annotations
 
-
 import torch
 
 from specd.models import skinny_gemm
@@ -30,8 +29,6 @@ from specd.models.kernels import l2_prefetch, norm_act, paged_decode_attention, 
 from specd.models.kv_cache import PagedKVCache
 from specd.models.linear import takes_skinny_kernel
 from specd.models.static_attention import StaticAttentionMetadata, flash_kvcache_applies, static_paged_attention
-
-
 
 
 def applies(model, kv_cache: PagedKVCache) -> bool:
