@@ -4,7 +4,9 @@ each, and what each computes against the default (bench/step.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+from unittest import mock
 
 import torch
 
@@ -51,28 +53,18 @@ def time_without_pdl(runner: LlamaRunner, batch: int, q: int, context: int, warm
         return time_specd(runner, batch, q, context, warmup, iters)
 
 
-class env_variant:
-    """Context manager: the environment settings of a kernel experiment ("SPECD_ATTN_PROGRAMS=132";
-    the kernels read them at capture time) with the runner's graphs dropped
-    before and after, so the variant's graphs are captured under them and nothing else differs."""
-
-    def __init__(self, runner: LlamaRunner, spec: str) -> None:
-        self.runner = runner
-        self.settings = dict(part.split("=", 1) for part in spec.split(",") if part)
-
-    def __enter__(self) -> LlamaRunner:
-        self.saved = {k: os.environ.get(k) for k in self.settings}
-        os.environ.update(self.settings)
-        self.runner.static.drop_graphs()
-        return self.runner
-
-    def __exit__(self, *exc) -> None:
-        for k, v in self.saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        self.runner.static.drop_graphs()
+@contextlib.contextmanager
+def env_variant(runner: LlamaRunner, spec: str):
+    """The environment settings of a kernel experiment ("SPECD_ATTN_PROGRAMS=132"; the kernels read
+    them at capture time), with the runner's graphs dropped before and after, so the variant's
+    graphs are captured under them and nothing else differs."""
+    settings = dict(part.split("=", 1) for part in spec.split(",") if part)
+    with mock.patch.dict(os.environ, settings):
+        runner.static.drop_graphs()
+        try:
+            yield runner
+        finally:
+            runner.static.drop_graphs()
 
 
 def time_l2_prefetch(runner: LlamaRunner, plans: list[str], batch: int, q: int, context: int, warmup: int,
