@@ -119,7 +119,17 @@ def run_timeline(cases=((1, 4), (1, 1)), context: int = 1024) -> list[dict]:
         result = profile_replays(runner, batch, q, context)
         print(json.dumps({k: v for k, v in result.items() if k != "middle_layer"}), flush=True)
         out.append(result)
+    if out:
+        out[-1]["gemm_configs"] = autotuned_gemm_configs()
     return out
+
+
+def autotuned_gemm_configs() -> list[str]:
+    """The skinny GEMM's autotuned block shapes: "M bucket, N, K, SwiGLU, splits: config"."""
+    from specd.models import skinny_gemm
+    cache = getattr(getattr(skinny_gemm, "_skinny_gemm_kernel", None), "cache", {}) or {}
+    return [f"{', '.join(str(v) for v in key[:5])}: BLOCK_N {c.kwargs.get('BLOCK_N')}, BLOCK_K {c.kwargs.get('BLOCK_K')}, "
+            f"warps {c.num_warps}, stages {c.num_stages}" for key, c in sorted(cache.items(), key=str)]
 
 
 def format_timeline(results: list[dict]) -> str:
@@ -140,6 +150,9 @@ def format_timeline(results: list[dict]) -> str:
                       "|---|---|---|---|"]
             lines += [f"| {k['kind']} | {k['start_vs_prev_end_us']} | {k['duration_us']} | {k['added_us']} |"
                       for k in r["middle_layer"]]
+        if r.get("gemm_configs"):
+            lines += ["", "skinny GEMM block shapes (autotuned; M bucket, N, K, SwiGLU, splits):", ""]
+            lines += [f"- {c}" for c in r["gemm_configs"]]
         lines.append("")
     return "\n".join(lines)
 

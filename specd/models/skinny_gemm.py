@@ -46,6 +46,25 @@ except Exception:  # ImportError, or a broken install: the F.linear path serves
     triton = None
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+# Experiments: pin a product's block shape instead of the autotuner's pick (read at capture time),
+# "N/K/S:BLOCK_N/BLOCK_K/warps/stages" joined by "+", e.g. SPECD_GEMM_CONFIG=4096/4096/2:32/256/4/4.
+GEMM_CONFIG_ENV = "SPECD_GEMM_CONFIG"
+
+
+def pinned_config(n: int, k: int, splits: int) -> dict | None:
+    """The SPECD_GEMM_CONFIG launch options pinned for weight [N, K] split `splits` ways, or None."""
+    for part in filter(None, os.environ.get(GEMM_CONFIG_ENV, "").split("+")):
+        shape, sep, config = part.partition(":")
+        try:
+            if not sep or tuple(int(v) for v in shape.split("/")) != (n, k, splits):
+                continue
+            block_n, block_k, warps, stages = (int(v) for v in config.split("/"))
+        except ValueError:
+            raise ValueError(f"{GEMM_CONFIG_ENV}: expected N/K/S:BLOCK_N/BLOCK_K/warps/stages, got {part!r}") from None
+        if (k // splits) % block_k:
+            raise ValueError(f"{GEMM_CONFIG_ENV}: BLOCK_K {block_k} does not divide K / S = {k // splits}")
+        return {"BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": warps, "num_stages": stages}
+    return None
 
 
 def _configs():
@@ -169,10 +188,12 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, n: int, swiglu: bool, splits:
         pf = {"PF_KIND": prefetch_kind, "PF_UNIT": PREFETCH_UNIT_ELEMS[prefetch_kind]}
     else:
         prefetch, prefetch_units, prefetch_regions = weight, 0, 1
-    _skinny_gemm_kernel[grid](x, weight, y, m, n, k, x.stride(0), weight.stride(0), m * n, n,
-                              prefetch, prefetch_units, prefetch_regions, prefetch.numel() // prefetch_regions,
-                              M_BUCKET=_row_bucket(m), SWIGLU=swiglu, SPLIT_K=splits,
-                              **pf, **launch_options(use_pdl(x)))
+    pinned = pinned_config(n, k, splits)
+    kernel = _skinny_gemm_kernel.fn if pinned else _skinny_gemm_kernel  # the JIT function: no autotuning
+    kernel[grid](x, weight, y, m, n, k, x.stride(0), weight.stride(0), m * n, n,
+                 prefetch, prefetch_units, prefetch_regions, prefetch.numel() // prefetch_regions,
+                 M_BUCKET=_row_bucket(m), SWIGLU=swiglu, SPLIT_K=splits,
+                 **pf, **(pinned or {}), **launch_options(use_pdl(x)))
     return y
 
 
