@@ -140,7 +140,8 @@ def main(argv: list[str] | None = None) -> int:
                          "e.g. 'o=32;o=32,gate_up=8,kind=sector'")
     ap.add_argument("--step-env-variants", type=lambda t: [p for p in t.split(";") if p], default=[],
                     help="step: also time the graphs under each set of kernel settings, ';'-separated, e.g. "
-                         "'SPECD_ATTN_PROGRAMS=132;SPECD_ATTN_PROGRAMS=528' (logits compared with the default)")
+                         "'SPECD_ATTN_PROGRAMS=132;SPECD_ATTN_PROGRAMS=528' (logits compared with the default); "
+                         "timeline: the batch 1 q 4 timeline under each")
     ap.add_argument("--step-captures", type=int, default=None,
                     help="step: time the default graphs this many times, captured anew each time, and "
                          "report the median (default 3; small: 1)")
@@ -203,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         from bench.profile_graph import run_timeline, write_timeline
 
         try:  # diagnostics only, as the profile
-            sections.append(write_timeline(run_timeline(), out))
+            sections.append(write_timeline(run_timeline(env_variants=args.step_env_variants), out))
             print(sections[-1], flush=True)
         except Exception as e:  # noqa: BLE001
             print(f"timeline failed: {type(e).__name__}: {e}"[:3000], flush=True)

@@ -13,7 +13,10 @@ the overlaps (start before the predecessor's end) and the gaps.
 from __future__ import annotations
 
 import json
+import os
 import re
+import time
+from unittest import mock
 from pathlib import Path
 
 import torch
@@ -44,18 +47,35 @@ def attribute(kernels: list[tuple[str, float, float]]) -> dict:
     first_start = min(k[1] for k in ordered)
     added: dict[str, float] = {}
     counts: dict[str, int] = {}
+    gemm_added: list[float] = []  # each skinny GEMM's added time, in order
     prev_end, overlap, gaps = first_start, 0.0, 0.0
     for name, start, end in ordered:
         kind = kernel_kind(name)
         added[kind] = added.get(kind, 0.0) + (end - prev_end)
         counts[kind] = counts.get(kind, 0) + 1
+        if kind == "gemm":
+            gemm_added.append(end - prev_end)
         if start < prev_end:
             overlap += prev_end - start
         else:
             gaps += start - prev_end
         prev_end = max(prev_end, end)
     return {"span_us": prev_end - first_start, "added_us": added, "counts": counts,
-            "overlap_us": overlap, "gap_us": gaps}
+            "overlap_us": overlap, "gap_us": gaps, "products_us": per_product(gemm_added)}
+
+
+PRODUCTS = ("qkv", "o_proj", "gate_up", "down_proj")  # a decoder layer's GEMMs, in launch order
+
+
+def per_product(gemm_added: list[float]) -> dict[str, float]:
+    """Mean added us of each layer GEMM over the layers, and the lm_head's (the last GEMM), from
+    the step's GEMMs in order: 4 a layer, then the lm_head. Empty when the count does not fit."""
+    if len(gemm_added) < 5 or (len(gemm_added) - 1) % len(PRODUCTS):
+        return {}
+    layers = gemm_added[:-1]
+    out = {p: sum(layers[i::len(PRODUCTS)]) / (len(layers) // len(PRODUCTS)) for i, p in enumerate(PRODUCTS)}
+    out["lm_head"] = gemm_added[-1]
+    return out
 
 
 def _replays(events, n: int) -> list[list[tuple[str, float, float]]]:
@@ -73,6 +93,11 @@ def profile_replays(runner: LlamaRunner, batch: int, q: int, context: int, repea
 
         for _ in range(50):
             step()  # capture, autotuning, and the SM clock up from idle
+        walls = []
+        for _ in range(30):  # what the step bench times: the forward's wall, host work included
+            t0 = time.perf_counter()
+            step()
+            walls.append((time.perf_counter() - t0) * 1e6)
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(repeats):
                 step()
@@ -85,7 +110,7 @@ def profile_replays(runner: LlamaRunner, batch: int, q: int, context: int, repea
     best = min(runs, key=lambda r: r["span_us"])
     layer = _one_layer(sorted(_replays(events, repeats)[runs.index(best)], key=lambda k: k[1]))
     return {"batch": batch, "q": q, "kernels_per_replay": sum(best["counts"].values()),
-            "spans_us": [round(r["span_us"], 1) for r in runs], **{k: v for k, v in best.items() if k != "counts"},
+            "wall_us": sorted(walls)[len(walls) // 2], "spans_us": [round(r["span_us"], 1) for r in runs], **{k: v for k, v in best.items() if k != "counts"},
             "counts": best["counts"], "middle_layer": layer}
 
 
@@ -103,7 +128,9 @@ def _one_layer(kernels: list[tuple[str, float, float]]) -> list[dict]:
     return out
 
 
-def run_timeline(cases=((1, 4), (1, 1)), context: int = 1024) -> list[dict]:
+def run_timeline(cases=((1, 4), (1, 1)), context: int = 1024, env_variants: list[str] = ()) -> list[dict]:
+    """The default graphs' timeline for each (batch, q), then batch 1 q 4's under each environment
+    variant ("K=V,K2=V2": the kernels read them at capture time; graphs dropped around each)."""
     assert torch.cuda.is_available(), "the timeline reads CUDA kernels"
     dev = torch.device("cuda")
     config = arch_config("8b")
@@ -115,10 +142,15 @@ def run_timeline(cases=((1, 4), (1, 1)), context: int = 1024) -> list[dict]:
     runner = LlamaRunner(".", ec, model=model, config=config, use_static_path=True, compile_mode="0",
                          gemm="auto", kernels="auto", pdl="auto")
     out = []
-    for batch, q in cases:
-        result = profile_replays(runner, batch, q, context)
-        print(json.dumps({k: v for k, v in result.items() if k != "middle_layer"}), flush=True)
-        out.append(result)
+    for spec in ("", *env_variants):
+        settings = dict(part.split("=", 1) for part in spec.split(",") if part)
+        for batch, q in (cases if not spec else cases[:1]):
+            with mock.patch.dict(os.environ, settings):
+                runner.static.drop_graphs()
+                result = {"env": spec, **profile_replays(runner, batch, q, context)}
+            runner.static.drop_graphs()
+            print(json.dumps({k: v for k, v in result.items() if k != "middle_layer"}), flush=True)
+            out.append(result)
     if out:
         out[-1]["gemm_configs"] = autotuned_gemm_configs()
     return out
@@ -139,9 +171,13 @@ def format_timeline(results: list[dict]) -> str:
         if "error" in r:
             lines.append(f"batch {r['batch']} q {r['q']}: {r['error']}")
             continue
-        lines += [f"batch {r['batch']}, q {r['q']}: span {r['span_us']:.1f} us (replays {r['spans_us']}), "
-                  f"{r['kernels_per_replay']} kernels, overlap {r['overlap_us']:.1f} us, gaps {r['gap_us']:.1f} us",
-                  "", "| kind | kernels | added us | per kernel us |", "|---|---|---|---|"]
+        env = f" under {r['env']}" if r.get("env") else ""
+        wall = f"; a step's wall (host work included) {r['wall_us']:.1f} us" if "wall_us" in r else ""
+        lines += [f"batch {r['batch']}, q {r['q']}{env}: span {r['span_us']:.1f} us (replays {r['spans_us']}), "
+                  f"{r['kernels_per_replay']} kernels, overlap {r['overlap_us']:.1f} us, gaps {r['gap_us']:.1f} us{wall}"]
+        if r.get("products_us"):
+            lines.append("GEMM added us (layer mean): " + ", ".join(f"{p} {us:.2f}" for p, us in r["products_us"].items()))
+        lines += ["", "| kind | kernels | added us | per kernel us |", "|---|---|---|---|"]
         for kind, us in sorted(r["added_us"].items(), key=lambda kv: -kv[1]):
             n = r["counts"][kind]
             lines.append(f"| {kind} | {n} | {us:.1f} | {us / n:.2f} |")

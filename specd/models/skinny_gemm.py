@@ -168,7 +168,27 @@ def split_k_for(n: int, k: int) -> int:
     (fused_forward: o_proj and down_proj, whose outputs go to an rms_norm).
     Why fixed and not autotuned: the split changes the fp32 summation order, so it must be a rule
     of the shape alone (never of M, nor of a timing), like today's one-program-per-column sum."""
+    pinned = _pinned_splits(n, k)
+    if pinned is not None:
+        return pinned
     return 2 if n <= 8192 and k % (2 * MIN_BLOCK_K) == 0 else 1
+
+
+GEMM_SPLITS_ENV = "SPECD_GEMM_SPLITS"  # experiments: "N/K:S" joined by "+" pins split_k_for's answer
+
+
+def _pinned_splits(n: int, k: int) -> int | None:
+    for part in filter(None, os.environ.get(GEMM_SPLITS_ENV, "").split("+")):
+        shape, _, splits = part.partition(":")
+        try:
+            if tuple(int(v) for v in shape.split("/")) == (n, k):
+                s = int(splits)
+                if s < 1 or k % (s * MIN_BLOCK_K):
+                    raise ValueError
+                return s
+        except ValueError:
+            raise ValueError(f"{GEMM_SPLITS_ENV}: expected N/K:S with K a multiple of S * {MIN_BLOCK_K}, got {part!r}") from None
+    return None
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, n: int, swiglu: bool, splits: int = 1,

@@ -30,3 +30,16 @@ def test_kernel_kinds_of_the_fused_forward():
                              "overlap_us": 3.0, "gap_us": 3.0, "added_us": {"gemm": 10.0}, "counts": {"gemm": 1},
                              "middle_layer": []}])
     assert "| gemm | 1 | 10.0 | 10.00 |" in text
+
+
+def test_gemm_times_are_split_by_product_over_the_layers():
+    # two layers (qkv, o, gate_up, down each), then the lm_head; a norm between them adds nothing here
+    gemms = [1.0, 2.0, 5.0, 3.0, 1.5, 2.5, 6.0, 4.0, 9.0]
+    kernels, t = [], 0.0
+    for us in gemms:
+        kernels.append(("_skinny_gemm_kernel", t, t + us))
+        t += us
+    r = attribute(kernels)
+    assert r["products_us"] == pytest.approx({"qkv": 1.25, "o_proj": 2.25, "gate_up": 5.5, "down_proj": 3.5,
+                                              "lm_head": 9.0})
+    assert attribute(kernels[:-2])["products_us"] == {}  # not whole layers + lm_head: no attribution
