@@ -93,11 +93,7 @@ def profile_replays(runner: LlamaRunner, batch: int, q: int, context: int, repea
 
         for _ in range(50):
             step()  # capture, autotuning, and the SM clock up from idle
-        walls = []
-        for _ in range(30):  # what the step bench times: the forward's wall, host work included
-            t0 = time.perf_counter()
-            step()
-            walls.append((time.perf_counter() - t0) * 1e6)
+        walls, host = host_phases(runner, step)
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(repeats):
                 step()
@@ -110,8 +106,44 @@ def profile_replays(runner: LlamaRunner, batch: int, q: int, context: int, repea
     best = min(runs, key=lambda r: r["span_us"])
     layer = _one_layer(sorted(_replays(events, repeats)[runs.index(best)], key=lambda k: k[1]))
     return {"batch": batch, "q": q, "kernels_per_replay": sum(best["counts"].values()),
-            "wall_us": sorted(walls)[len(walls) // 2], "spans_us": [round(r["span_us"], 1) for r in runs], **{k: v for k, v in best.items() if k != "counts"},
+            "wall_us": sorted(walls)[len(walls) // 2], "host_us": host, "spans_us": [round(r["span_us"], 1) for r in runs], **{k: v for k, v in best.items() if k != "counts"},
             "counts": best["counts"], "middle_layer": layer}
+
+
+HOST_PHASES = ("bookkeeping", "fill", "to replay", "replay call", "outputs", "rest + sync")
+
+
+def host_phases(runner: LlamaRunner, step, n: int = 30) -> tuple[list[float], dict[str, float]]:
+    """What the step bench times, a step's wall (us, n of them), and the median of each of its host
+    phases: the runner's bookkeeping before the static inputs are filled, the fill (their host
+    buffer and its copy to the device), on to the graph's replay call, the call itself, the
+    outputs after it (row gathers), and the rest (the bench's rollback, the wait for the device)."""
+    marks: dict[str, float] = {}
+
+    def timed(name, fn):
+        def wrapper(*args, **kwargs):
+            marks[name + "0"] = time.perf_counter()
+            out = fn(*args, **kwargs)
+            marks[name + "1"] = time.perf_counter()
+            return out
+        return wrapper
+
+    replay = torch.cuda.CUDAGraph.replay
+    walls, phases = [], []
+    with mock.patch.object(runner.static, "_fill", timed("fill", runner.static._fill)), \
+            mock.patch.object(runner, "forward", timed("forward", runner.forward)), \
+            mock.patch.object(torch.cuda.CUDAGraph, "replay", lambda g: timed("replay", replay)(g)):
+        for _ in range(n):
+            marks.clear()
+            t0 = time.perf_counter()
+            step()
+            t1 = time.perf_counter()
+            walls.append((t1 - t0) * 1e6)
+            if "replay0" in marks and "fill0" in marks:
+                cuts = [t0, marks["fill0"], marks["fill1"], marks["replay0"], marks["replay1"], marks["forward1"], t1]
+                phases.append([(b - a) * 1e6 for a, b in zip(cuts, cuts[1:])])
+    host = {p: round(sorted(col)[len(col) // 2], 1) for p, col in zip(HOST_PHASES, zip(*phases))} if phases else {}
+    return walls, host
 
 
 def _one_layer(kernels: list[tuple[str, float, float]]) -> list[dict]:
@@ -175,6 +207,8 @@ def format_timeline(results: list[dict]) -> str:
         wall = f"; a step's wall (host work included) {r['wall_us']:.1f} us" if "wall_us" in r else ""
         lines += [f"batch {r['batch']}, q {r['q']}{env}: span {r['span_us']:.1f} us (replays {r['spans_us']}), "
                   f"{r['kernels_per_replay']} kernels, overlap {r['overlap_us']:.1f} us, gaps {r['gap_us']:.1f} us{wall}"]
+        if r.get("host_us"):
+            lines.append("host phases of a step, median us: " + ", ".join(f"{p} {us}" for p, us in r["host_us"].items()))
         if r.get("products_us"):
             lines.append("GEMM added us (layer mean): " + ", ".join(f"{p} {us:.2f}" for p, us in r["products_us"].items()))
         lines += ["", "| kind | kernels | added us | per kernel us |", "|---|---|---|---|"]

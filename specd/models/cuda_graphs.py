@@ -5,7 +5,8 @@ path builds varlen metadata whose shapes depend on the batch; a CUDA graph needs
 `StaticForward` maps such a batch onto a fixed layout (static_attention.py): the batch padded to a
 bucket size B (1, 2, 4, ..., max_batch_size), Q rows per sequence (the batch's longest chunk),
 block tables padded to a bucketed width NB. One packed int64 buffer holds every input (token ids,
-positions, slots, cached lengths, block tables) and is filled by ONE host-to-device copy per step.
+positions, slots, cached lengths, block tables, and the rows of the real tokens that the outputs
+gather) and is filled by ONE host-to-device copy per step, from pinned memory.
 
 For each (B, Q, NB, aux layers) key, the first batch that needs it captures a graph (CUDA) or,
 on CPU and with graphs off, simply runs the same body eagerly: the CPU twin executes the very code
@@ -27,6 +28,7 @@ above the largest bucket and contexts above `max_context` take the eager path (`
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 
@@ -46,6 +48,10 @@ DEFAULT_MAX_QUERY_LEN = 16  # k + 1 up to 15 drafts; longer chunks are prefill-l
 # 256 rows a 128K-vocab graph holds 131 MB of logits, and at most 10 (B, Q) prefill buckets exist.
 DEFAULT_MAX_PREFILL_ROWS = 256
 DEFAULT_MAX_CONTEXT = 8192  # tokens gathered per slot; beyond, the eager path (no graph)
+# Experiments (read at capture): "fresh" gives each capture a memory pool of its own; a directory
+# name dumps each captured graph there (CUDAGraph.debug_dump: its nodes and edges, as DOT).
+GRAPH_POOL_ENV = "SPECD_GRAPH_POOL"
+GRAPH_DEBUG_ENV = "SPECD_GRAPH_DEBUG_DIR"
 
 
 def batch_buckets(max_batch_size: int, buckets: tuple[int, ...] = DEFAULT_BATCH_BUCKETS) -> tuple[int, ...]:
@@ -73,18 +79,27 @@ class _Entry:
     batch: int
     qlen: int
     width: int  # NB, blocks per slot
-    packed: torch.Tensor  # [3 * B * Q + B + B * NB] int64 on the device
+    packed: torch.Tensor  # [4 * B * Q + B + B * NB] int64 on the device (views() says what)
+    host: torch.Tensor  # packed's host side: pinned on CUDA (the copy is a plain DMA), packed itself on CPU
+    blank: np.ndarray  # the host buffer of an all-padding batch, the start of every fill
+    copied: "torch.cuda.Event | None" = None  # the last host-to-device copy (the host buffer's reuse waits for it)
+    host_array: np.ndarray | None = None  # host as numpy, and its views(), made once
+    host_views: tuple = ()
+    real_rows: torch.Tensor | None = None  # views()[5], made once
     hidden: torch.Tensor | None = None  # [B * Q, H] outputs of the last run / the capture
     aux: torch.Tensor | None = None  # [B * Q, n_aux * H] or None
     logits: torch.Tensor | None = None  # [B * Q, V] float32
     graph: "torch.cuda.CUDAGraph | None" = None
 
-    def views(self) -> tuple[torch.Tensor, ...]:
-        """(input_ids [BQ], positions [BQ], slots [BQ], ctx_lens [B], block_tables [B, NB])."""
+    def views(self, p: torch.Tensor | np.ndarray | None = None) -> tuple:
+        """(input_ids [BQ], positions [BQ], slots [BQ], ctx_lens [B], block_tables [B, NB],
+        real_rows [BQ]) of the device buffer, or of p (the host side) with the same layout.
+        real_rows: the flat row of each real token, in chunk order (the outputs' gather index)."""
         bq, b = self.batch * self.qlen, self.batch
-        p = self.packed
+        p = self.packed if p is None else p
+        end = 3 * bq + b + b * self.width
         return (p[:bq], p[bq:2 * bq], p[2 * bq:3 * bq], p[3 * bq:3 * bq + b],
-                p[3 * bq + b:].view(b, self.width))
+                p[3 * bq + b:end].reshape(b, self.width), p[end:])
 
 
 class StaticForward:
@@ -133,32 +148,47 @@ class StaticForward:
             return False
         return self._width(ctx_lens, qlen) * self.block_size <= self.max_context
 
+    def _new_entry(self, batch: int, qlen: int, width: int) -> _Entry:
+        bq = batch * qlen
+        size = 4 * bq + batch + batch * width
+        packed = torch.zeros(size, dtype=torch.int64, device=self.device)
+        host = torch.zeros(size, dtype=torch.int64, pin_memory=True) if self.device.type == "cuda" else packed
+        # Padding rows: positions continue the sequence (ctx + i; ctx 0 here), slots are the
+        # scratch block's, block tables all scratch, gather rows 0.
+        blank = np.zeros(size, dtype=np.int64)
+        entry = _Entry(batch, qlen, width, packed, host, blank)
+        _, pos, slot, _, tables, _ = entry.views(blank)
+        pos[:] = np.tile(np.arange(qlen, dtype=np.int64), batch)
+        slot[:] = self.kv_cache.scratch_block * self.block_size + pos % self.block_size
+        tables[:] = self.kv_cache.scratch_block
+        entry.host_array = host.numpy()
+        entry.host_views = entry.views(entry.host_array)
+        entry.real_rows = entry.views()[5]
+        return entry
+
     def _fill(self, entry: _Entry, token_ids: list[list[int]], ctx_lens: list[int],
-              slots: list[list[int]], block_tables: list[list[int]]) -> np.ndarray:
-        """The packed host buffer of one batch; returns the flat row index of every real token."""
-        b, q, nb = entry.batch, entry.qlen, entry.width
-        scratch = self.kv_cache.scratch_block
-        bs = self.block_size
-        ids = np.zeros((b, q), dtype=np.int64)
-        ctx = np.zeros(b, dtype=np.int64)
-        # Padding rows: positions continue the sequence (ctx + i), slots are the scratch block's.
-        pos = np.arange(q, dtype=np.int64)[None, :].repeat(b, 0)
-        slot = np.full((b, q), scratch * bs, dtype=np.int64) + np.arange(q, dtype=np.int64)[None, :] % bs
-        tables = np.full((b, nb), scratch, dtype=np.int64)
-        real_rows = []
+              slots: list[list[int]], block_tables: list[list[int]]) -> int:
+        """Write one batch into the entry's buffers (one host-to-device copy on CUDA, no device
+        synchronisation); returns T, the number of real tokens (the first T gather rows)."""
+        if entry.copied is not None:
+            entry.copied.synchronize()  # the previous step's copy has read the host buffer (done long ago)
+        entry.host_array[:] = entry.blank
+        ids, pos, slot, ctx, tables, rows = entry.host_views
+        q, total = entry.qlen, 0
         for i, (toks, c, s, t) in enumerate(zip(token_ids, ctx_lens, slots, block_tables)):
-            n = len(toks)
-            ids[i, :n] = toks
+            n, row = len(toks), i * q
+            ids[row:row + n] = toks
             ctx[i] = c
-            pos[i] += c
-            slot[i, :n] = s
+            pos[row:row + q] += c
+            slot[row:row + n] = s
             tables[i, :len(t)] = t
-            real_rows.append(np.arange(i * q, i * q + n))
-        packed = np.concatenate([ids.ravel(), pos.ravel(), slot.ravel(), ctx, tables.ravel()])
-        # One host-to-device copy; from pageable memory it is staged before returning, so the
-        # numpy buffer may be dropped right away and no device synchronisation happens.
-        entry.packed.copy_(torch.from_numpy(packed), non_blocking=True)
-        return np.concatenate(real_rows) if real_rows else np.zeros(0, dtype=np.int64)
+            rows[total:total + n] = np.arange(row, row + n)
+            total += n
+        if entry.host is not entry.packed:
+            entry.packed.copy_(entry.host, non_blocking=True)  # pinned: an asynchronous DMA
+            entry.copied = torch.cuda.Event()
+            entry.copied.record()
+        return total
 
     def _padding_fill(self, entry: _Entry) -> None:
         """Inputs of an all-padding batch: what warm-up and capture run on (writes scratch only)."""
@@ -166,7 +196,7 @@ class StaticForward:
 
     # ---- running -------------------------------------------------------------------------------
     def _body(self, entry: _Entry, aux_layer_ids: tuple[int, ...]) -> None:
-        input_ids, positions, slots, ctx_lens, tables = entry.views()
+        input_ids, positions, slots, ctx_lens, tables, _ = entry.views()
         meta = StaticAttentionMetadata(ctx_lens=ctx_lens, block_tables=tables, slot_mapping=slots,
                                        query_len=entry.qlen, block_size=self.block_size)
         if self.fused:
@@ -180,8 +210,7 @@ class StaticForward:
         key = (batch, qlen, width, aux_layer_ids)
         entry = self._entries.get(key)
         if entry is None:
-            size = 3 * batch * qlen + batch + batch * width
-            entry = _Entry(batch, qlen, width, torch.zeros(size, dtype=torch.int64, device=self.device))
+            entry = self._new_entry(batch, qlen, width)
             if self.use_cuda_graphs:
                 self._capture(entry, aux_layer_ids)
             self._entries[key] = entry
@@ -225,11 +254,17 @@ class StaticForward:
             for _ in range(2):
                 self._body(entry, aux_layer_ids)
         torch.cuda.current_stream(self.device).wait_stream(stream)
-        if self._pool is None:
+        if self._pool is None or os.environ.get(GRAPH_POOL_ENV) == "fresh":
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
+        debug_dir = os.environ.get(GRAPH_DEBUG_ENV)
+        if debug_dir:
+            graph.enable_debug_mode()
         with torch.cuda.graph(graph, pool=self._pool), torch.no_grad():
             self._body(entry, aux_layer_ids)
+        if debug_dir:
+            os.makedirs(debug_dir, exist_ok=True)
+            graph.debug_dump(os.path.join(debug_dir, f"graph-{self.num_captures}-b{entry.batch}-q{entry.qlen}.dot"))
         entry.graph = graph
         self.num_captures += 1
         self.capture_seconds += time.perf_counter() - t0
@@ -253,14 +288,14 @@ class StaticForward:
             self._prepare_prefill_layouts(tuple(aux_layer_ids))
         entry = self._entry(self._bucket(len(token_ids)), qlen, self._width(ctx_lens, qlen),
                             tuple(aux_layer_ids))
-        rows = self._fill(entry, token_ids, ctx_lens, slots, block_tables)
+        total = self._fill(entry, token_ids, ctx_lens, slots, block_tables)
         if entry.graph is not None:
             entry.graph.replay()
         else:
             with torch.no_grad():
                 self._body(entry, tuple(aux_layer_ids))
         self.num_static_forwards += 1
-        index = torch.from_numpy(rows).to(self.device, non_blocking=True)
+        index = entry.real_rows[:total]  # on the device already: the fill's copy carried it
         # index_select copies: the static outputs are overwritten by the next replay, while the
         # engine keeps hidden rows across steps (drafter features).
         aux = entry.aux.index_select(0, index) if entry.aux is not None else None

@@ -43,3 +43,35 @@ def test_gemm_times_are_split_by_product_over_the_layers():
     assert r["products_us"] == pytest.approx({"qkv": 1.25, "o_proj": 2.25, "gate_up": 5.5, "down_proj": 3.5,
                                               "lm_head": 9.0})
     assert attribute(kernels[:-2])["products_us"] == {}  # not whole layers + lm_head: no attribution
+
+
+def test_host_phases_cut_a_step_at_the_fill_the_replay_and_the_forward(monkeypatch):
+    import time
+    from types import SimpleNamespace
+
+    import torch
+
+    from bench.profile_graph import HOST_PHASES, host_phases
+
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "replay", lambda self: time.sleep(0.003))
+    static = SimpleNamespace(_fill=lambda: time.sleep(0.002))
+    runner = SimpleNamespace(static=static)
+
+    def forward():
+        time.sleep(0.001)  # bookkeeping
+        runner.static._fill()
+        torch.cuda.CUDAGraph.replay(object())
+        time.sleep(0.004)  # outputs
+
+    runner.forward = forward
+
+    def step():
+        runner.forward()
+        time.sleep(0.005)  # rollback and the wait for the device
+
+    walls, host = host_phases(runner, step, n=3)
+    assert list(host) == list(HOST_PHASES) and len(walls) == 3
+    expect = {"bookkeeping": 1e3, "fill": 2e3, "replay call": 3e3, "outputs": 4e3, "rest + sync": 5e3}
+    for phase, us in expect.items():
+        assert us <= host[phase] < us + 2e3, (phase, host)
+    assert host["to replay"] < 1e3 and min(walls) >= 15e3
