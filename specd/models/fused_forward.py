@@ -22,8 +22,6 @@ head_dim. Otherwise StaticForward runs the PyTorch body (the twin the tests comp
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from specd.models import skinny_gemm
@@ -65,7 +63,16 @@ def fused_forward(model, input_ids: torch.Tensor, positions: torch.Tensor, meta:
         attn, mlp = layer.self_attn, layer.mlp
         cache_k, cache_v = kv_cache.k_caches[i], kv_cache.v_caches[i]
         qkv = _project(attn.qkv_proj, h, l2_prefetch.target_for("o", attn.o_proj.weight))
-        o = _attention(attn, qkv, cos, sin, meta, cache_k, cache_v)  # [T, Hq, D]
+        q = rope_cache.rope_and_cache_write(qkv, cos, sin, meta.slot_mapping, cache_k, cache_v,
+                                            attn.num_heads, attn.num_kv_heads)  # [T, Hq, D]
+        # flash-attn installed and 256-token blocks: its kernel; a prefill's Q rows (static
+        # prefill, cuda_graphs.py) overflow the decode kernel's tile: the PyTorch twin (SDPA)
+        if flash_kvcache_applies(q, meta) or not paged_decode_attention.serves_query_len(meta.query_len):
+            o = static_paged_attention(q, cache_k, cache_v, meta, attn.scale, attn.sliding_window)
+        else:
+            o = paged_decode_attention.paged_decode_attention(
+                q, cache_k, cache_v, meta.ctx_lens, meta.block_tables, meta.query_len, attn.scale,
+                attn.sliding_window)  # [T, Hq, D]
         x, h = norm_act.rms_norm(x, layer.post_attention_layernorm.weight, eps,
                                  _residual_delta(attn.o_proj, o.reshape(tokens, -1),
                                                  l2_prefetch.target_for("gate_up", mlp.gate_up_proj.weight)))
@@ -77,24 +84,6 @@ def fused_forward(model, input_ids: torch.Tensor, positions: torch.Tensor, meta:
     _, hidden = norm_act.rms_norm(x, model.model.norm.weight, eps, delta)
     aux = torch.cat([captured[i] for i in aux_layer_ids], dim=-1) if aux_layer_ids else None
     return hidden, aux
-
-
-def _attention(attn, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: StaticAttentionMetadata,
-               cache_k: torch.Tensor, cache_v: torch.Tensor) -> torch.Tensor:
-    """RoPE, the cache write of the step's k/v, and attention: [T, Hq, D]."""
-    # flash-attn installed and 256-token blocks: its kernel; a prefill's Q rows (static prefill,
-    # cuda_graphs.py) overflow the decode kernel's tile: the PyTorch twin (SDPA)
-    decode_kernel = not flash_kvcache_applies(qkv, meta) and paged_decode_attention.serves_query_len(meta.query_len)
-    if decode_kernel and os.environ.get(paged_decode_attention.ROPE_ENV, "0") == "1":
-        return paged_decode_attention.rope_paged_attention(
-            qkv, cos, sin, meta.slot_mapping, cache_k, cache_v, meta.ctx_lens, meta.block_tables,
-            meta.query_len, attn.num_heads, attn.scale, attn.sliding_window)
-    q = rope_cache.rope_and_cache_write(qkv, cos, sin, meta.slot_mapping, cache_k, cache_v,
-                                        attn.num_heads, attn.num_kv_heads)
-    if not decode_kernel:
-        return static_paged_attention(q, cache_k, cache_v, meta, attn.scale, attn.sliding_window)
-    return paged_decode_attention.paged_decode_attention(
-        q, cache_k, cache_v, meta.ctx_lens, meta.block_tables, meta.query_len, attn.scale, attn.sliding_window)
 
 
 def _prefetch_args(target: l2_prefetch.PrefetchTarget | None) -> tuple:

@@ -33,8 +33,6 @@ except Exception:  # ImportError, or a broken install
 MAX_QUERY_LEN = 16  # rows per slot this kernel serves: verify (k + 1) and decode; not prefills
 TARGET_PROGRAMS = 264  # ~2 per multiprocessor on an H200 (132): enough key chunks in flight
 TARGET_PROGRAMS_ENV = "SPECD_ATTN_PROGRAMS"  # an override for experiments (read at capture time)
-KV_EARLY_ENV = "SPECD_ATTN_KV_EARLY"  # "1": the first tile's cached keys before the PDL wait (experiment)
-ROPE_ENV = "SPECD_ATTN_ROPE"  # "1": fused_forward takes rope_paged_attention (experiment)
 MIN_CHUNK_TILES = 1
 
 
@@ -52,74 +50,12 @@ if triton is not None:
     from specd.models.kernels.pdl import gdc_wait_and_release
 
     @triton.jit
-    def _rope_rows(src_ptr, row, col, stride_row, cos_ptr, sin_ptr, stride_cos, mask,
-                   D: tl.constexpr, OUT_DTYPE: tl.constexpr):
-        """RoPE of head rows: x [R, D] = src[row, col:col + D] for rows row [R] (masked), as
-        rope_cache's kernel computes it (x * cos + rotate_half(x) * signed_sin in float32, rounded
-        once to OUT_DTYPE); cos/sin rows are the tokens' rows too."""
-        d = tl.arange(0, D)
-        partner = (d + D // 2) % D  # rotate_half's source column; the sign is in signed_sin
-        base = src_ptr + (row * stride_row + col)[:, None]  # col: one column, or one per row
-        x = tl.load(base + d[None, :], mask=mask[:, None], other=0.0).to(tl.float32)
-        xp = tl.load(base + partner[None, :], mask=mask[:, None], other=0.0).to(tl.float32)
-        c = tl.load(cos_ptr + row[:, None] * stride_cos + d[None, :], mask=mask[:, None], other=0.0).to(tl.float32)
-        s = tl.load(sin_ptr + row[:, None] * stride_cos + d[None, :], mask=mask[:, None], other=0.0).to(tl.float32)
-        return (x * c + xp * s).to(OUT_DTYPE)
-
-    @triton.jit
-    def _step_keys(k, v, n, ctx, key_end, b, kv, num_q_heads, num_kv, offs, k_ptr, v_ptr, qkv_ptr,
-                   stride_qt, cos_ptr, sin_ptr, stride_cos, slots_ptr, stride_ks, stride_kh,
-                   QLEN: tl.constexpr, D: tl.constexpr, ROPE: tl.constexpr):
-        """A key tile [BLOCK_N, D] whose positions n >= ctx (the step's own keys, up to key_end)
-        are not in k/v yet. ROPE: computed here from the qkv rows (and written to the cache
-        slots, which only this program reads this step); else read from the cache, which the RoPE
-        kernel before this one wrote."""
-        fresh = (n >= ctx) & (n < key_end)  # [BLOCK_N]
-        d = tl.arange(0, D)
-        if ROPE:
-            t = b * QLEN + (n - ctx)  # the token row of each fresh key
-            k_new = _rope_rows(qkv_ptr, t, (num_q_heads + kv) * D, stride_qt, cos_ptr, sin_ptr, stride_cos,
-                               fresh, D, k_ptr.dtype.element_ty)
-            v_new = tl.load(qkv_ptr + t[:, None] * stride_qt + (num_q_heads + num_kv + kv) * D + d[None, :],
-                            mask=fresh[:, None], other=0.0).to(v_ptr.dtype.element_ty)
-            slot = tl.load(slots_ptr + t, mask=fresh, other=0)
-            dst = slot[:, None] * stride_ks + kv * stride_kh + d[None, :]
-            tl.store(k_ptr + dst, k_new, mask=fresh[:, None])
-            tl.store(v_ptr + dst, v_new, mask=fresh[:, None])
-        else:
-            k_new = tl.load(k_ptr + offs[:, None] + d[None, :], mask=fresh[:, None], other=0.0)
-            v_new = tl.load(v_ptr + offs[:, None] + d[None, :], mask=fresh[:, None], other=0.0)
-        return tl.where(fresh[:, None], k_new, k), tl.where(fresh[:, None], v_new, v)
-
-    @triton.jit
-    def _attend_tile(q, k, v, n, q_pos, m, l, acc, scale, window, HAS_WINDOW: tl.constexpr):
-        """One key tile into the running softmax (m, l, acc) of the tile rows."""
-        s = tl.dot(q, tl.trans(k)) * scale  # [ROWS, BLOCK_N] float32
-        allowed = n[None, :] <= q_pos[:, None]
-        if HAS_WINDOW:
-            allowed = allowed & (n[None, :] > q_pos[:, None] - window)
-        s = tl.where(allowed, s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        # Rows with nothing allowed yet keep m = -inf: use 0 there so exp() gives 0, not NaN.
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(m - m_safe)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        l = l * alpha + tl.sum(p, axis=1)
-        return m_new, l, acc
-
-    @triton.jit
     def _partials_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, ctx_ptr, acc_ptr, ml_ptr,
                          stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_tb,
-                         scale, window, tiles_per_split, cos_ptr, sin_ptr, stride_cos, slots_ptr,
+                         scale, window, tiles_per_split,
                          QLEN: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr,
                          BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                         USE_PDL: tl.constexpr, ROPE: tl.constexpr = False, KV_EARLY: tl.constexpr = False):
-        """Grid [B, Hkv, SPLITS]. ROPE: q_ptr is the fused qkv output [T, (Hq + 2 Hkv) * D]; q and
-        the step's keys are rotated here and the step's k/v written to their cache slots (the RoPE
-        kernel's work, rope_cache.py); else q_ptr is the rotated q [T, Hq, D] and the cache holds
-        the step's keys already. KV_EARLY: the first tile's keys before ctx are read before the
-        PDL wait (no kernel of this step writes them)."""
+                         USE_PDL: tl.constexpr):
         b = tl.program_id(0)
         kv = tl.program_id(1)
         split = tl.program_id(2)
@@ -127,64 +63,46 @@ if triton is not None:
         num_splits = tl.num_programs(2)
         first = split * tiles_per_split * BLOCK_N
         table_row = tables_ptr + b * stride_tb
+        # ctx and the block table come from the step's host copy, which completed before the
+        # graph's first kernel, not from the kernel before this one: read them before the wait,
+        # so their two dependent memory latencies overlap that kernel's tail (pdl.py).
+        ctx = tl.load(ctx_ptr + b)
+        block = tl.load(table_row + first // BLOCK_SIZE, mask=first < ctx + QLEN, other=0)
+        gdc_wait_and_release(USE_PDL)
         r = tl.arange(0, ROWS)  # tile row r = g * QLEN + i: query head kv * GROUP + g, row i
         g = r // QLEN
         i = r % QLEN
         row_ok = r < GROUP * QLEN
         d = tl.arange(0, D)
-        n = first + tl.arange(0, BLOCK_N)  # the first tile's key positions, all in one cache block
-        # ctx and the block table come from the step's host copy, which completed before the
-        # graph's first kernel, not from the kernel before this one: read them before the wait,
-        # so their dependent memory latencies overlap that kernel's tail (pdl.py). So may the
-        # cached keys before ctx (written by earlier steps) and the rotary tables (this step's
-        # first kernels, long finished: each kernel waits for its predecessor before it releases
-        # its successor).
-        ctx = tl.load(ctx_ptr + b)
-        block = tl.load(table_row + first // BLOCK_SIZE, mask=first < ctx + QLEN, other=0)
-        offs = block * stride_kb + (n % BLOCK_SIZE) * stride_ks + kv * stride_kh  # [BLOCK_N]
-        old = n < ctx
-        k = tl.zeros((BLOCK_N, D), k_ptr.dtype.element_ty)
-        v = tl.zeros((BLOCK_N, D), v_ptr.dtype.element_ty)
-        if KV_EARLY:
-            k = tl.load(k_ptr + offs[:, None] + d[None, :], mask=old[:, None], other=0.0)  # [BLOCK_N, D]
-            v = tl.load(v_ptr + offs[:, None] + d[None, :], mask=old[:, None], other=0.0)
-        gdc_wait_and_release(USE_PDL)
-        if not KV_EARLY:
-            k = tl.load(k_ptr + offs[:, None] + d[None, :], mask=old[:, None], other=0.0)
-            v = tl.load(v_ptr + offs[:, None] + d[None, :], mask=old[:, None], other=0.0)
-        num_q_heads = num_kv * GROUP
-        if ROPE:
-            q = _rope_rows(q_ptr, b * QLEN + i, (kv * GROUP + g) * D, stride_qt, cos_ptr, sin_ptr, stride_cos,
-                           row_ok, D, k_ptr.dtype.element_ty)  # [ROWS, D]
-        else:
-            q = tl.load(q_ptr + (b * QLEN + i)[:, None] * stride_qt + (kv * GROUP + g)[:, None] * stride_qh
-                        + d[None, :], mask=row_ok[:, None], other=0.0)  # [ROWS, D]
+        q = tl.load(q_ptr + (b * QLEN + i)[:, None] * stride_qt + (kv * GROUP + g)[:, None] * stride_qh
+                    + d[None, :], mask=row_ok[:, None], other=0.0)  # [ROWS, D]
         q_pos = ctx + i  # [ROWS] absolute position of each row
         m = tl.full((ROWS,), float("-inf"), tl.float32)
         l = tl.zeros((ROWS,), tl.float32)
         acc = tl.zeros((ROWS, D), tl.float32)
         key_end = ctx + QLEN  # no row sees a key at or past ctx + Q
         last = tl.minimum(first + tiles_per_split * BLOCK_N, key_end)
-        # The first tile always (a split past key_end has no allowed key: m, l, acc stay as they are).
-        k, v = _step_keys(k, v, n, ctx, key_end, b, kv, num_q_heads, num_kv, offs, k_ptr, v_ptr, q_ptr,
-                          stride_qt, cos_ptr, sin_ptr, stride_cos, slots_ptr, stride_ks, stride_kh, QLEN, D, ROPE)
-        m, l, acc = _attend_tile(q, k, v, n, q_pos, m, l, acc, scale, window, HAS_WINDOW)
-        second = first + BLOCK_N
-        block = tl.load(table_row + second // BLOCK_SIZE, mask=second < last, other=0)
-        for start in range(first + BLOCK_N, last, BLOCK_N):
-            nt = start + tl.arange(0, BLOCK_N)
-            offs_t = block * stride_kb + (nt % BLOCK_SIZE) * stride_ks + kv * stride_kh
-            old_t = nt < ctx
-            k = tl.load(k_ptr + offs_t[:, None] + d[None, :], mask=old_t[:, None], other=0.0)
-            v = tl.load(v_ptr + offs_t[:, None] + d[None, :], mask=old_t[:, None], other=0.0)  # in flight with k
+        for start in range(first, last, BLOCK_N):
+            n = start + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions, all in one cache block
+            offs = block * stride_kb + (n % BLOCK_SIZE) * stride_ks + kv * stride_kh  # [BLOCK_N]
+            k = tl.load(k_ptr + offs[:, None] + d[None, :])  # [BLOCK_N, D]
+            v = tl.load(v_ptr + offs[:, None] + d[None, :])  # [BLOCK_N, D], in flight with k
             # the next tile's block number now, not after this tile's arithmetic
             nxt = start + BLOCK_N
             block = tl.load(table_row + nxt // BLOCK_SIZE, mask=nxt < last, other=0)
-            if start + BLOCK_N > ctx:  # the tile holds some of the step's keys
-                k, v = _step_keys(k, v, nt, ctx, key_end, b, kv, num_q_heads, num_kv, offs_t, k_ptr, v_ptr, q_ptr,
-                                  stride_qt, cos_ptr, sin_ptr, stride_cos, slots_ptr, stride_ks, stride_kh,
-                                  QLEN, D, ROPE)
-            m, l, acc = _attend_tile(q, k, v, nt, q_pos, m, l, acc, scale, window, HAS_WINDOW)
+            s = tl.dot(q, tl.trans(k)) * scale  # [ROWS, BLOCK_N] float32
+            allowed = n[None, :] <= q_pos[:, None]
+            if HAS_WINDOW:
+                allowed = allowed & (n[None, :] > q_pos[:, None] - window)
+            s = tl.where(allowed, s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, axis=1))
+            # Rows with nothing allowed yet keep m = -inf: use 0 there so exp() gives 0, not NaN.
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp(s - m_safe[:, None])
+            alpha = tl.exp(m - m_safe)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            l = l * alpha + tl.sum(p, axis=1)
+            m = m_new
         base = ((b * num_kv + kv) * num_splits + split) * ROWS
         tl.store(acc_ptr + (base + r)[:, None] * D + d[None, :], acc)
         tl.store(ml_ptr + (base + r) * 2, m)
@@ -237,34 +155,11 @@ def paged_decode_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torc
     """q: [B * Q, Hq, D] (row stride free: a view into the fused qkv output is fine);
     cache_k/v: [num_blocks, block_size, Hkv, D]; ctx_lens: [B]; block_tables: [B, NB].
     Returns [B * Q, Hq, D] in q's dtype."""
-    assert q.stride(-1) == 1, q.stride()
-    return _attention(q, q.shape[1], q.stride(0), q.stride(1), None, cache_k, cache_v, ctx_lens,
-                      block_tables, query_len, scale, sliding_window)
-
-
-def rope_paged_attention(qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
-                         slot_mapping: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor,
-                         ctx_lens: torch.Tensor, block_tables: torch.Tensor, query_len: int, num_heads: int,
-                         scale: float, sliding_window: int | None = None) -> torch.Tensor:
-    """rope_cache.rope_and_cache_write followed by paged_decode_attention, in the attention's
-    kernel: qkv [B * Q, (Hq + 2 Hkv) * D] (q heads, k heads, v heads); cos/signed_sin [B * Q, D];
-    slot_mapping [B * Q]. Writes the rotated k and v into their slots; returns [B * Q, Hq, D].
-    One launch fewer a layer, and the cached keys can be read before the PDL wait."""
-    assert qkv.stride(-1) == 1 and cos.stride(-1) == 1 and cos.stride() == signed_sin.stride()
-    assert slot_mapping.stride(0) == 1 and cache_k.stride() == cache_v.stride()
-    return _attention(qkv, num_heads, qkv.stride(0), cache_k.shape[-1], (cos, signed_sin, slot_mapping),
-                      cache_k, cache_v, ctx_lens, block_tables, query_len, scale, sliding_window)
-
-
-def _attention(q_src: torch.Tensor, num_heads: int, stride_qt: int, stride_qh: int,
-               rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None, cache_k: torch.Tensor,
-               cache_v: torch.Tensor, ctx_lens: torch.Tensor, block_tables: torch.Tensor, query_len: int,
-               scale: float, sliding_window: int | None) -> torch.Tensor:
-    rows = q_src.shape[0]
-    num_blocks, block_size, num_kv_heads, head_dim = cache_k.shape
+    rows, num_heads, head_dim = q.shape
+    num_blocks, block_size, num_kv_heads, _ = cache_k.shape
     batch = ctx_lens.shape[0]
     group = num_heads // num_kv_heads
-    assert rows == batch * query_len and block_tables.stride(1) == 1, (q_src.shape, block_tables.shape)
+    assert rows == batch * query_len and block_tables.stride(1) == 1, (q.shape, block_tables.shape)
     tile_rows = max(16, triton.next_power_of_2(group * query_len))
     block_n = min(64, block_size) if block_size >= 16 else 16
     assert block_size % block_n == 0, f"block_size {block_size}: a multiple of {block_n} expected"
@@ -272,18 +167,16 @@ def _attention(q_src: torch.Tensor, num_heads: int, stride_qt: int, stride_qh: i
     splits = num_splits(batch, num_kv_heads, width, block_n)
     tiles_per_split = -(-(-(-width // block_n)) // splits)
     acc = torch.empty((batch, num_kv_heads, splits, tile_rows, head_dim), dtype=torch.float32,
-                      device=q_src.device)
-    ml = torch.empty((batch, num_kv_heads, splits, tile_rows, 2), dtype=torch.float32, device=q_src.device)
-    pdl = use_pdl(q_src)
-    cos, sin, slots = rope if rope is not None else (q_src, q_src, ctx_lens)  # unread without ROPE
+                      device=q.device)
+    ml = torch.empty((batch, num_kv_heads, splits, tile_rows, 2), dtype=torch.float32, device=q.device)
+    pdl = use_pdl(q)
     _partials_kernel[(batch, num_kv_heads, splits)](
-        q_src, cache_k, cache_v, block_tables, ctx_lens, acc, ml,
-        stride_qt, stride_qh, cache_k.stride(0), cache_k.stride(1), cache_k.stride(2),
-        block_tables.stride(0), scale, sliding_window or 0, tiles_per_split, cos, sin, cos.stride(0), slots,
+        q, cache_k, cache_v, block_tables, ctx_lens, acc, ml,
+        q.stride(0), q.stride(1), cache_k.stride(0), cache_k.stride(1), cache_k.stride(2),
+        block_tables.stride(0), scale, sliding_window or 0, tiles_per_split,
         QLEN=query_len, GROUP=group, ROWS=tile_rows, D=head_dim, BLOCK_SIZE=block_size, BLOCK_N=block_n,
-        HAS_WINDOW=sliding_window is not None, ROPE=rope is not None,
-        KV_EARLY=os.environ.get(KV_EARLY_ENV, "0") == "1", num_warps=4, num_stages=2, **launch_options(pdl))
-    out = torch.empty((rows, num_heads, head_dim), dtype=cache_k.dtype, device=q_src.device)
+        HAS_WINDOW=sliding_window is not None, num_warps=4, num_stages=2, **launch_options(pdl))
+    out = torch.empty((rows, num_heads, head_dim), dtype=q.dtype, device=q.device)
     _combine_kernel[(batch, num_kv_heads, group * query_len)](
         acc, ml, out, out.stride(0), out.stride(1), splits,
         QLEN=query_len, GROUP=group, ROWS=tile_rows, D=head_dim,
