@@ -85,7 +85,24 @@ def _replays(events, n: int) -> list[list[tuple[str, float, float]]]:
     return [kernels[i * per:(i + 1) * per] for i in range(n)] if per else []
 
 
-def profile_replays(runner: LlamaRunner, batch: int, q: int, context: int, repeats: int = 5) -> dict:
+def host_profile(step, n: int = 200, top: int = 15) -> str:
+    """cProfile of n steps: the host functions that take the most time of their own."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(n):
+        step()
+    prof.disable()
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(top)
+    return out.getvalue()
+
+
+def profile_replays(runner: LlamaRunner, batch: int, q: int, context: int, repeats: int = 5,
+                    python_profile: bool = False) -> dict:
     with repeatable_step(runner, batch, q, context) as forward:
         def step():
             forward()
@@ -94,6 +111,8 @@ def profile_replays(runner: LlamaRunner, batch: int, q: int, context: int, repea
         for _ in range(50):
             step()  # capture, autotuning, and the SM clock up from idle
         walls, host = host_phases(runner, step)
+        if python_profile:  # before the first torch.profiler session: CUPTI slows every CUDA call after it
+            print(host_profile(step), flush=True)
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(repeats):
                 step()
@@ -179,7 +198,7 @@ def run_timeline(cases=((1, 4), (1, 1)), context: int = 1024, env_variants: list
         for batch, q in (cases if not spec else cases[:1]):
             with mock.patch.dict(os.environ, settings):
                 runner.static.drop_graphs()
-                result = {"env": spec, **profile_replays(runner, batch, q, context)}
+                result = {"env": spec, **profile_replays(runner, batch, q, context, python_profile=not out)}
             runner.static.drop_graphs()
             print(json.dumps({k: v for k, v in result.items() if k != "middle_layer"}), flush=True)
             out.append(result)

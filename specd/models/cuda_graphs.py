@@ -6,7 +6,7 @@ path builds varlen metadata whose shapes depend on the batch; a CUDA graph needs
 bucket size B (1, 2, 4, ..., max_batch_size), Q rows per sequence (the batch's longest chunk),
 block tables padded to a bucketed width NB. One packed int64 buffer holds every input (token ids,
 positions, slots, cached lengths, block tables, and the rows of the real tokens that the outputs
-gather) and is filled by ONE host-to-device copy per step, from pinned memory.
+gather) and is filled by ONE host-to-device copy per step.
 
 For each (B, Q, NB, aux layers) key, the first batch that needs it captures a graph (CUDA) or,
 on CPU and with graphs off, simply runs the same body eagerly: the CPU twin executes the very code
@@ -80,9 +80,8 @@ class _Entry:
     qlen: int
     width: int  # NB, blocks per slot
     packed: torch.Tensor  # [4 * B * Q + B + B * NB] int64 on the device (views() says what)
-    host: torch.Tensor  # packed's host side: pinned on CUDA (the copy is a plain DMA), packed itself on CPU
+    host: torch.Tensor  # packed's host side (pageable: see _fill), packed itself on CPU
     blank: np.ndarray  # the host buffer of an all-padding batch, the start of every fill
-    copied: "torch.cuda.Event | None" = None  # the last host-to-device copy (the host buffer's reuse waits for it)
     host_array: np.ndarray | None = None  # host as numpy, and its views(), made once
     host_views: tuple = ()
     real_rows: torch.Tensor | None = None  # views()[5], made once
@@ -143,16 +142,21 @@ class StaticForward:
 
     def applies(self, query_lens: list[int], ctx_lens: list[int]) -> bool:
         """Whether this batch (tokens per chunk, cached tokens before it) fits the static path."""
+        return self._layout(query_lens, ctx_lens) is not None
+
+    def _layout(self, query_lens: list[int], ctx_lens: list[int]) -> tuple[int, int, int] | None:
+        """(B, Q, NB) of this batch, or None where it does not fit the static path."""
         qlen, batch = self._qlen(query_lens), self._bucket(len(query_lens))
         if batch is None or (qlen > self.max_query_len and batch * qlen > self.max_prefill_rows):
-            return False
-        return self._width(ctx_lens, qlen) * self.block_size <= self.max_context
+            return None
+        width = self._width(ctx_lens, qlen)
+        return (batch, qlen, width) if width * self.block_size <= self.max_context else None
 
     def _new_entry(self, batch: int, qlen: int, width: int) -> _Entry:
         bq = batch * qlen
         size = 4 * bq + batch + batch * width
         packed = torch.zeros(size, dtype=torch.int64, device=self.device)
-        host = torch.zeros(size, dtype=torch.int64, pin_memory=True) if self.device.type == "cuda" else packed
+        host = torch.zeros(size, dtype=torch.int64) if self.device.type != "cpu" else packed
         # Padding rows: positions continue the sequence (ctx + i; ctx 0 here), slots are the
         # scratch block's, block tables all scratch, gather rows 0.
         blank = np.zeros(size, dtype=np.int64)
@@ -170,8 +174,6 @@ class StaticForward:
               slots: list[list[int]], block_tables: list[list[int]]) -> int:
         """Write one batch into the entry's buffers (one host-to-device copy on CUDA, no device
         synchronisation); returns T, the number of real tokens (the first T gather rows)."""
-        if entry.copied is not None:
-            entry.copied.synchronize()  # the previous step's copy has read the host buffer (done long ago)
         entry.host_array[:] = entry.blank
         ids, pos, slot, ctx, tables, rows = entry.host_views
         q, total = entry.qlen, 0
@@ -185,9 +187,10 @@ class StaticForward:
             rows[total:total + n] = np.arange(row, row + n)
             total += n
         if entry.host is not entry.packed:
-            entry.packed.copy_(entry.host, non_blocking=True)  # pinned: an asynchronous DMA
-            entry.copied = torch.cuda.Event()
-            entry.copied.record()
+            # From pageable memory the driver stages the bytes before returning: the host buffer
+            # may be rewritten at once, and no event or stream query is needed (each CUDA call
+            # costs 10-40 us of host time on the H200 machine, where this is the step's critical path).
+            entry.packed.copy_(entry.host, non_blocking=True)
         return total
 
     def _padding_fill(self, entry: _Entry) -> None:
@@ -272,31 +275,35 @@ class StaticForward:
                     entry.width, list(aux_layer_ids))
 
     def forward(self, token_ids: list[list[int]], ctx_lens: list[int], slots: list[list[int]],
-                block_tables: list[list[int]], aux_layer_ids: tuple[int, ...] = ()
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+                block_tables: list[list[int]], aux_layer_ids: tuple[int, ...] = (), want_hidden: bool = True
+                ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """Run one batch (its slots already reserved in the cache); rows of the real tokens only.
 
         token_ids[i], slots[i]: chunk i's new tokens and their cache slots; ctx_lens[i]: tokens
         cached before them; block_tables[i]: the sequence's blocks (covering the new tokens).
-        Returns (logits [T, V] float32, hidden [T, H], aux [T, n_aux * H] or None), T = all new
-        tokens in chunk order: fresh tensors, not views of the static outputs.
+        Returns (logits [T, V] float32, hidden [T, H] or None unless want_hidden, aux
+        [T, n_aux * H] or None), T = all new tokens in chunk order: fresh tensors, not views of
+        the static outputs.
         """
-        query_lens = [len(t) for t in token_ids]
-        assert self.applies(query_lens, ctx_lens), "StaticForward.forward outside its buckets"
-        qlen = self._qlen(query_lens)
+        layout = self._layout([len(t) for t in token_ids], ctx_lens)
+        if layout is None:
+            raise ValueError("StaticForward.forward: the batch is outside its buckets (see applies)")
+        batch, qlen, width = layout
+        aux_layer_ids = tuple(aux_layer_ids)
         if qlen > self.max_query_len:
-            self._prepare_prefill_layouts(tuple(aux_layer_ids))
-        entry = self._entry(self._bucket(len(token_ids)), qlen, self._width(ctx_lens, qlen),
-                            tuple(aux_layer_ids))
+            self._prepare_prefill_layouts(aux_layer_ids)
+        entry = self._entry(batch, qlen, width, aux_layer_ids)
         total = self._fill(entry, token_ids, ctx_lens, slots, block_tables)
         if entry.graph is not None:
             entry.graph.replay()
         else:
             with torch.no_grad():
-                self._body(entry, tuple(aux_layer_ids))
+                self._body(entry, aux_layer_ids)
         self.num_static_forwards += 1
         index = entry.real_rows[:total]  # on the device already: the fill's copy carried it
         # index_select copies: the static outputs are overwritten by the next replay, while the
-        # engine keeps hidden rows across steps (drafter features).
+        # engine keeps hidden rows across steps (drafter features). Each gather is a launch on
+        # the step's critical path: only the wanted ones.
         aux = entry.aux.index_select(0, index) if entry.aux is not None else None
-        return entry.logits.index_select(0, index), entry.hidden.index_select(0, index), aux
+        hidden = entry.hidden.index_select(0, index) if want_hidden else None
+        return entry.logits.index_select(0, index), hidden, aux

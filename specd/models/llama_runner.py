@@ -274,7 +274,7 @@ class LlamaRunner:
         tables = [self.kv_cache.block_table(c.seq_id) for c in chunks]
         logits, hidden, aux = self.static.forward(
             [c.token_ids for c in chunks], starts, per_chunk, tables,
-            tuple(self.aux_layer_ids) if want_aux_hidden else ())
+            tuple(self.aux_layer_ids) if want_aux_hidden else (), want_hidden=want_hidden)
         return ForwardOutput(logits=logits, offsets=offsets,
                              hidden_states=hidden if want_hidden else None, aux_hidden_states=aux)
 
