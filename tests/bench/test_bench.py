@@ -40,6 +40,7 @@ def test_transformers_twin_shares_weights_and_matches_our_logits():
     assert (ours - ref).abs().max().item() < 1e-4
 
 
+@pytest.mark.slow  # six CPU stacks, ~2 minutes: out of the default run, in CI
 def test_small_suite_has_every_row(tmp_path, tiny_models):
     out = tmp_path / "results"
     env = {"SPECD_TINY_MODELS": str(Path(tiny_models["target-llama"]).parent)}
