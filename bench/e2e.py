@@ -110,12 +110,18 @@ def scrape_step_phases(port: int) -> dict[str, tuple[float, float]]:
             out["captures"][0] = float(line.rsplit(" ", 1)[1])
         elif line.startswith("specd:cuda_graph_captures_total "):
             out["captures"][1] = float(line.rsplit(" ", 1)[1])
-        for suffix, slot in (("_sum", 0), ("_count", 1)):
-            prefix = f"specd:step_duration_seconds{suffix}{{phase=\""
-            if line.startswith(prefix):
-                phase = line[len(prefix):line.index('"', len(prefix))]
-                out.setdefault(phase, [0.0, 0.0])[slot] = float(line.rsplit(" ", 1)[1])
+        for metric, label, key in (("specd:step_duration_seconds", "phase", ""),
+                                   ("specd:drafter_round_trip_seconds", "part", ROUND_TRIP)):
+            for suffix, slot in (("_sum", 0), ("_count", 1)):
+                prefix = f"{metric}{suffix}{{{label}=\""
+                if line.startswith(prefix):
+                    name = key + line[len(prefix):line.index('"', len(prefix))]
+                    out.setdefault(name, [0.0, 0.0])[slot] = float(line.rsplit(" ", 1)[1])
     return {phase: (v[0], v[1]) for phase, v in out.items()}
+
+
+ROUND_TRIP = "round trip "  # scrape keys of the drafter round trip's parts (mean ms per round trip)
+ROUND_TRIP_PARTS = ("queued", "transit", "handle", "waited")
 
 
 def step_split_ms(before: dict, after: dict) -> dict[str, float]:
@@ -123,9 +129,14 @@ def step_split_ms(before: dict, after: dict) -> dict[str, float]:
     CUDA graphs captured meanwhile (a capture inside a timed round stalls it: count and seconds)."""
     before, after = dict(before), dict(after)
     c0, c1 = before.pop("captures", (0.0, 0.0)), after.pop("captures", (0.0, 0.0))
-    steps = max((after.get(p, (0, 0))[1] - before.get(p, (0, 0))[1] for p in after), default=0)
+    phases = [p for p in after if not p.startswith(ROUND_TRIP)]
+    steps = max((after[p][1] - before.get(p, (0, 0))[1] for p in phases), default=0)
     split = {p: round((after[p][0] - before.get(p, (0, 0))[0]) / steps * 1e3, 3) if steps else 0.0
-             for p in after}
+             for p in phases}
+    for p in after:  # the drafter round trip's parts: per round trip, not per step
+        if p.startswith(ROUND_TRIP):
+            n = after[p][1] - before.get(p, (0, 0))[1]
+            split[p] = round((after[p][0] - before.get(p, (0, 0))[0]) / n * 1e3, 3) if n else 0.0
     return split | {"steps": int(steps), "captures": int(c1[1] - c0[1]), "capture_s": round(c1[0] - c0[0], 3)}
 
 
@@ -194,7 +205,8 @@ def run_method(method: str, target: Path, draft: Path | None, batches: list[int]
 STEP_PHASES = ("draft", "verify", "device_wait", "commit", "emit", "rest")
 HEADER = ("| method | batch | output tokens | wall s | tokens/s (rounds) | TPOT ms | acceptance length "
           "(expected) | tokens/s vs off | verifier ms per step: draft / verify / device wait / commit / "
-          "emit / rest (steps; graphs captured in each timed round, when any) |")
+          "emit / rest (steps; graphs captured in each timed round, when any; remote drafters: a round "
+          "trip's queued / transit / drafter / waited ms) |")
 
 
 def format_row(r: E2ERow) -> str:
@@ -203,8 +215,12 @@ def format_row(r: E2ERow) -> str:
     rounds = f" ({', '.join(f'{v:.0f}' for v in r.rounds_tokens_per_s)})" if r.rounds_tokens_per_s else ""
     captures = (f"; captures {', '.join(map(str, r.rounds_captures))}" if r.rounds_captures and any(r.rounds_captures)
                 else "")
+    round_trip = ""
+    if r.step_ms and any(r.step_ms.get(ROUND_TRIP + p) for p in ROUND_TRIP_PARTS):
+        round_trip = "; round trip " + " / ".join(f"{r.step_ms.get(ROUND_TRIP + p, 0):.2f}" for p in ROUND_TRIP_PARTS)
     split = ("-" if not r.step_ms else
-             " / ".join(f"{r.step_ms.get(p, 0):.2f}" for p in STEP_PHASES) + f" ({r.step_ms.get('steps', 0)}{captures})")
+             " / ".join(f"{r.step_ms.get(p, 0):.2f}" for p in STEP_PHASES)
+             + f" ({r.step_ms.get('steps', 0)}{captures}{round_trip})")
     return (f"| {r.method} | {r.batch} | {r.output_tokens} | {r.wall_s:.2f} | {r.tokens_per_s:.1f}{rounds} | "
             f"{r.tpot_ms:.2f} | {r.acceptance_length:.2f}{expected} | {speedup} | {split} |")
 

@@ -107,6 +107,12 @@ class VerifierMetrics:
         self.graph_capture_seconds = Counter("specd:cuda_graph_capture_seconds",
                                              "Seconds the target runner spent capturing CUDA graphs",
                                              registry=r)
+        self.drafter_round_trip = Histogram(
+            "specd:drafter_round_trip_seconds", "Seconds of each draft round trip with the remote "
+            "drafters, by part: queued (until gRPC's sender thread took the request), transit (to the "
+            "answer's arrival, less handle), handle (the drafter's own time), waited (the engine "
+            "blocked collecting it)", ["part"], buckets=STEP_BUCKETS, registry=r)
+        self._round_trips_seen = 0
         self._captures_seen = (0, 0.0)
         self._phases = {p: self.step_seconds.labels(phase=p)
                         for p in ("draft", "verify", "other", "device_wait", "commit", "emit", "rest")}
@@ -133,6 +139,13 @@ class VerifierMetrics:
         if record.flush_seconds > 0:
             self.flush_seconds.observe(record.flush_seconds)
         self.spec.observe(record.spec)
+
+    def observe_round_trip(self, num_round_trips: int, last) -> None:
+        """The proposer's last round trip (remote.DraftRoundTrip), when it is a new one."""
+        if num_round_trips > self._round_trips_seen and last is not None:
+            for part in ("queued", "transit", "handle", "waited"):
+                self.drafter_round_trip.labels(part=part).observe(getattr(last, part))
+        self._round_trips_seen = num_round_trips
 
     def observe_captures(self, num_captures: int, capture_seconds: float) -> None:
         """The runner's running totals (StaticForward.num_captures / capture_seconds)."""

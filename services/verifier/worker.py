@@ -185,6 +185,9 @@ class VerifierWorker(Admission):
         record.device_wait_seconds = timings.device_wait - wait0
         record.commit_seconds = (timings.commit - commit0) - record.device_wait_seconds
         record.num_new_tokens = self.engine.stats.num_output_tokens - tokens0
+        proposer = self.engine.proposer  # remote drafters: where the round trip went
+        if getattr(proposer, "num_round_trips", 0):
+            self.metrics.observe_round_trip(proposer.num_round_trips, proposer.last_round_trip)
         static = getattr(self.engine.runner, "static", None)  # the CUDA-graph path, where the runner has one
         if static is not None:
             self.metrics.observe_captures(static.num_captures, static.capture_seconds)

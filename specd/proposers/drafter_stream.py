@@ -104,18 +104,28 @@ class DrafterStream:
                                           err.code()) from None
         self._requests: queue.SimpleQueue = queue.SimpleQueue()  # None half-closes the stream
         self._responses: queue.SimpleQueue = queue.SimpleQueue()  # responses or a DrafterError
-        self._call = stub.DraftSteps(iter(self._requests.get, None))
+        self._left_at: dict[int, float] = {}  # step id -> when gRPC's sender pulled it from the queue
+        self._call = stub.DraftSteps(self._outgoing())
         self._reader = threading.Thread(target=self._read, name=f"drafter-{address}", daemon=True)
         self._reader.start()
         self.pending_open: dict[int, tuple[SamplingParams, object]] = {}  # seq -> (params, grammar)
         self.pending_close: list[int] = []
         self.next_step_id = 0
         self.error: DrafterError | None = None  # set once: the stream is dead after it
+        # the last received step: when its request left the queue, and when its answer arrived
+        # (perf_counter; the round trip's split, RemoteProposer.last_round_trip)
+        self.last_left_at = self.last_arrived_at = 0.0
+
+    def _outgoing(self):
+        """The request stream as gRPC's sender thread pulls it (None half-closes it)."""
+        while (message := self._requests.get()) is not None:
+            self._left_at[message.step_id] = time.perf_counter()
+            yield message
 
     def _read(self) -> None:
         try:
             for response in self._call:
-                self._responses.put(response)
+                self._responses.put((response, time.perf_counter()))
             self._responses.put(DrafterUnavailableError(self.address, "the drafter ended the stream"))
         except grpc.RpcError as err:
             self._responses.put(_error_from_rpc(self.address, err))
@@ -133,9 +143,12 @@ class DrafterStream:
             self._call.cancel()
             item = DrafterUnavailableError(self.address, f"no answer to step {step_id} within the deadline",
                                            grpc.StatusCode.DEADLINE_EXCEEDED)
-        if not isinstance(item, DrafterError) and item.step_id != step_id:
-            self._call.cancel()
-            item = DrafterError(self.address, f"answered step {item.step_id}, expected {step_id}")
+        if not isinstance(item, DrafterError):
+            item, self.last_arrived_at = item
+            self.last_left_at = self._left_at.pop(item.step_id, self.last_arrived_at)
+            if item.step_id != step_id:
+                self._call.cancel()
+                item = DrafterError(self.address, f"answered step {item.step_id}, expected {step_id}")
         if isinstance(item, DrafterError):
             self.error = item
             raise item

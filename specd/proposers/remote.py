@@ -36,6 +36,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import grpc
 import torch
@@ -59,6 +60,20 @@ HIDDEN_KIND_FROM_PB: dict[int, HiddenKind] = {drafter_pb2.HIDDEN_KIND_NONE: "non
                                                drafter_pb2.HIDDEN_KIND_AUX: "aux"}
 
 
+@dataclass(frozen=True)
+class DraftRoundTrip:
+    """Where one step's round trip went, for the drafter that answered last (seconds): queued,
+    from the engine's send until gRPC's sender thread took the request (it needs the GIL, which
+    the engine thread holds while it works); transit, from then until the answer reached the
+    reader thread, less handle, the drafter's own time for the step (its propose inside); waited,
+    how long the engine then blocked collecting it (the step's draft phase, when sent ahead)."""
+
+    queued: float
+    transit: float
+    handle: float
+    waited: float
+
+
 class RemoteProposer(DrafterMembership):
     """Proposer whose draft state lives on drafter services at `addresses` ("host:port").
 
@@ -67,7 +82,8 @@ class RemoteProposer(DrafterMembership):
     retried every reconnect_backoff_s doubling up to reconnect_max_backoff_s. hidden_dtype casts
     hidden rows before sending (None: as the target produced them). After each propose,
     last_rpc_seconds is the step's wall time here and last_draft_seconds the slowest drafter's
-    model time (the rest is transport). resolve() names the drafters anew (the verifier expands
+    model time (the rest is transport), and last_round_trip its split (DraftRoundTrip;
+    num_round_trips counts them). resolve() names the drafters anew (the verifier expands
     DNS names, services/verifier/server.py resolve_drafters); it is called every refresh_s on a
     background thread (0: the addresses stay as given).
     """
@@ -132,6 +148,8 @@ class RemoteProposer(DrafterMembership):
             self._start_reconnect(err.address)
         self.last_rpc_seconds = 0.0
         self.last_draft_seconds = 0.0
+        self.last_round_trip: DraftRoundTrip | None = None
+        self.num_round_trips = 0
         self._in_flight: PendingDrafts | None = None  # a sent step not collected yet
         if refresh_s > 0:
             self._discovery = DrafterDiscovery(resolve, refresh_s, self._wanted)
@@ -210,6 +228,7 @@ class RemoteProposer(DrafterMembership):
         """Wait for a sent step's answers (the deadline counts from now) and map them back."""
         requests, groups = pending.requests, pending.groups
         deadline = time.monotonic() + self.deadline_s
+        collect_at = time.perf_counter()
         responses = {}
         for d in pending.targets:  # every stream is drained, so step ids stay in sync
             try:
@@ -231,7 +250,17 @@ class RemoteProposer(DrafterMembership):
                 probs = tensor_from_pb(seq.probs) if seq.HasField("probs") else None
                 out[i] = DraftProposal(torch.tensor(seq.token_ids, dtype=torch.long), probs)
         self.last_draft_seconds = max((r.draft_time_us for r in responses.values()), default=0) / 1e6
-        self.last_rpc_seconds = time.perf_counter() - pending.sent_at
+        done = time.perf_counter()
+        self.last_rpc_seconds = done - pending.sent_at
+        last = max((d for d in pending.targets if d.address in responses), key=lambda d: d.last_arrived_at,
+                   default=None)
+        if last is not None:
+            handle = responses[last.address].handle_time_us / 1e6
+            self.last_round_trip = DraftRoundTrip(
+                queued=max(0.0, last.last_left_at - pending.sent_at),
+                transit=max(0.0, last.last_arrived_at - last.last_left_at - handle),
+                handle=handle, waited=done - collect_at)
+            self.num_round_trips += 1
         return out
 
     # ---- beyond the protocol ----------------------------------------------------------------

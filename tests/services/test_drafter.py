@@ -311,6 +311,17 @@ def test_step_timing_batch_of_8(drafters):
         print(f"drafter RPC overhead, batch 8: p50 {overheads[10] * 1e3:.2f} ms")
         assert 0 < remote.last_draft_seconds < remote.last_rpc_seconds
         assert overheads[10] < 0.05
+        # the round trip's split: its parts lie within it, and the drafter's own time holds its propose
+        rt = remote.last_round_trip
+        assert remote.num_round_trips == 21 and rt is not None
+        assert min(rt.queued, rt.transit, rt.waited) >= 0 and rt.handle >= remote.last_draft_seconds
+        assert rt.queued + rt.transit + rt.handle <= remote.last_rpc_seconds
+        # sent ahead and collected 50 ms later: the wait is what is left of the round trip
+        pending = remote.propose_async([DraftRequest(i, [11], torch.randn(1, width), 3) for i in range(8)])
+        time.sleep(0.05)
+        pending.result()
+        rt = remote.last_round_trip
+        assert remote.num_round_trips == 22 and rt.waited < 0.05 < remote.last_rpc_seconds
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int64,

@@ -40,6 +40,23 @@ def test_the_bench_splits_captures_out_of_the_phases():
     assert split == {"verify": 100.0, "rest": 20.0, "steps": 10, "captures": 1, "capture_s": 0.6}
 
 
+def test_drafter_round_trips_are_observed_once_and_averaged_per_round_trip():
+    from specd.proposers.remote import DraftRoundTrip
+
+    m = VerifierMetrics()
+    rt = DraftRoundTrip(queued=0.001, transit=0.002, handle=0.003, waited=0.0005)
+    m.observe_round_trip(1, rt)
+    m.observe_round_trip(1, rt)  # the same round trip (a step that sent none): not again
+    m.observe_round_trip(2, DraftRoundTrip(queued=0.003, transit=0.002, handle=0.001, waited=0.0015))
+    assert _value(m, 'specd:drafter_round_trip_seconds_count{part="queued"}') == 2
+    assert _value(m, 'specd:drafter_round_trip_seconds_sum{part="queued"}') == pytest.approx(0.004)
+    # the bench: per round trip, not per step (here 2 round trips over 4 steps)
+    before = {"verify": (0.0, 0.0), "round trip queued": (0.0, 0.0)}
+    after = {"verify": (0.4, 4.0), "round trip queued": (0.004, 2.0)}
+    assert step_split_ms(before, after)["round trip queued"] == pytest.approx(2.0)
+    assert step_split_ms(before, after)["verify"] == pytest.approx(100.0)
+
+
 @pytest.mark.usefixtures("one_torch_thread")
 def test_idle_wait_for_a_request_is_not_counted_as_rest(redis_url, client, target):
     stream = "phases-idle:requests"
