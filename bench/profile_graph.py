@@ -136,7 +136,9 @@ def host_phases(runner: LlamaRunner, step, n: int = 30) -> tuple[list[float], di
     """What the step bench times, a step's wall (us, n of them), and the median of each of its host
     phases: the runner's bookkeeping before the static inputs are filled, the fill (their host
     buffer and its copy to the device), on to the graph's replay call, the call itself, the
-    outputs after it (row gathers), and the rest (the bench's rollback, the wait for the device)."""
+    outputs after it (row gathers), and the rest (the bench's rollback, the wait for the device).
+    Only a process's first case is clean: after a torch.profiler session, CUPTI's hooks stay and
+    slow every CUDA call (BENCHMARKS.md, runs 15-17)."""
     marks: dict[str, float] = {}
 
     def timed(name, fn):
