@@ -140,8 +140,9 @@ def step_split_ms(before: dict, after: dict) -> dict[str, float]:
     return split | {"steps": int(steps), "captures": int(c1[1] - c0[1]), "capture_s": round(c1[0] - c0[0], 3)}
 
 
-# A/B variants of a method, as suffixes of its name: "replay-sync" is replay with drafting ahead off.
-VARIANTS = {"-sync": {"SPECD_DRAFT_AHEAD": "0"}}
+# A/B variants of a method, as suffixes of its name: "replay-sync" is replay with drafting ahead off,
+# "replay-nohandoff" without the send handoff (specd/proposers/drafter_stream.py).
+VARIANTS = {"-sync": {"SPECD_DRAFT_AHEAD": "0"}, "-nohandoff": {"SPECD_DRAFT_SEND_HANDOFF": "0"}}
 
 
 def base_method(label: str) -> tuple[str, dict]:

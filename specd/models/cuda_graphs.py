@@ -6,7 +6,11 @@ path builds varlen metadata whose shapes depend on the batch; a CUDA graph needs
 bucket size B (1, 2, 4, ..., max_batch_size), Q rows per sequence (the batch's longest chunk),
 block tables padded to a bucketed width NB. One packed int64 buffer holds every input (token ids,
 positions, slots, cached lengths, block tables, and the rows of the real tokens that the outputs
-gather) and is filled by ONE host-to-device copy per step.
+gather) and is filled by ONE host-to-device copy per step. Under a CUDA graph that copy is the
+graph's first node, from a pinned host buffer: a step's fill is then numpy writes and nothing else,
+and the replay is the step's one CUDA call before its kernels (each call costs 10-40 us of host time
+on the H200 machine). An event recorded right after the copy node guards the buffer: a fill waits
+for it only when the host runs a whole step ahead of the device.
 
 For each (B, Q, NB, aux layers) key, the first batch that needs it captures a graph (CUDA) or,
 on CPU and with graphs off, simply runs the same body eagerly: the CPU twin executes the very code
@@ -80,7 +84,7 @@ class _Entry:
     qlen: int
     width: int  # NB, blocks per slot
     packed: torch.Tensor  # [4 * B * Q + B + B * NB] int64 on the device (views() says what)
-    host: torch.Tensor  # packed's host side (pageable: see _fill), packed itself on CPU
+    host: torch.Tensor  # packed's host side (pinned under a graph, else pageable), packed itself on CPU
     blank: np.ndarray  # the host buffer of an all-padding batch, the start of every fill
     host_array: np.ndarray | None = None  # host as numpy, and its views(), made once
     host_views: tuple = ()
@@ -89,6 +93,7 @@ class _Entry:
     aux: torch.Tensor | None = None  # [B * Q, n_aux * H] or None
     logits: torch.Tensor | None = None  # [B * Q, V] float32
     graph: "torch.cuda.CUDAGraph | None" = None
+    copied: "torch.cuda.Event | None" = None  # recorded by the graph once its input copy is done
 
     def views(self, p: torch.Tensor | np.ndarray | None = None) -> tuple:
         """(input_ids [BQ], positions [BQ], slots [BQ], ctx_lens [B], block_tables [B, NB],
@@ -156,7 +161,8 @@ class StaticForward:
         bq = batch * qlen
         size = 4 * bq + batch + batch * width
         packed = torch.zeros(size, dtype=torch.int64, device=self.device)
-        host = torch.zeros(size, dtype=torch.int64) if self.device.type != "cpu" else packed
+        host = (packed if self.device.type == "cpu" else
+                torch.zeros(size, dtype=torch.int64, pin_memory=self.use_cuda_graphs))
         # Padding rows: positions continue the sequence (ctx + i; ctx 0 here), slots are the
         # scratch block's, block tables all scratch, gather rows 0.
         blank = np.zeros(size, dtype=np.int64)
@@ -172,8 +178,11 @@ class StaticForward:
 
     def _fill(self, entry: _Entry, token_ids: list[list[int]], ctx_lens: list[int],
               slots: list[list[int]], block_tables: list[list[int]]) -> int:
-        """Write one batch into the entry's buffers (one host-to-device copy on CUDA, no device
-        synchronisation); returns T, the number of real tokens (the first T gather rows)."""
+        """Write one batch into the entry's buffers (one host-to-device copy on CUDA: the graph's
+        own first node, else here; no device synchronisation); returns T, the number of real
+        tokens (the first T gather rows)."""
+        if entry.copied is not None and not entry.copied.query():
+            entry.copied.synchronize()  # the last replay has not read the pinned buffer yet
         entry.host_array[:] = entry.blank
         ids, pos, slot, ctx, tables, rows = entry.host_views
         q, total = entry.qlen, 0
@@ -186,12 +195,16 @@ class StaticForward:
             tables[i, :len(t)] = t
             rows[total:total + n] = np.arange(row, row + n)
             total += n
-        if entry.host is not entry.packed:
-            # From pageable memory the driver stages the bytes before returning: the host buffer
-            # may be rewritten at once, and no event or stream query is needed (each CUDA call
-            # costs 10-40 us of host time on the H200 machine, where this is the step's critical path).
+        if entry.host is not entry.packed and not self.use_cuda_graphs:
+            # Eager on CUDA: from pageable memory the driver stages the bytes before returning, so
+            # the host buffer may be rewritten at once, no event needed. (Graphs copy in the replay.)
             entry.packed.copy_(entry.host, non_blocking=True)
         return total
+
+    def _copy_inputs(self, entry: _Entry) -> None:
+        """The fill's copy as captured: pinned host -> device, then the event that frees the host side."""
+        entry.packed.copy_(entry.host, non_blocking=True)
+        entry.copied.record()
 
     def _padding_fill(self, entry: _Entry) -> None:
         """Inputs of an all-padding batch: what warm-up and capture run on (writes scratch only)."""
@@ -251,6 +264,9 @@ class StaticForward:
         """Warm up on a side stream (lazy kernel and cuBLAS init must not be captured), then capture."""
         t0 = time.perf_counter()
         self._padding_fill(entry)
+        entry.packed.copy_(entry.host)  # the padding batch (the captured copy runs at each replay)
+        # external: recorded as a node of the graph (a plain event would be a capture-internal edge)
+        entry.copied = torch.cuda.Event(external=True)
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream), torch.no_grad():
@@ -264,6 +280,7 @@ class StaticForward:
         if debug_dir:
             graph.enable_debug_mode()
         with torch.cuda.graph(graph, pool=self._pool), torch.no_grad():
+            self._copy_inputs(entry)
             self._body(entry, aux_layer_ids)
         if debug_dir:
             os.makedirs(debug_dir, exist_ok=True)

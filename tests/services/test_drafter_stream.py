@@ -1,0 +1,62 @@
+"""DrafterStream's send handoff: send() returns once gRPC's sender thread holds the step (a real
+n-gram drafter service over loopback gRPC), and SPECD_DRAFT_SEND_HANDOFF sets or turns off the wait."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from services.drafter.server import load_drafter, start_server
+from specd.messages import SpeculativeConfig
+from specd.proposers.drafter_stream import (DEFAULT_SEND_HANDOFF_S, SEND_HANDOFF_ENV, DrafterStream,
+                                            send_handoff_s)
+from specd.v1 import drafter_pb2
+
+
+@pytest.fixture(scope="module")
+def ngram_drafter(tiny_models):
+    target = tiny_models["target-llama"]
+    servicer = load_drafter(target, SpeculativeConfig(method="ngram", num_speculative_tokens=3), target,
+                            max_num_draft_tokens=8)
+    server = start_server(servicer, "127.0.0.1", 0, max_workers=4)
+    yield server
+    server.stop(0.5)
+
+
+def test_send_returns_once_the_sender_thread_holds_the_step(ngram_drafter):
+    # A long handoff bound: the wait must end on the sender thread's signal, not on the timeout.
+    stream = DrafterStream(ngram_drafter.address, connect_timeout_s=10.0, handoff_s=30.0)
+    try:
+        for step in range(5):
+            message = drafter_pb2.DraftStepRequest()
+            if step == 0:
+                message.open.add(seq_id=1)
+            message.sequences.add(seq_id=1, new_token_ids=[5, 6, 5, 6, 5], num_draft_tokens=3)
+            t0 = time.perf_counter()
+            stream.send(message)
+            assert time.perf_counter() - t0 < 5.0
+            assert step in stream._left_at  # taken by gRPC's sender thread before send returned
+            answer = stream.receive(step, time.monotonic() + 10.0)
+            assert answer.step_id == step and [s.seq_id for s in answer.sequences] == [1]
+            assert stream.last_left_at <= stream.last_arrived_at
+    finally:
+        stream.shutdown()
+
+
+def test_the_handoff_wait_is_configurable_and_can_be_turned_off(monkeypatch, ngram_drafter):
+    monkeypatch.delenv(SEND_HANDOFF_ENV, raising=False)
+    assert send_handoff_s() == DEFAULT_SEND_HANDOFF_S
+    monkeypatch.setenv(SEND_HANDOFF_ENV, "0.01")
+    assert send_handoff_s() == 0.01
+    monkeypatch.setenv(SEND_HANDOFF_ENV, "0")
+    stream = DrafterStream(ngram_drafter.address, connect_timeout_s=10.0)
+    try:
+        assert stream.handoff_s == 0.0
+        message = drafter_pb2.DraftStepRequest()
+        message.open.add(seq_id=2)
+        message.sequences.add(seq_id=2, new_token_ids=[7, 8, 7, 8], num_draft_tokens=2)
+        stream.send(message)  # no wait: the answer still comes
+        assert stream.receive(0, time.monotonic() + 10.0).sequences[0].seq_id == 2
+    finally:
+        stream.shutdown()
