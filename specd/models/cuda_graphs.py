@@ -56,6 +56,9 @@ DEFAULT_MAX_CONTEXT = 8192  # tokens gathered per slot; beyond, the eager path (
 # name dumps each captured graph there (CUDAGraph.debug_dump: its nodes and edges, as DOT).
 GRAPH_POOL_ENV = "SPECD_GRAPH_POOL"
 GRAPH_DEBUG_ENV = "SPECD_GRAPH_DEBUG_DIR"
+# "fill": the graphs' input copy runs in the fill, from pageable memory, as a CUDA call of its own
+# (the A/B twin of the copy captured into the graph; read when a layout's buffers are made).
+GRAPH_INPUT_COPY_ENV = "SPECD_GRAPH_INPUT_COPY"
 
 
 def batch_buckets(max_batch_size: int, buckets: tuple[int, ...] = DEFAULT_BATCH_BUCKETS) -> tuple[int, ...]:
@@ -93,6 +96,7 @@ class _Entry:
     aux: torch.Tensor | None = None  # [B * Q, n_aux * H] or None
     logits: torch.Tensor | None = None  # [B * Q, V] float32
     graph: "torch.cuda.CUDAGraph | None" = None
+    copy_in_graph: bool = False  # the graph copies host -> packed itself (else the fill does)
     copied: "torch.cuda.Event | None" = None  # recorded by the graph once its input copy is done
 
     def views(self, p: torch.Tensor | np.ndarray | None = None) -> tuple:
@@ -131,6 +135,11 @@ class StaticForward:
         self.num_captures = 0
         self.capture_seconds = 0.0  # warm-up + capture, all graphs: the loop stalls that long
 
+    @property
+    def copy_in_graph(self) -> bool:
+        """Whether new layouts' graphs copy their inputs in the replay (GRAPH_INPUT_COPY_ENV)."""
+        return self.use_cuda_graphs and os.environ.get(GRAPH_INPUT_COPY_ENV) != "fill"
+
     # ---- layout --------------------------------------------------------------------------------
     def _bucket(self, batch: int) -> int | None:
         return next((b for b in self.buckets if b >= batch), None)
@@ -161,12 +170,13 @@ class StaticForward:
         bq = batch * qlen
         size = 4 * bq + batch + batch * width
         packed = torch.zeros(size, dtype=torch.int64, device=self.device)
+        copy_in_graph = self.copy_in_graph
         host = (packed if self.device.type == "cpu" else
-                torch.zeros(size, dtype=torch.int64, pin_memory=self.use_cuda_graphs))
+                torch.zeros(size, dtype=torch.int64, pin_memory=copy_in_graph))
         # Padding rows: positions continue the sequence (ctx + i; ctx 0 here), slots are the
         # scratch block's, block tables all scratch, gather rows 0.
         blank = np.zeros(size, dtype=np.int64)
-        entry = _Entry(batch, qlen, width, packed, host, blank)
+        entry = _Entry(batch, qlen, width, packed, host, blank, copy_in_graph=copy_in_graph)
         _, pos, slot, _, tables, _ = entry.views(blank)
         pos[:] = np.tile(np.arange(qlen, dtype=np.int64), batch)
         slot[:] = self.kv_cache.scratch_block * self.block_size + pos % self.block_size
@@ -195,7 +205,7 @@ class StaticForward:
             tables[i, :len(t)] = t
             rows[total:total + n] = np.arange(row, row + n)
             total += n
-        if entry.host is not entry.packed and not self.use_cuda_graphs:
+        if entry.host is not entry.packed and not entry.copy_in_graph:
             # Eager on CUDA: from pageable memory the driver stages the bytes before returning, so
             # the host buffer may be rewritten at once, no event needed. (Graphs copy in the replay.)
             entry.packed.copy_(entry.host, non_blocking=True)
@@ -264,9 +274,10 @@ class StaticForward:
         """Warm up on a side stream (lazy kernel and cuBLAS init must not be captured), then capture."""
         t0 = time.perf_counter()
         self._padding_fill(entry)
-        entry.packed.copy_(entry.host)  # the padding batch (the captured copy runs at each replay)
-        # external: recorded as a node of the graph (a plain event would be a capture-internal edge)
-        entry.copied = torch.cuda.Event(external=True)
+        if entry.copy_in_graph:
+            entry.packed.copy_(entry.host)  # the padding batch (the captured copy runs at each replay)
+            # external: recorded as a node of the graph (a plain event would be a capture-internal edge)
+            entry.copied = torch.cuda.Event(external=True)
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream), torch.no_grad():
@@ -280,7 +291,8 @@ class StaticForward:
         if debug_dir:
             graph.enable_debug_mode()
         with torch.cuda.graph(graph, pool=self._pool), torch.no_grad():
-            self._copy_inputs(entry)
+            if entry.copy_in_graph:
+                self._copy_inputs(entry)
             self._body(entry, aux_layer_ids)
         if debug_dir:
             os.makedirs(debug_dir, exist_ok=True)

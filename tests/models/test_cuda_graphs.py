@@ -12,7 +12,7 @@ import torch
 
 from specd.messages import PytorchEngineConfig
 from specd.models.base import SequenceChunk
-from specd.models.cuda_graphs import batch_buckets, width_bucket
+from specd.models.cuda_graphs import GRAPH_INPUT_COPY_ENV, batch_buckets, width_bucket
 from specd.models.llama_runner import LlamaRunner
 
 TOL = 1e-5
@@ -74,12 +74,18 @@ def test_static_path_equals_eager(kind, checkpoint):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs: the CPU twin is the test above")
-def test_cuda_graphs_equal_eager_while_inputs_change_between_unsynchronised_replays(checkpoint):
+@pytest.mark.parametrize("input_copy", ["graph", "fill"])
+def test_cuda_graphs_equal_eager_while_inputs_change_between_unsynchronised_replays(input_copy, checkpoint,
+                                                                                   monkeypatch):
     """On CUDA the graphs copy their inputs from a pinned buffer in the replay itself: the script's
-    forwards follow one another without a sync, so each fill must wait for the last replay's copy."""
-    path = checkpoint("llama")
-    eager = make_runner(path, False, device_type="cuda")
-    graphs = make_runner(path, True, device_type="cuda")
+    forwards follow one another without a sync, so each fill must wait for the last replay's copy.
+    ("fill": the A/B twin, the copy issued by the fill from pageable memory.)"""
+    if input_copy == "fill":
+        monkeypatch.setenv(GRAPH_INPUT_COPY_ENV, "fill")
+    path = checkpoint("llama")  # block size 16: the CUDA attention kernel's smallest key tile
+    eager = make_runner(path, False, device_type="cuda", block_size=16)
+    graphs = make_runner(path, True, device_type="cuda", block_size=16)
+    assert graphs.static.copy_in_graph == (input_copy == "graph")
     want, got = script(eager), script(graphs)
     assert graphs.static.num_captures >= 5 and graphs.static.num_static_forwards == 6
     worst = max((a - b).abs().max().item() for a, b in zip(want, got))
