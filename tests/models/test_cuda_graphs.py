@@ -29,12 +29,14 @@ def tokens(n: int, seed: int) -> list[int]:
     return torch.randint(0, 256, (n,), generator=g).tolist()
 
 
-def script(runner: LlamaRunner, want_aux: bool = False) -> list[torch.Tensor]:
+def script(runner: LlamaRunner, want_aux: bool = False, after_forward=None) -> list[torch.Tensor]:
     """Prefills, ragged verify steps, rollbacks, a padded bucket; returns every forward's outputs."""
     outs = []
 
     def fwd(chunks):
         out = runner.forward(chunks, want_hidden=True, want_aux_hidden=want_aux)
+        if after_forward is not None:
+            after_forward()
         outs.append(out.logits)
         outs.append(out.hidden_states)
         if want_aux:
@@ -75,22 +77,25 @@ def test_static_path_equals_eager(kind, checkpoint):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs: the CPU twin is the test above")
 @pytest.mark.parametrize("input_copy", ["graph", "fill"])
-def test_cuda_graphs_equal_eager_while_inputs_change_between_unsynchronised_replays(input_copy, checkpoint,
-                                                                                   monkeypatch):
+def test_cuda_graphs_with_unsynchronised_replays_equal_synchronised_ones(input_copy, checkpoint, monkeypatch):
     """On CUDA the graphs copy their inputs from a pinned buffer in the replay itself: the script's
     forwards follow one another without a sync, so each fill must wait for the last replay's copy.
+    Bit for bit the outputs of the same graphs run with a sync after every forward; and near the
+    eager path's (Triton's fp32 products run on TF32 tensor cores: ~1e-2 relative after 4 layers).
     ("fill": the A/B twin, the copy issued by the fill from pageable memory.)"""
     if input_copy == "fill":
         monkeypatch.setenv(GRAPH_INPUT_COPY_ENV, "fill")
     path = checkpoint("llama")  # block size 16: the CUDA attention kernel's smallest key tile
-    eager = make_runner(path, False, device_type="cuda", block_size=16)
-    graphs = make_runner(path, True, device_type="cuda", block_size=16)
+    runners = [make_runner(path, static, device_type="cuda", block_size=16) for static in (True, True, False)]
+    graphs, synced, eager = runners
     assert graphs.static.copy_in_graph == (input_copy == "graph")
-    want, got = script(eager), script(graphs)
+    got, want = script(graphs), script(synced, after_forward=torch.cuda.synchronize)
     assert graphs.static.num_captures >= 5 and graphs.static.num_static_forwards == 6
-    worst = max((a - b).abs().max().item() for a, b in zip(want, got))
-    print(f"cuda: max |graphs - eager| = {worst:.3g}")
-    assert worst < 1e-3
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    ref = script(eager)
+    worst = max(((a - b).abs().max() / b.abs().max()).item() for a, b in zip(got, ref))
+    print(f"cuda: max |graphs - eager| / max |eager| = {worst:.3g}")
+    assert worst < 0.1
 
 
 def test_static_path_aux_hidden_states(checkpoint):
