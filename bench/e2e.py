@@ -141,8 +141,10 @@ def step_split_ms(before: dict, after: dict) -> dict[str, float]:
 
 
 # A/B variants of a method, as suffixes of its name: "replay-sync" is replay with drafting ahead off,
-# "replay-nohandoff" without the send handoff (specd/proposers/drafter_stream.py).
-VARIANTS = {"-sync": {"SPECD_DRAFT_AHEAD": "0"}, "-nohandoff": {"SPECD_DRAFT_SEND_HANDOFF": "0"}}
+# "replay-nohandoff" without the send handoff (specd/proposers/drafter_stream.py), "replay-nocarry"
+# without carried drafts (specd/engine/drafting.py).
+VARIANTS = {"-sync": {"SPECD_DRAFT_AHEAD": "0"}, "-nohandoff": {"SPECD_DRAFT_SEND_HANDOFF": "0"},
+            "-nocarry": {"SPECD_DRAFT_CARRY": "0"}}
 
 
 def base_method(label: str) -> tuple[str, dict]:

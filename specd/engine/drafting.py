@@ -11,40 +11,107 @@ exactly what the next step would send; what changes in between is settled in `dr
 that left the batch (finished, aborted, preempted) drops its drafts, one given tokens anew (an
 admission, a resync) is asked in the step itself, and drafts are cut to the k that fits now
 (admissions may have taken the cache room they assumed).
+
+Carried drafts (`carry` > 0): each request asks for `carry` drafts past the step's k, a guess at
+the step's bonus token and the drafts after it. When the step accepts all k drafts and its bonus
+token is that guess, the rest continue the very context the next step verifies: the next step
+takes them and asks the drafter nothing for that sequence (its new tokens wait for the next
+request), so a round trip leaves the critical path once in every such step. Worth it where extra
+drafts cost the drafter nothing (n-gram and replay lookups) and a round trip is a network's.
+Still lossless, sampled requests included: rejection sampling is exact for any proposal drawn
+from the distribution it is given, whatever that was conditioned on; the guess check only keeps
+drafts conditioned on a wrong token, which would mostly be rejected, from being verified.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from specd.engine.sequence import Sequence
 from specd.proposers.base import DraftProposal, DraftRequest, Proposer
 
+CARRY_ENV = "SPECD_DRAFT_CARRY"  # drafts asked past k per request; "0": none carried
+FREE_DRAFT_METHODS = ("ngram", "replay")  # lookups: drafts past k cost the drafter nothing
+
+
+def default_carry(proposer: Proposer | None, num_speculative_tokens: int) -> int:
+    """CARRY_ENV when set; else k + 1 (a guess at the bonus token and the next step's k drafts)
+    where the proposer answers asynchronously (over the network) and its extra drafts are free,
+    0 elsewhere (a model drafter would pay a forward per extra draft)."""
+    value = os.environ.get(CARRY_ENV)
+    if value is not None:
+        return int(value)
+    remote = proposer is not None and hasattr(proposer, "propose_async")
+    return num_speculative_tokens + 1 if remote and getattr(proposer, "method", "") in FREE_DRAFT_METHODS else 0
+
+
+@dataclass(frozen=True)
+class _Surplus:
+    """A step's drafts past its k: `guess` at the step's bonus token, then `rest` (drafts after it)."""
+
+    guess: int
+    rest: DraftProposal
+
 
 class Drafting:
-    """Draft requests of one engine: asked in the step, or sent ahead (see the module doc)."""
+    """Draft requests of one engine: asked in the step, or sent ahead; drafts carried over from
+    one step to the next (see the module doc)."""
 
-    def __init__(self, proposer: Proposer | None, num_drafts: Callable[[Sequence], int], ahead: bool) -> None:
+    def __init__(self, proposer: Proposer | None, num_drafts: Callable[[Sequence], int], ahead: bool,
+                 carry: int = 0) -> None:
+        if carry < 0:
+            raise ValueError(f"carry: must be >= 0, got {carry}")
         self.proposer = proposer
         self.num_drafts = num_drafts  # k for a sequence now (the engine's budget and cache room)
         self.ahead = ahead
+        self.carry = carry  # drafts asked past k per request (0: none carried)
         self._sent: tuple[list[DraftRequest], object] | None = None  # requests, their pending answer
+        self._surplus: dict[int, _Surplus] = {}  # seq id -> this step's drafts past its k
+        self._carried: dict[int, DraftProposal] = {}  # seq id -> the next step's drafts, checked
+        self.num_carried = 0  # sequence-steps drafted from carried drafts (tests, logs)
 
     def request(self, seq: Sequence) -> DraftRequest:
-        """What the drafter has not seen of seq (taken from it), and the k it may draft."""
+        """What the drafter has not seen of seq (taken from it), and the k it may draft (plus
+        `carry` past it, within what the proposer serves)."""
         tokens, hidden = seq.take_undrafted()
-        return DraftRequest(seq.seq_id, tokens, hidden, self.num_drafts(seq), num_output_tokens=seq.num_output_tokens)
+        k = self.num_drafts(seq)
+        if k > 0 and self.carry:
+            k = min(k + self.carry, getattr(self.proposer, "max_num_draft_tokens", None) or k + self.carry)
+        return DraftRequest(seq.seq_id, tokens, hidden, k, num_output_tokens=seq.num_output_tokens)
 
     def send_ahead(self, batch: list[Sequence]) -> None:
         """Right after a commit: the next step's requests of `batch` go out now, where the
-        proposer answers asynchronously and drafting ahead is on."""
+        proposer answers asynchronously and drafting ahead is on (not for sequences that carry
+        their next drafts over)."""
         submit = getattr(self.proposer, "propose_async", None) if self.ahead else None
+        batch = [seq for seq in batch if seq.seq_id not in self._carried]
         if submit is None or not batch:
             return
         requests = [self.request(seq) for seq in batch]
         self._sent = (requests, submit(requests))
+
+    def settle(self, seq: Sequence, num_drafts: int, num_accepted: int, emitted: list[int]) -> None:
+        """After seq's verify step (num_drafts verified, num_accepted of them kept, `emitted`
+        the tokens appended: the kept drafts and the bonus, fewer where the sequence stopped):
+        its drafts past k carry over when every draft was kept and the bonus is their guess."""
+        surplus = self._surplus.pop(seq.seq_id, None)
+        if (surplus is not None and not seq.is_finished and num_accepted == num_drafts
+                and len(emitted) == num_drafts + 1 and emitted[-1] == surplus.guess):
+            self._carried[seq.seq_id] = surplus.rest
+
+    def _split(self, seq: Sequence, proposal: DraftProposal) -> DraftProposal:
+        """The step's k drafts of a proposal; its drafts past them wait for the verdict (settle)."""
+        k = self.num_drafts(seq)
+        if proposal.token_ids.numel() > k + 1:
+            probs = proposal.probs
+            self._surplus[seq.seq_id] = _Surplus(
+                int(proposal.token_ids[k]),
+                DraftProposal(proposal.token_ids[k + 1:], None if probs is None else probs[k + 1:]))
+        return proposal.truncated(k)
 
     def collect(self) -> dict[int, DraftProposal]:
         """The drafts sent ahead by the last step, by sequence id (empty when none were)."""
@@ -58,22 +125,26 @@ class Drafting:
     def draft(self, batch: list[Sequence], sent_ahead: dict[int, DraftProposal]) -> list[DraftProposal]:
         """k_i drafts per sequence of batch: the ones sent ahead where they still apply, the rest
         from one batched proposer call."""
+        carried, self._carried, self._surplus = self._carried, {}, {}
         if self.proposer is None or not batch:
             return [DraftProposal(torch.empty(0, dtype=torch.long)) for _ in batch]
         proposals: list[DraftProposal | None] = [None] * len(batch)
         fresh: list[int] = []
         for i, seq in enumerate(batch):
             early = sent_ahead.get(seq.seq_id)
-            if early is None or seq.undrafted_token_ids:  # tokens the drafter has not seen: ask now
+            if seq.seq_id in carried:  # checked by settle: they continue the context verified now
+                proposals[i] = self._split(seq, carried[seq.seq_id])
+                self.num_carried += proposals[i].token_ids.numel() > 0
+            elif early is None or seq.undrafted_token_ids:  # tokens the drafter has not seen: ask now
                 fresh.append(i)
             else:
-                proposals[i] = early.truncated(self.num_drafts(seq))
+                proposals[i] = self._split(seq, early)
         if fresh:
             requests = [self.request(batch[i]) for i in fresh]
             answers = self.proposer.propose(requests)
             _check(requests, answers)
             for i, p in zip(fresh, answers):
-                proposals[i] = p
+                proposals[i] = self._split(batch[i], p)
         return proposals
 
 

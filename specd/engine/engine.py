@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specd.engine.constraints import ConstraintTracker, keep_grammar_rows, mask_rows
-from specd.engine.drafting import Drafting
+from specd.engine.drafting import Drafting, default_carry
 from specd.engine.sequence import Sequence, SequenceStatus
 from specd.engine.stop import StopChecker
 from specd.engine.verify import pad_drafts, verify_target_probs
@@ -58,10 +58,12 @@ class SpecEngine:
 
     def __init__(self, runner: TargetRunner, proposer: Proposer | None, num_speculative_tokens: int,
                  *, max_batch_size: int, max_model_len: int, tokenizer=None,
-                 max_prefill_tokens: int = 8192, grammar_backend=None, draft_ahead: bool | None = None) -> None:
+                 max_prefill_tokens: int = 8192, grammar_backend=None, draft_ahead: bool | None = None,
+                 draft_carry: int | None = None) -> None:
         """draft_ahead: send the next step's draft requests right after each commit where the
         proposer answers asynchronously (drafting.py); None reads SPECD_DRAFT_AHEAD (default on;
-        "0" off, for A/B measurements)."""
+        "0" off, for A/B measurements). draft_carry: drafts asked past k per request, carried
+        to the next step where it accepts all (drafting.py); None: drafting.default_carry."""
         self.runner = runner
         self.proposer = proposer
         self.num_speculative_tokens = num_speculative_tokens if proposer is not None else 0
@@ -77,7 +79,10 @@ class SpecEngine:
         self.constraints = ConstraintTracker(grammar_backend, max_model_len)
         if draft_ahead is None:
             draft_ahead = os.environ.get(DRAFT_AHEAD_ENV, "1") != "0"
-        self.drafting = Drafting(proposer, lambda seq: self._num_drafts(seq), ahead=draft_ahead)
+        if draft_carry is None:
+            draft_carry = default_carry(proposer, self.num_speculative_tokens)
+        self.drafting = Drafting(proposer, lambda seq: self._num_drafts(seq), ahead=draft_ahead,
+                                 carry=draft_carry if proposer is not None else 0)
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
@@ -298,6 +303,7 @@ class SpecEngine:
             self.constraints.committed(seq, new_tokens[:num_appended])
             if self.proposer is not None:
                 seq.undrafted_token_ids.extend(new_tokens[:num_appended])
+                self.drafting.settle(seq, k, m, new_tokens[:num_appended])
             if seq.is_finished:
                 self._release(seq)
                 finished.append(seq)

@@ -104,3 +104,86 @@ def test_planted_bug_fails_the_same_test(tiny_vocab_models, monkeypatch):
     pvalue = chi_square_pvalue(empirical_joint(target, draft, params, k=2), exact_joint(target, params))
     print(f"planted bug: chi-square p-value {pvalue:.3g}")
     assert pvalue < 1e-6
+
+
+# ---- carried drafts (specd/engine/drafting.py): the draft model asked for drafts past k ---------
+
+def target_tables(target_path, params: SamplingParams) -> list[torch.Tensor]:
+    """[P(t1), P(t2 | t1), P(t3 | t1 t2), P(t4 | t1 t2 t3)] after PROMPT, processed: [V]..[V]^4."""
+    model = AutoModelForCausalLM.from_pretrained(target_path, dtype=torch.float32).eval()
+    st = SamplingTensors.from_params([params], torch.device("cpu"))
+    tables, tails = [], [[]]
+    for n in range(4):
+        with torch.no_grad():
+            logits = model(torch.tensor([PROMPT + t for t in tails])).logits[:, -1]
+        tables.append(processed_probs(logits, st.repeat_interleave(torch.full((1,), len(tails))))
+                      .view(*([VOCAB] * (n + 1))).double())
+        tails = [t + [x] for t in tails for x in range(VOCAB)]
+    return tables
+
+
+def carried_run(target_path, draft_path, params: SamplingParams) -> tuple[list[list[int]], set[int]]:
+    """k = 1 with 2 drafts carried: a step that keeps its draft and whose bonus token is the
+    draft model's guess hands the next step its draft. Returns every draw's first four tokens and
+    the draws whose fourth token came out of a carried draft's step (5 tokens a request: with 4,
+    that step would have no room left for a draft)."""
+    spec = SpeculativeConfig(method="draft_model", num_speculative_tokens=1, model=str(draft_path))
+    engine = build_engine(target_path, PytorchEngineConfig(max_batch_size=4096, block_size=16), spec)
+    engine.drafting.carry = 2
+    carried_ids: set[int] = set()
+    real_draft = engine.drafting.draft
+
+    def draft(batch, sent_ahead):  # which sequences this step verifies carried drafts for
+        before = set(engine.drafting._carried)  # (near the end k = 0 drops them: not those)
+        out = real_draft(batch, sent_ahead)
+        carried_ids.update(s.seq_id for s, p in zip(batch, out) if s.seq_id in before and p.token_ids.numel())
+        return out
+
+    engine.drafting.draft = draft
+    draws = [SamplingParams(**{**params.__dict__, "seed": 1000 + i, "max_new_tokens": 5}) for i in range(NUM_DRAWS)]
+    seqs = engine.generate([PROMPT] * NUM_DRAWS, draws)
+    # k = 1: a carried step follows a step that emitted t2 and t3, so it verifies a draft for t4
+    return [s.output_token_ids[:4] for s in seqs], {i for i, s in enumerate(seqs) if s.seq_id in carried_ids}
+
+
+def carried_pvalues(target_path, draft_path, params: SamplingParams) -> tuple[float, float, int]:
+    """(p of all draws' (t3, t4) against the exact marginal, p of the carried draws' t4 against
+    the target given each draw's t1..t3, number carried). The second is the sharp one: a
+    chi-square over the V values of t4, expected counts summed over the draws' own contexts."""
+    p1, p2, p3, p4 = target_tables(target_path, params)
+    tokens, carried = carried_run(target_path, draft_path, params)
+    joint = (p1[:, None, None, None] * p2[:, :, None, None] * p3[:, :, :, None] * p4).sum(dim=(0, 1))
+    counts = np.zeros((VOCAB, VOCAB))
+    observed, expected = np.zeros(VOCAB), np.zeros(VOCAB)
+    for i, (t1, t2, t3, t4) in enumerate(tokens):
+        counts[t3, t4] += 1
+        if i in carried:
+            observed[t4] += 1
+            expected += p4[t1, t2, t3].numpy()
+    return chi_square_pvalue(counts, joint.numpy()), chi_square_pvalue(observed, expected), len(carried)
+
+
+def test_carried_drafts_keep_the_target_distribution(tiny_vocab_models):
+    target, draft = tiny_vocab_models
+    marginal, carried_p, carried = carried_pvalues(target, draft, SETTINGS["temperature-1"])
+    print(f"carried drafts: {carried} draws; chi-square p-values {marginal:.4f} (t3, t4), {carried_p:.4f} "
+          f"(carried t4) over {NUM_DRAWS} draws")
+    assert carried > NUM_DRAWS // 40
+    assert marginal > 1e-3 and carried_p > 1e-3
+
+
+def test_planted_carry_bug_fails_the_same_test(tiny_vocab_models, monkeypatch):
+    """Carried drafts verified against another distribution than the one they were drawn from."""
+    import specd.engine.drafting as drafting_module
+
+    class ShiftedRest(drafting_module.DraftProposal):
+        def __init__(self, token_ids, probs=None):
+            if probs is not None and token_ids.numel() == 1:  # the carried rest at k = 1, carry 2
+                probs = probs.roll(1, dims=-1)
+            super().__init__(token_ids, probs)
+
+    monkeypatch.setattr(drafting_module, "DraftProposal", ShiftedRest)
+    target, draft = tiny_vocab_models
+    _, carried_p, carried = carried_pvalues(target, draft, SETTINGS["temperature-1"])
+    print(f"planted carry bug: {carried} carried; chi-square p-value {carried_p:.3g}")
+    assert carried > NUM_DRAWS // 40 and carried_p < 1e-6
