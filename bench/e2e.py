@@ -142,9 +142,10 @@ def step_split_ms(before: dict, after: dict) -> dict[str, float]:
 
 # A/B variants of a method, as suffixes of its name: "replay-sync" is replay with drafting ahead off,
 # "replay-nohandoff" without the send handoff (specd/proposers/drafter_stream.py), "replay-nocarry"
-# without carried drafts (specd/engine/drafting.py).
+# without carried drafts (specd/engine/drafting.py), "replay-carry4" carrying 4 past k (one step's worth).
 VARIANTS = {"-sync": {"SPECD_DRAFT_AHEAD": "0"}, "-nohandoff": {"SPECD_DRAFT_SEND_HANDOFF": "0"},
-            "-nocarry": {"SPECD_DRAFT_CARRY": "0"}}
+            "-nocarry": {"SPECD_DRAFT_CARRY": "0"},
+            "-carry4": {"SPECD_DRAFT_CARRY": "4"}}  # one step's worth at the bench's k = 3
 
 
 def base_method(label: str) -> tuple[str, dict]:
@@ -202,13 +203,14 @@ def run_method(method: str, target: Path, draft: Path | None, batches: list[int]
 
 
 # The verifier's loop by phase (services/verifier/metrics.py): draft and verify are the engine's
-# verbs (host time: the forward runs on the device meanwhile), device_wait the commit's wait for the
+# verbs (host time: the forward runs on the device meanwhile; launch is verify's part before the
+# forward is queued, on the critical path), device_wait the commit's wait for the
 # device, commit the rest of the commit (and sending drafts ahead), emit the result writes, rest
 # admission (the stream read and the prefill of admitted requests) and deadlines.
-STEP_PHASES = ("draft", "verify", "device_wait", "commit", "emit", "rest")
+STEP_PHASES = ("draft", "verify", "launch", "device_wait", "commit", "emit", "rest")
 HEADER = ("| method | batch | output tokens | wall s | tokens/s (rounds) | TPOT ms | acceptance length "
-          "(expected) | tokens/s vs off | verifier ms per step: draft / verify / device wait / commit / "
-          "emit / rest (steps; graphs captured in each timed round, when any; remote drafters: a round "
+          "(expected) | tokens/s vs off | verifier ms per step: draft / verify (of it: launch) / device wait / "
+          "commit / emit / rest (steps; graphs captured in each timed round, when any; remote drafters: a round "
           "trip's queued / transit / drafter / waited ms) |")
 
 
@@ -222,7 +224,9 @@ def format_row(r: E2ERow) -> str:
     if r.step_ms and any(r.step_ms.get(ROUND_TRIP + p) for p in ROUND_TRIP_PARTS):
         round_trip = "; round trip " + " / ".join(f"{r.step_ms.get(ROUND_TRIP + p, 0):.2f}" for p in ROUND_TRIP_PARTS)
     split = ("-" if not r.step_ms else
-             " / ".join(f"{r.step_ms.get(p, 0):.2f}" for p in STEP_PHASES)
+             " / ".join(f"{r.step_ms.get(p, 0):.2f}" + (f" ({r.step_ms['launch']:.2f})" if p == "verify"
+                                                         and "launch" in r.step_ms else "")
+                        for p in STEP_PHASES if p != "launch")
              + f" ({r.step_ms.get('steps', 0)}{captures}{round_trip})")
     return (f"| {r.method} | {r.batch} | {r.output_tokens} | {r.wall_s:.2f} | {r.tokens_per_s:.1f}{rounds} | "
             f"{r.tpot_ms:.2f} | {r.acceptance_length:.2f}{expected} | {speedup} | {split} |")

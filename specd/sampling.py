@@ -34,10 +34,11 @@ class SamplingTensors:
     @classmethod
     def from_params(cls, params: list[SamplingParams], device: torch.device | str = "cpu"
                     ) -> "SamplingTensors":
-        """One row per request, in the order given."""
+        """One row per request, in the order given. The copies to a CUDA device are asynchronous
+        (non_blocking, staged by the driver): issued behind a forward, they do not wait for it."""
 
         def column(values: list, dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype, device=device)
+            return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
         return cls(
             temperature=column([p.temperature for p in params], torch.float32),

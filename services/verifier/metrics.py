@@ -32,6 +32,7 @@ class StepRecord:
     num_finished: int = 0  # requests that got their final entry
     draft_seconds: float = 0.0  # engine draft verb
     verify_seconds: float = 0.0  # engine verify verb (target forward + rejection sampling)
+    launch_seconds: float = 0.0  # of verify: the host's work before the forward is queued
     device_wait_seconds: float = 0.0  # engine commit blocked on the device's results
     commit_seconds: float = 0.0  # engine commit verb (and sending drafts ahead), device wait excluded
     engine_seconds: float = 0.0  # the whole engine step
@@ -82,9 +83,10 @@ class VerifierMetrics:
         self.num_waiting = Gauge("specd:num_requests_waiting", "Admitted requests not yet prefilled",
                                  registry=r)
         self.step_seconds = Histogram("specd:step_duration_seconds",
-                                      "Seconds per loop iteration, by phase: draft, verify, other "
-                                      "(everything else), and other split into device_wait (the "
-                                      "commit's wait for the device), commit, emit and rest",
+                                      "Seconds per loop iteration, by phase: draft, verify (of it "
+                                      "launch: until the forward is queued), other (everything "
+                                      "else), and other split into device_wait (the commit's wait "
+                                      "for the device), commit, emit and rest",
                                       ["phase"], buckets=STEP_BUCKETS, registry=r)
         self.emit_seconds = Histogram("specd:emit_duration_seconds",
                                       "Seconds per step the loop spent writing results (queueing and "
@@ -115,7 +117,8 @@ class VerifierMetrics:
         self._round_trips_seen = 0
         self._captures_seen = (0, 0.0)
         self._phases = {p: self.step_seconds.labels(phase=p)
-                        for p in ("draft", "verify", "other", "device_wait", "commit", "emit", "rest")}
+                        for p in ("draft", "verify", "launch", "other", "device_wait", "commit", "emit",
+                                  "rest")}
 
     def serve(self, port: int, addr: str = "0.0.0.0"):
         """Serve /metrics over HTTP (a daemon thread); returns (server, thread)."""
@@ -129,6 +132,7 @@ class VerifierMetrics:
         if record.engine_seconds > 0:
             self._phases["draft"].observe(record.draft_seconds)
             self._phases["verify"].observe(record.verify_seconds)
+            self._phases["launch"].observe(record.launch_seconds)
             self._phases["other"].observe(record.other_seconds)
             self._phases["device_wait"].observe(record.device_wait_seconds)
             self._phases["commit"].observe(record.commit_seconds)

@@ -172,7 +172,7 @@ class VerifierWorker(Admission):
         """One engine step over the whole batch; fills the record's timings."""
         timings = self.engine.stats.timings
         draft0, verify0, tokens0 = timings.draft, timings.verify, self.engine.stats.num_output_tokens
-        commit0, wait0 = timings.commit, timings.device_wait
+        commit0, wait0, launch0 = timings.commit, timings.device_wait, timings.launch
         t0 = time.perf_counter()
         try:
             finished = self.engine.step()
@@ -182,6 +182,7 @@ class VerifierWorker(Admission):
         record.engine_seconds = time.perf_counter() - t0
         record.draft_seconds = timings.draft - draft0
         record.verify_seconds = timings.verify - verify0
+        record.launch_seconds = timings.launch - launch0
         record.device_wait_seconds = timings.device_wait - wait0
         record.commit_seconds = (timings.commit - commit0) - record.device_wait_seconds
         record.num_new_tokens = self.engine.stats.num_output_tokens - tokens0

@@ -42,6 +42,7 @@ class StepTimings:
     verify: float = 0.0
     commit: float = 0.0  # device_wait included
     device_wait: float = 0.0  # of commit: blocked on the device's results (the step's one sync)
+    launch: float = 0.0  # of verify: the host's work before the forward is queued on the device
 
 
 @dataclass
@@ -81,6 +82,7 @@ class SpecEngine:
             draft_ahead = os.environ.get(DRAFT_AHEAD_ENV, "1") != "0"
         if draft_carry is None:
             draft_carry = default_carry(proposer, self.num_speculative_tokens)
+        self._batch_sampling: tuple[tuple[int, ...], SamplingTensors] | None = None  # (seq ids, tensors)
         self.drafting = Drafting(proposer, lambda seq: self._num_drafts(seq), ahead=draft_ahead,
                                  carry=draft_carry if proposer is not None else 0)
 
@@ -251,18 +253,21 @@ class SpecEngine:
             return None
         device = self.runner.device
         vocab = self.runner.info.vocab_size
-        draft_ids, draft_probs, num_drafts_t = pad_drafts(proposals, vocab, device)
+        t0 = time.perf_counter()
         num_drafts = [int(p.token_ids.numel()) for p in proposals]
         # Host copies of the drafts come from the proposals (CPU), never from the device tensors:
         # no device-to-host sync before the forward. The step's only sync is commit's.
         host_drafts = [p.token_ids.tolist() for p in proposals]
         chunks = [SequenceChunk(s.seq_id, [s.last_token_id] + host_drafts[i]) for i, s in enumerate(batch)]
-        # Host-to-device inputs of sampling go first: the copies may synchronise the stream, which
-        # is free while the device is idle and would stall behind the forward if issued after it.
-        st = SamplingTensors.from_params([s.params for s in batch], device)
-        positions = torch.tensor([s.num_tokens for s in batch], device=device)
+        # The forward first: everything sampling needs is built while the device runs it. Its
+        # host-to-device copies are asynchronous (non_blocking, staged by the driver), so they
+        # queue behind the forward instead of waiting for it, and they leave the critical path.
         out = self.runner.forward(chunks, want_hidden=self._hidden_kind == "final",
                                   want_aux_hidden=self._hidden_kind == "aux")
+        self.stats.timings.launch += time.perf_counter() - t0
+        draft_ids, draft_probs, num_drafts_t = pad_drafts(proposals, vocab, device)
+        st = self._sampling_tensors(batch, device)
+        positions = torch.tensor([s.num_tokens for s in batch]).to(device, non_blocking=True)
         history = ([s.prompt_token_ids + s.output_token_ids for s in batch]
                    if any(s.params.repetition_penalty != 1.0 for s in batch) else None)
         suppress = [(s.params.min_new_tokens - s.num_output_tokens, sorted(self.stop.stop_token_ids(s)))
@@ -393,6 +398,14 @@ class SpecEngine:
             if s.params.min_new_tokens > s.num_output_tokens:
                 logits[i, sorted(self.stop.stop_token_ids(s))] = float("-inf")
         return logits
+
+    def _sampling_tensors(self, batch: list[Sequence], device: torch.device) -> SamplingTensors:
+        """The batch's sampling parameters on the device, built again only when the batch changes
+        (a sequence's parameters are fixed for its life): a steady batch copies nothing."""
+        key = tuple(s.seq_id for s in batch)
+        if self._batch_sampling is None or self._batch_sampling[0] != key:
+            self._batch_sampling = (key, SamplingTensors.from_params([s.params for s in batch], device))
+        return self._batch_sampling[1]
 
     def _release(self, seq: Sequence) -> None:
         self.runner.free(seq.seq_id)
