@@ -16,7 +16,8 @@ Carried drafts (`carry` > 0): each request asks for `carry` drafts past the step
 the step's bonus token and the drafts after it. When the step accepts all k drafts and its bonus
 token is that guess, the rest continue the very context the next step verifies: the next step
 takes them and asks the drafter nothing for that sequence (its new tokens wait for the next
-request), so a round trip leaves the critical path once in every such step. Worth it where extra
+request), so a round trip leaves the critical path once in every such step; drafts carried past
+that step's k carry on the same way (CARRY_STEPS steps' worth by default). Worth it where extra
 drafts cost the drafter nothing (n-gram and replay lookups) and a round trip is a network's.
 Still lossless, sampled requests included: rejection sampling is exact for any proposal drawn
 from the distribution it is given, whatever that was conditioned on; the guess check only keeps
@@ -38,15 +39,21 @@ CARRY_ENV = "SPECD_DRAFT_CARRY"  # drafts asked past k per request; "0": none ca
 FREE_DRAFT_METHODS = ("ngram", "replay")  # lookups: drafts past k cost the drafter nothing
 
 
+CARRY_STEPS = 2  # steps' worth of drafts carried past k by default: a carried step that keeps
+#                 all and guesses right carries the rest on (at rate r, a step is carried with
+#                 probability ~(1 - r)^(k+1) as against ~half that when only one step's worth is)
+
+
 def default_carry(proposer: Proposer | None, num_speculative_tokens: int) -> int:
-    """CARRY_ENV when set; else k + 1 (a guess at the bonus token and the next step's k drafts)
-    where the proposer answers asynchronously (over the network) and its extra drafts are free,
-    0 elsewhere (a model drafter would pay a forward per extra draft)."""
+    """CARRY_ENV when set; else CARRY_STEPS * (k + 1) (per step: a guess at the bonus token and
+    that step's k drafts) where the proposer answers asynchronously (over the network) and its
+    extra drafts are free, 0 elsewhere (a model drafter would pay a forward per extra draft)."""
     value = os.environ.get(CARRY_ENV)
     if value is not None:
         return int(value)
     remote = proposer is not None and hasattr(proposer, "propose_async")
-    return num_speculative_tokens + 1 if remote and getattr(proposer, "method", "") in FREE_DRAFT_METHODS else 0
+    free = remote and getattr(proposer, "method", "") in FREE_DRAFT_METHODS
+    return CARRY_STEPS * (num_speculative_tokens + 1) if free else 0
 
 
 @dataclass(frozen=True)

@@ -40,8 +40,9 @@ def async_engine(target, inner, carry: int):
 @pytest.mark.parametrize("rate", [0.0, corrupt_rate_for(3.0, K)])
 def test_carried_drafts_keep_the_targets_greedy_output_with_fewer_requests(target, tmp_path, rate):
     """The replay drafter (the target's own greedy continuation, corrupted at `rate`): at rate 0
-    every step keeps all k and the guess, so every other step is carried; at acceptance length 3
-    about 0.81^4 of the steps qualify. Output, acceptance: as without carrying."""
+    every step keeps all k and the guess, so with k + 1 drafts carried every other step is
+    carried, and with 2(k + 1) (a carried step carries the rest on) nearly every step; at
+    acceptance length 3 about 0.81^4 of the steps qualify. Output, acceptance: as without."""
     rng = random.Random(7)
     prompts = [[rng.randrange(4, 500) for _ in range(rng.randint(3, 20))] for _ in range(6)]
     params = [SamplingParams(temperature=0.0, max_new_tokens=60, ignore_eos=True) for _ in prompts]
@@ -49,7 +50,7 @@ def test_carried_drafts_keep_the_targets_greedy_output_with_fewer_requests(targe
     write_references(tmp_path / "refs.jsonl", list(zip(prompts, want)))
     refs = load_references(tmp_path / "refs.jsonl")
     runs = {}
-    for carry in (K + 1, 0):
+    for carry in (2 * (K + 1), K + 1, 0):
         engine, proposer = async_engine(target, ReplayProposer(refs, VOCAB, rate), carry)
         got = engine.generate(prompts, params)
         assert [s.output_token_ids for s in got] == want
@@ -57,13 +58,18 @@ def test_carried_drafts_keep_the_targets_greedy_output_with_fewer_requests(targe
         runs[carry] = (engine.drafting.num_carried, sum(len(ids) for ids in proposer.sent_ahead) + proposer.num_sync,
                        1 + sum(s.stats.num_accepted_tokens for s in got) / drafts, drafts)
     (carried, requests, length, steps), (none, plain_requests, plain_length, plain_steps) = runs[K + 1], runs[0]
-    print(f"rate {rate:.3f}: carried {carried} of {steps} sequence-steps; requests {requests} against "
-          f"{plain_requests}; acceptance length {length:.2f} against {plain_length:.2f}")
+    deep_carried, deep_requests, deep_length, deep_steps = runs[2 * (K + 1)]
+    print(f"rate {rate:.3f}: carried {carried} of {steps} sequence-steps ({deep_carried} of {deep_steps} "
+          f"carrying two steps' worth); requests {requests} ({deep_requests}) against {plain_requests}; "
+          f"acceptance length {length:.2f} ({deep_length:.2f}) against {plain_length:.2f}")
     assert none == 0 and carried > 0
-    assert requests < plain_requests
+    assert deep_requests <= requests < plain_requests and deep_carried >= carried
     if rate == 0.0:
         assert carried >= steps // 2 - len(prompts)  # every other step, but near a sequence's end
-    assert abs(length - plain_length) < 0.35  # carried drafts are the drafter's own, as good
+        # each request's drafts last three steps (k + 2(k + 1) = 11 drafts, 4 tokens a step)
+        assert deep_carried >= 2 * deep_steps // 3 - 2 * len(prompts)
+    for other in (length, deep_length):
+        assert abs(other - plain_length) < 0.35  # carried drafts are the drafter's own, as good
 
 
 def seq_with(seq_id: int) -> Sequence:
@@ -94,7 +100,7 @@ def test_default_carry(monkeypatch, target):
     local = build_engine(target, CONFIG, SpeculativeConfig(method="ngram", num_speculative_tokens=K))
     assert local.drafting.carry == 0
     assert default_carry(local.proposer, K) == 0  # in-process: no round trip to save
-    assert default_carry(AsyncNgram(local.proposer), K) == K + 1
+    assert default_carry(AsyncNgram(local.proposer), K) == 2 * (K + 1)
     monkeypatch.setenv(CARRY_ENV, "0")
     assert default_carry(AsyncNgram(local.proposer), K) == 0
     with pytest.raises(ValueError, match="carry"):
