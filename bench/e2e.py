@@ -3,7 +3,7 @@
 One stack (embedded Redis, drafter, grammar, verifier, gateway: services/launcher) per method;
 within it, each batch size B sends B greedy requests at once over the gRPC Generate API (token-id
 prompts, ignore_eos, max_tokens each) after an identical warm-up round (CUDA graphs get captured
-there, not in the timed round). "off" runs first: its outputs are the target's greedy
+there; the row is the median of rounds that captured none, see median_round). "off" runs first: its outputs are the target's greedy
 continuations, written as the replay drafter's references; "replay" then drafts them corrupted at
 the rate whose expected acceptance length is `--replay-acceptance` (bench only, see
 specd/proposers/replay.py). Ratios are against "off" at the same batch size, in the same run.
@@ -33,7 +33,7 @@ class E2ERow:
     acceptance_length: float  # measured: tokens per verify step with drafts (1.0 when off)
     expected_acceptance_length: float | None = None  # replay only
     speedup_vs_off: float | None = None
-    rounds_tokens_per_s: list[float] | None = None  # every timed round; the row is the median one
+    rounds_tokens_per_s: list[float] | None = None  # every timed round; the row is median_round's
     step_ms: dict | None = None  # the verifier's mean ms per step in the median round, by phase
     rounds_captures: list[int] | None = None  # CUDA graphs the verifier captured in each timed round
 
@@ -156,11 +156,27 @@ def base_method(label: str) -> tuple[str, dict]:
     return label, {}
 
 
+def _captured(row: E2ERow) -> bool:
+    return bool(row.step_ms and row.step_ms.get("captures"))
+
+
+def median_round(timed: list[tuple]) -> tuple:
+    """The round of median tokens/s among those without a CUDA-graph capture, of (row, replies)
+    pairs sorted by tokens/s; among all of them when every round captured. Why: the verifier
+    captures a graph the first time a (batch bucket, tokens per sequence, context width bucket)
+    comes up, ~0.5 s at 8B, once in the server's life; which round meets a new width depends on
+    how the batch happens to be admitted, so a capture lands in some timed rounds despite the
+    warm-up and can take a fifth of a 2.5 s round. Host work on the step's critical path still
+    makes single rounds vary by 15-25%, hence a median; every round is listed in the row."""
+    steady = [t for t in timed if not _captured(t[0])] or timed
+    return steady[len(steady) // 2]
+
+
 def run_method(method: str, target: Path, draft: Path | None, batches: list[int], prompts, max_tokens: int,
                k: int, device: str, extra_env: dict | None = None, log_level: str = "warning",
                rounds: int = 3) -> tuple[list[E2ERow], dict]:
-    """Per batch size: one warm-up round, then `rounds` timed rounds; the row is the round of
-    median tokens/s (host work on the step's critical path makes single rounds vary by 15-25%)."""
+    """Per batch size: one warm-up round, then timed rounds until `rounds` of them captured no CUDA
+    graph (at most 2 * rounds); the row is the median round of those (median_round)."""
     from services.launcher.supervisor import Stack, StackConfig
     from specd.transport.embedded_redis import free_port
 
@@ -183,14 +199,14 @@ def run_method(method: str, target: Path, draft: Path | None, batches: list[int]
         for batch in batches:
             _generate_all(stack, prompts[:batch], max_tokens)  # warm-up: graph captures
             timed = []
-            for _ in range(rounds):
+            while len(timed) < 2 * rounds and sum(not _captured(t[0]) for t in timed) < rounds:
                 before = scrape_step_phases(metrics_port)
                 wall, replies = _generate_all(stack, prompts[:batch], max_tokens)
                 row = _row(label, batch, wall, replies)
                 row.step_ms = step_split_ms(before, scrape_step_phases(metrics_port))
                 timed.append((row, replies))
             timed.sort(key=lambda t: t[0].tokens_per_s)
-            row, replies = timed[len(timed) // 2]
+            row, replies = median_round(timed)
             row.rounds_tokens_per_s = [round(t[0].tokens_per_s, 1) for t in timed]
             row.rounds_captures = [t[0].step_ms.get("captures", 0) for t in timed]
             rows.append(row)
