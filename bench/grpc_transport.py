@@ -7,9 +7,10 @@ puts responses on another, the caller blocks on that queue. Here the same patter
 echo server in a process of its own; between messages the client spins for `gap` ms (the engine
 thread's wait for the device), so the server's threads sleep that long, as the drafter's do.
 
-    python -m bench.grpc_transport [--pings 1000] [--gaps-ms 0,1,4] [--payload 200]
+    python -m bench.grpc_transport [--pings 1000] [--gaps-ms 0,1,4] [--payload 200] [--server-spin]
 
-It prints the median and p90 round trip per gap, and each against gap 0.
+It prints the median and p90 round trip per gap, and each against gap 0. --server-spin runs a
+thread in the server process that keeps yielding (time.sleep(0)): does a core kept awake help?
 """
 
 from __future__ import annotations
