@@ -12,15 +12,15 @@ import itertools
 import os
 import time
 from collections import deque
-from dataclasses import dataclass, field
 
 import torch
 
 from specd.engine.constraints import ConstraintTracker, keep_grammar_rows, mask_rows
 from specd.engine.drafting import Drafting, default_carry
 from specd.engine.sequence import Sequence, SequenceStatus
+from specd.engine.stats import EngineStats
 from specd.engine.stop import StopChecker
-from specd.engine.verify import pad_drafts, verify_target_probs
+from specd.engine.verify import BatchSamplingTensors, pad_drafts, verify_target_probs
 from specd.grammar.backend import GrammarSpec
 from specd.messages import ConfigError, SpecStats
 from specd.models.base import SequenceChunk, TargetRunner
@@ -31,27 +31,6 @@ from specd.sampling import SamplingTensors, apply_repetition_penalty, processed_
 from specd.sampling_params import SamplingParams
 
 DRAFT_AHEAD_ENV = "SPECD_DRAFT_AHEAD"  # "0": drafts are asked for inside each step
-
-
-@dataclass
-class StepTimings:
-    """Seconds spent in each verb of one step."""
-
-    admit: float = 0.0
-    draft: float = 0.0
-    verify: float = 0.0
-    commit: float = 0.0  # device_wait included
-    device_wait: float = 0.0  # of commit: blocked on the device's results (the step's one sync)
-    launch: float = 0.0  # of verify: the host's work before the forward is queued on the device
-
-
-@dataclass
-class EngineStats:
-    """Running totals over the engine's life (fed to logs and, in the services, Prometheus)."""
-
-    num_steps: int = 0
-    num_output_tokens: int = 0
-    timings: StepTimings = field(default_factory=StepTimings)
 
 
 class SpecEngine:
@@ -82,7 +61,7 @@ class SpecEngine:
             draft_ahead = os.environ.get(DRAFT_AHEAD_ENV, "1") != "0"
         if draft_carry is None:
             draft_carry = default_carry(proposer, self.num_speculative_tokens)
-        self._batch_sampling: tuple[tuple[int, ...], SamplingTensors] | None = None  # (seq ids, tensors)
+        self._batch_sampling = BatchSamplingTensors()
         self.drafting = Drafting(proposer, lambda seq: self._num_drafts(seq), ahead=draft_ahead,
                                  carry=draft_carry if proposer is not None else 0)
 
@@ -266,7 +245,7 @@ class SpecEngine:
                                   want_aux_hidden=self._hidden_kind == "aux")
         self.stats.timings.launch += time.perf_counter() - t0
         draft_ids, draft_probs, num_drafts_t = pad_drafts(proposals, vocab, device)
-        st = self._sampling_tensors(batch, device)
+        st = self._batch_sampling.get(batch, device)
         positions = torch.tensor([s.num_tokens for s in batch]).to(device, non_blocking=True)
         history = ([s.prompt_token_ids + s.output_token_ids for s in batch]
                    if any(s.params.repetition_penalty != 1.0 for s in batch) else None)
@@ -398,14 +377,6 @@ class SpecEngine:
             if s.params.min_new_tokens > s.num_output_tokens:
                 logits[i, sorted(self.stop.stop_token_ids(s))] = float("-inf")
         return logits
-
-    def _sampling_tensors(self, batch: list[Sequence], device: torch.device) -> SamplingTensors:
-        """The batch's sampling parameters on the device, built again only when the batch changes
-        (a sequence's parameters are fixed for its life): a steady batch copies nothing."""
-        key = tuple(s.seq_id for s in batch)
-        if self._batch_sampling is None or self._batch_sampling[0] != key:
-            self._batch_sampling = (key, SamplingTensors.from_params([s.params for s in batch], device))
-        return self._batch_sampling[1]
 
     def _release(self, seq: Sequence) -> None:
         self.runner.free(seq.seq_id)

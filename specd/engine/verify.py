@@ -14,6 +14,23 @@ from specd.proposers.base import DraftProposal
 from specd.sampling import SamplingTensors, apply_repetition_penalty, processed_probs
 
 
+class BatchSamplingTensors:
+    """The verify batch's sampling parameters on the device, built again only when the batch
+    changes (a sequence's parameters are fixed for its life): a steady batch copies nothing."""
+
+    def __init__(self) -> None:
+        self._seq_ids: tuple[int, ...] | None = None
+        self._tensors: SamplingTensors | None = None
+
+    def get(self, batch: list, device: torch.device) -> SamplingTensors:
+        """batch: the step's Sequences, in order."""
+        seq_ids = tuple(s.seq_id for s in batch)
+        if seq_ids != self._seq_ids:
+            self._seq_ids = seq_ids
+            self._tensors = SamplingTensors.from_params([s.params for s in batch], device)
+        return self._tensors
+
+
 def pad_drafts(proposals: list[DraftProposal], vocab_size: int, device: torch.device
                ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Stack per-request drafts.

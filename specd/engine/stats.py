@@ -1,0 +1,26 @@
+"""What an engine counts over its life: steps, output tokens, seconds per verb."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class StepTimings:
+    """Seconds spent in each verb of one step."""
+
+    admit: float = 0.0
+    draft: float = 0.0
+    verify: float = 0.0
+    commit: float = 0.0  # device_wait included
+    device_wait: float = 0.0  # of commit: blocked on the device's results (the step's one sync)
+    launch: float = 0.0  # of verify: the host's work before the forward is queued on the device
+
+
+@dataclass
+class EngineStats:
+    """Running totals over the engine's life (fed to logs and, in the services, Prometheus)."""
+
+    num_steps: int = 0
+    num_output_tokens: int = 0
+    timings: StepTimings = field(default_factory=StepTimings)
