@@ -1,13 +1,14 @@
 """The static (CUDA-graph) step's model forward through specd's Triton kernels.
 
-Per decoder layer: RMSNorm (fused with the previous layer's residual add), the fused QKV GEMM,
+Per decoder layer: RMSNorm (fused with the previous layer's residual add) and the fused QKV GEMM,
 RoPE + paged-cache write (one kernel), split-KV paged attention (two; flash-attn's
 flash_attn_with_kvcache instead when it is installed and the blocks suit it), o_proj, residual add +
-RMSNorm (one), the fused gate/up GEMM with silu * up in its epilogue, down_proj; the GEMMs take
-the skinny kernel at few rows (linear.py; above them cuBLAS, and silu * up is a kernel of its own).
+RMSNorm and the fused gate/up GEMM with silu * up in its epilogue, down_proj; the GEMMs take
+the skinny kernel at few rows (linear.py; above them cuBLAS, and silu * up is a kernel of its own),
+and with SPECD_NORM_PROLOGUE=1 each norm runs inside the GEMM after it (normed_gemm.py, opt-in: slower so far).
 o_proj and down_proj, whose outputs only feed the next RMSNorm's residual add, take the skinny
 kernel split-K where skinny_gemm.split_k_for says so: fp32 partials that the norm sums.
-Nine launches a layer where the PyTorch path takes about thirty, and no gathered K/V copies
+Nine launches a layer (seven with the norms folded in) where the PyTorch path takes about thirty, and no gathered K/V copies
 (kernels/*.py say why each exists). On Hopper the kernels launch with PDL (kernels/pdl.py): each
 may start during its predecessor's tail, a GEMM streaming its first weight tile meanwhile; and
 under an L2 prefetch plan (kernels/l2_prefetch.py) each skinny GEMM pulls part of the next GEMM's
@@ -24,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from specd.models import skinny_gemm
+from specd.models import normed_gemm, skinny_gemm
 from specd.models.kernels import l2_prefetch, norm_act, paged_decode_attention, rope_cache
 from specd.models.kv_cache import PagedKVCache
 from specd.models.linear import takes_skinny_kernel
@@ -57,12 +58,12 @@ def fused_forward(model, input_ids: torch.Tensor, positions: torch.Tensor, meta:
     delta = None  # the previous layer's MLP output, added to x by this layer's first norm
     layers = model.model.layers
     for i, layer in enumerate(layers):
-        x, h = norm_act.rms_norm(x, layer.input_layernorm.weight, eps, delta)
+        attn, mlp = layer.self_attn, layer.mlp
+        x, qkv = _norm_project(x, delta, layer.input_layernorm.weight, eps, attn.qkv_proj,
+                               l2_prefetch.target_for("o", attn.o_proj.weight))
         if i in wanted:
             captured[i] = x
-        attn, mlp = layer.self_attn, layer.mlp
         cache_k, cache_v = kv_cache.k_caches[i], kv_cache.v_caches[i]
-        qkv = _project(attn.qkv_proj, h, l2_prefetch.target_for("o", attn.o_proj.weight))
         q = rope_cache.rope_and_cache_write(qkv, cos, sin, meta.slot_mapping, cache_k, cache_v,
                                             attn.num_heads, attn.num_kv_heads)  # [T, Hq, D]
         # flash-attn installed and 256-token blocks: its kernel; a prefill's Q rows (static
@@ -73,14 +74,13 @@ def fused_forward(model, input_ids: torch.Tensor, positions: torch.Tensor, meta:
             o = paged_decode_attention.paged_decode_attention(
                 q, cache_k, cache_v, meta.ctx_lens, meta.block_tables, meta.query_len, attn.scale,
                 attn.sliding_window)  # [T, Hq, D]
-        x, h = norm_act.rms_norm(x, layer.post_attention_layernorm.weight, eps,
-                                 _residual_delta(attn.o_proj, o.reshape(tokens, -1),
-                                                 l2_prefetch.target_for("gate_up", mlp.gate_up_proj.weight)))
+        attn_out = _residual_delta(attn.o_proj, o.reshape(tokens, -1),
+                                   l2_prefetch.target_for("gate_up", mlp.gate_up_proj.weight))
+        x, act = _norm_project(x, attn_out, layer.post_attention_layernorm.weight, eps, mlp.gate_up_proj,
+                               l2_prefetch.target_for("down", mlp.down_proj.weight), swiglu=True)
         after_down = (l2_prefetch.target_for("qkv", layers[i + 1].self_attn.qkv_proj.weight) if i + 1 < len(layers)
                       else l2_prefetch.target_for("lm_head", getattr(model.lm_head, "weight", None)))
-        delta = _residual_delta(mlp.down_proj, _swiglu(mlp.gate_up_proj, h,
-                                                       l2_prefetch.target_for("down", mlp.down_proj.weight)),
-                                after_down)
+        delta = _residual_delta(mlp.down_proj, act, after_down)
     _, hidden = norm_act.rms_norm(x, model.model.norm.weight, eps, delta)
     aux = torch.cat([captured[i] for i in aux_layer_ids], dim=-1) if aux_layer_ids else None
     return hidden, aux
@@ -91,6 +91,18 @@ def _prefetch_args(target: l2_prefetch.PrefetchTarget | None) -> tuple:
     if target is None:
         return ()
     return (target.weight, target.units, target.regions, target.kind_code)
+
+
+def _norm_project(x: torch.Tensor, delta: torch.Tensor | None, norm_weight: torch.Tensor, eps: float, proj,
+                  prefetch: l2_prefetch.PrefetchTarget | None, swiglu: bool = False
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(residual x + delta, proj(RMSNorm(residual))), silu(gate) * up of it with swiglu: one
+    kernel where the norm folds into the skinny GEMM (normed_gemm.py), else the norm kernel and then
+    the product."""
+    if normed_gemm.applies(x, proj):
+        return normed_gemm.normed_linear(x, delta, norm_weight, eps, proj.weight, swiglu, *_prefetch_args(prefetch))
+    x, h = norm_act.rms_norm(x, norm_weight, eps, delta)
+    return x, (_swiglu(proj, h, prefetch) if swiglu else _project(proj, h, prefetch))
 
 
 def _project(proj, h: torch.Tensor, prefetch: l2_prefetch.PrefetchTarget | None) -> torch.Tensor:
