@@ -22,7 +22,9 @@ on the H200 it is slower, not faster: with Triton 3.6 the 8B step took 10.2-10.9
 ~180 against 56, about 2.2 us more per K step, as if the loop's loads no longer overlapped. Not
 the cause, each tried: the squares summed across the tile in every K step, the residual store in
 the loop, the norm weight's [BLOCK_K] load (a synchronous load in Triton 3.6's loop; now a tile
-the pipeliner streams). The compiled kernels of run 32 (TTGIR, PTX) are the next place to look.
+the pipeliner streams). Half the extra goes with the fp32 partials (run 34: a bf16 delta, 7.4 ms);
+run 32's TTGIR does the elementwise work in the tensor cores' operand layout, where each warp
+holds the whole x tile: a fix would do it in a layout of its own and convert once.
 """
 
 from __future__ import annotations
