@@ -23,7 +23,7 @@ from specd.messages import PytorchEngineConfig, SpeculativeConfig
 from specd.sampling_params import SamplingParams
 from specd.transport.redis_streams import CONSUMER_GROUP, QueuedRequest, ResultEntry, cancel_key, result_key
 from tests.services.fault_helpers import ENGINE, delivered_tokens, read_like_the_gateway
-from tests.services.test_verifier import RunningWorker, assert_queue_empty, check_answers, make_requests, \
+from tests.services.verifier_harness import RunningWorker, assert_queue_empty, check_answers, make_requests, \
     reference_tokens
 
 NGRAM = SpeculativeConfig(method="ngram", num_speculative_tokens=3)

@@ -16,7 +16,7 @@ from services.gateway.request_stream import RequestTimings
 from specd.sampling_params import SamplingParams
 from specd.transport.redis_streams import QueuedRequest, cancel_key, result_key
 from tests.services.fault_helpers import make_worker, read_like_the_gateway
-from tests.services.test_verifier import assert_queue_empty, reference_tokens
+from tests.services.verifier_harness import assert_queue_empty, reference_tokens
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

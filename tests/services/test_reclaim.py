@@ -17,8 +17,8 @@ from specd.transport.redis_streams import CONSUMER_GROUP, QueuedRequest, ResultE
 from specd.transport.resume import ResultGapError, replay_results
 from specd.sampling_params import SamplingParams
 from tests.services.fault_helpers import ENGINE, NGRAM, delivered_tokens, make_worker, read_like_the_gateway
-from tests.services.test_verifier import (assert_queue_empty, check_answers, collect, enqueue, make_requests,
-                                          reference_tokens)
+from tests.services.verifier_harness import (assert_queue_empty, check_answers, collect, enqueue, make_requests,
+                                             reference_tokens)
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

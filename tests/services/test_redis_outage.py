@@ -12,8 +12,8 @@ import redis
 from specd.sampling_params import SamplingParams
 from specd.transport.embedded_redis import start_embedded_redis
 from specd.transport.redis_streams import QueuedRequest
-from tests.services.test_verifier import (SUB_STREAM, VerifierProcess, assert_queue_empty, check_answers,
-                                          collect, enqueue, make_requests, reference_tokens)
+from tests.services.verifier_harness import (SUB_STREAM, VerifierProcess, assert_queue_empty, check_answers,
+                                             collect, enqueue, make_requests, reference_tokens)
 
 
 def test_verifier_survives_redis_restart_and_serves_on(tiny_models, tmp_path):

@@ -12,7 +12,7 @@ from prometheus_client import generate_latest
 
 from bench.e2e import step_split_ms
 from services.verifier.metrics import VerifierMetrics
-from tests.services.test_verifier import collect, enqueue, make_requests, make_worker
+from tests.services.verifier_harness import collect, enqueue, make_requests, make_worker
 
 
 def _value(metrics: VerifierMetrics, name: str) -> float:

@@ -11,80 +11,18 @@ import subprocess
 import sys
 import time
 import urllib.request
-from pathlib import Path
 
-import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 
 from specd.engine.builder import build_engine
 from specd.messages import PytorchEngineConfig
 from specd.sampling_params import SamplingParams
-from specd.transport.embedded_redis import free_port
 from specd.transport.redis_streams import CONSUMER_GROUP, QueuedRequest
-from specd.v1 import verifier_pb2, verifier_pb2_grpc
-from tests.services.verifier_harness import (
-    ROOT, SESSION_LEN, ENGINE, make_requests, reference_tokens, enqueue, collect, check_answers,
-    assert_queue_empty)
+from tests.services.verifier_harness import (ENGINE, ROOT, SUB_STREAM, VerifierProcess, assert_queue_empty,
+                                             check_answers, collect, enqueue, make_requests, reference_tokens)
 
 
-# ---- subprocesses ---------------------------------------------------------------------------------
-class VerifierProcess:
-    """`python -m specd.cli verifier ...` with its admin port; logs go to a file."""
-
-    def __init__(self, redis_url: str, target: Path, stream: str, consumer: str, log_dir: Path, *extra: str) -> None:
-        self.admin_port, self.metrics_port = free_port(), free_port()
-        self.log_path = log_dir / f"{consumer}.log"
-        args = [sys.executable, "-m", "specd.cli", "verifier", str(target), "--redis-url", redis_url,
-                "--request-stream", stream, "--consumer", consumer, "--max-batch-size", "4",
-                "--session-len", str(SESSION_LEN), "--block-size", "8", "--device", "cpu",
-                "--admin-host", "127.0.0.1", "--admin-port", str(self.admin_port),
-                "--metrics-port", str(self.metrics_port), "--speculative-algorithm", "ngram",
-                "--speculative-num-draft-tokens", "3", *extra]
-        self.log_file = open(self.log_path, "w")
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-        self.proc = subprocess.Popen(args, cwd=ROOT, stdout=self.log_file, stderr=subprocess.STDOUT, env=env)
-        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.admin_port}")
-        self.admin = verifier_pb2_grpc.VerifierAdminStub(self.channel)
-        self.health = health_pb2_grpc.HealthStub(self.channel)
-
-    def wait_serving(self, timeout: float = 90.0) -> "VerifierProcess":
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, f"verifier exited {self.proc.returncode}:\n{self.log()}"
-            try:
-                if self.health.Check(health_pb2.HealthCheckRequest(), timeout=1).status == \
-                        health_pb2.HealthCheckResponse.SERVING:
-                    return self
-            except grpc.RpcError:
-                pass
-            time.sleep(0.1)
-        raise AssertionError(f"verifier not serving after {timeout} s:\n{self.log()}")
-
-    def stats(self) -> verifier_pb2.VerifierStatsResponse:
-        return self.admin.Stats(verifier_pb2.VerifierStatsRequest(), timeout=5)
-
-    def log(self) -> str:
-        self.log_file.flush()
-        return self.log_path.read_text()
-
-    def terminate(self, timeout: float = 30.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout=timeout)
-        finally:
-            self.close()
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-        self.channel.close()
-        self.log_file.close()
-
-
-SUB_STREAM = "sub:requests"
 
 
 @pytest.fixture(scope="module")

@@ -1,23 +1,31 @@
 """The verifier tests' helpers: requests made the way the gateway makes them, target-only greedy
 references, enqueueing and collecting through a real Redis, and an in-process worker in a thread
-(test_verifier.py and test_verifier_subprocess.py share them).
+and a `python -m specd.cli verifier` subprocess (VerifierProcess); the verifier suites share them.
 """
 
 from __future__ import annotations
 
+import os
 import random
+import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
 
+import grpc
 import pytest
 import redis
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.verifier.worker import VerifierWorker, WorkerConfig
 from specd.engine.builder import build_engine
 from specd.messages import PytorchEngineConfig, SpeculativeConfig
 from specd.sampling_params import SamplingParams
+from specd.transport.embedded_redis import free_port
 from specd.transport.redis_streams import CONSUMER_GROUP, QueuedRequest, ResultEntry, result_key
+from specd.v1 import verifier_pb2, verifier_pb2_grpc
 
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -149,3 +157,62 @@ def make_worker(redis_url: str, target: Path, stream: str, spec=None, max_batch_
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+# ---- a verifier subprocess --------------------------------------------------------------------------
+class VerifierProcess:
+    """`python -m specd.cli verifier ...` with its admin port; logs go to a file."""
+
+    def __init__(self, redis_url: str, target: Path, stream: str, consumer: str, log_dir: Path, *extra: str) -> None:
+        self.admin_port, self.metrics_port = free_port(), free_port()
+        self.log_path = log_dir / f"{consumer}.log"
+        args = [sys.executable, "-m", "specd.cli", "verifier", str(target), "--redis-url", redis_url,
+                "--request-stream", stream, "--consumer", consumer, "--max-batch-size", "4",
+                "--session-len", str(SESSION_LEN), "--block-size", "8", "--device", "cpu",
+                "--admin-host", "127.0.0.1", "--admin-port", str(self.admin_port),
+                "--metrics-port", str(self.metrics_port), "--speculative-algorithm", "ngram",
+                "--speculative-num-draft-tokens", "3", *extra]
+        self.log_file = open(self.log_path, "w")
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+        self.proc = subprocess.Popen(args, cwd=ROOT, stdout=self.log_file, stderr=subprocess.STDOUT, env=env)
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.admin_port}")
+        self.admin = verifier_pb2_grpc.VerifierAdminStub(self.channel)
+        self.health = health_pb2_grpc.HealthStub(self.channel)
+
+    def wait_serving(self, timeout: float = 90.0) -> "VerifierProcess":
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, f"verifier exited {self.proc.returncode}:\n{self.log()}"
+            try:
+                if self.health.Check(health_pb2.HealthCheckRequest(), timeout=1).status == \
+                        health_pb2.HealthCheckResponse.SERVING:
+                    return self
+            except grpc.RpcError:
+                pass
+            time.sleep(0.1)
+        raise AssertionError(f"verifier not serving after {timeout} s:\n{self.log()}")
+
+    def stats(self) -> verifier_pb2.VerifierStatsResponse:
+        return self.admin.Stats(verifier_pb2.VerifierStatsRequest(), timeout=5)
+
+    def log(self) -> str:
+        self.log_file.flush()
+        return self.log_path.read_text()
+
+    def terminate(self, timeout: float = 30.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout=timeout)
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.channel.close()
+        self.log_file.close()
+
+
+SUB_STREAM = "sub:requests"
