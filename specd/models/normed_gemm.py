@@ -6,9 +6,9 @@ and the start of the GEMM after it, not work. The skinny GEMM walks all of x's K
 program owns some output columns and reads every K for them), so each program forms the residual
 x + delta tile by tile (the delta being the o_proj / down_proj split-K partials), adds up its
 squares, multiplies it by the norm's weight and feeds that to the tensor cores; 1 / rms is a
-scale of the row, applied to the accumulator once the K loop is done. Program 0 also stores the
-residual (the next norm's x, and the aux features the EAGLE drafter takes). The price: every
-program re-reads x and the delta from L2, beside the weight stream it is limited by.
+scale of the row, applied to the accumulator once the K loop is done. After the loop program p
+also stores K tile p of the residual (the next norm's x, and the aux features the EAGLE drafter
+takes). The price: every program re-reads x and the delta from L2, beside the weight stream.
 
 Rounding: the residual is norm_act.rms_norm's bit for bit; the GEMM's operand is round(r * w)
 scaled by 1 / rms in fp32 after the product, where the unfused path rounds r / rms, then times w:
