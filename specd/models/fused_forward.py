@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from specd.models import norm_epilogue, normed_gemm, skinny_gemm
+from specd.models import normed_gemm, skinny_gemm
 from specd.models.kernels import l2_prefetch, norm_act, paged_decode_attention, rope_cache
 from specd.models.kv_cache import PagedKVCache
 from specd.models.linear import takes_skinny_kernel
@@ -56,16 +56,11 @@ def fused_forward(model, input_ids: torch.Tensor, positions: torch.Tensor, meta:
     wanted = set(aux_layer_ids)
     captured: dict[int, torch.Tensor] = {}
     delta = None  # the previous layer's MLP output, added to x by this layer's first norm
-    pending = None  # or that norm begun in the previous down_proj's epilogue: (residual, h, ss)
     layers = model.model.layers
     for i, layer in enumerate(layers):
         attn, mlp = layer.self_attn, layer.mlp
-        if pending is not None:
-            x, h, ss = pending
-            qkv = norm_epilogue.row_scaled_product(h, ss, eps, attn.qkv_proj.weight)
-        else:
-            x, qkv = _norm_project(x, delta, layer.input_layernorm.weight, eps, attn.qkv_proj,
-                                   l2_prefetch.target_for("o", attn.o_proj.weight))
+        x, qkv = _norm_project(x, delta, layer.input_layernorm.weight, eps, attn.qkv_proj,
+                               l2_prefetch.target_for("o", attn.o_proj.weight))
         if i in wanted:
             captured[i] = x
         cache_k, cache_v = kv_cache.k_caches[i], kv_cache.v_caches[i]
@@ -79,21 +74,11 @@ def fused_forward(model, input_ids: torch.Tensor, positions: torch.Tensor, meta:
             o = paged_decode_attention.paged_decode_attention(
                 q, cache_k, cache_v, meta.ctx_lens, meta.block_tables, meta.query_len, attn.scale,
                 attn.sliding_window)  # [T, Hq, D]
-        o = o.reshape(tokens, -1)
-        if norm_epilogue.applies(o, x, attn.o_proj, mlp.gate_up_proj):
-            x, h, ss = norm_epilogue.residual_norm_product(o, attn.o_proj.weight, x, layer.post_attention_layernorm.weight)
-            act = norm_epilogue.row_scaled_product(h, ss, eps, mlp.gate_up_proj.weight, swiglu=True)
-        else:
-            attn_out = _residual_delta(attn.o_proj, o, l2_prefetch.target_for("gate_up", mlp.gate_up_proj.weight))
-            x, act = _norm_project(x, attn_out, layer.post_attention_layernorm.weight, eps, mlp.gate_up_proj,
-                                   l2_prefetch.target_for("down", mlp.down_proj.weight), swiglu=True)
-        following = layers[i + 1] if i + 1 < len(layers) else None  # the final norm stays a kernel: hidden is returned
-        pending = None
-        if following is not None and norm_epilogue.applies(act, x, mlp.down_proj, following.self_attn.qkv_proj):
-            pending = norm_epilogue.residual_norm_product(act, mlp.down_proj.weight, x,
-                                                          following.input_layernorm.weight)
-            continue
-        after_down = (l2_prefetch.target_for("qkv", following.self_attn.qkv_proj.weight) if following is not None
+        attn_out = _residual_delta(attn.o_proj, o.reshape(tokens, -1),
+                                   l2_prefetch.target_for("gate_up", mlp.gate_up_proj.weight))
+        x, act = _norm_project(x, attn_out, layer.post_attention_layernorm.weight, eps, mlp.gate_up_proj,
+                               l2_prefetch.target_for("down", mlp.down_proj.weight), swiglu=True)
+        after_down = (l2_prefetch.target_for("qkv", layers[i + 1].self_attn.qkv_proj.weight) if i + 1 < len(layers)
                       else l2_prefetch.target_for("lm_head", getattr(model.lm_head, "weight", None)))
         delta = _residual_delta(mlp.down_proj, act, after_down)
     _, hidden = norm_act.rms_norm(x, model.model.norm.weight, eps, delta)

@@ -43,7 +43,6 @@ from specd.models.kernels.pdl import launch_options, use_pdl
 
 MAX_ROWS = 32
 MIN_BLOCK_K = 64
-SS_COLS = 16  # RES_NORM's squares are summed per this many columns (the smallest BLOCK_N): a layout of no block shape
 PREFETCH_UNIT_ELEMS = {code: unit for code, unit in KINDS.values()}  # prefetch kind -> elements a unit
 
 try:
@@ -113,8 +112,6 @@ if triton is not None:
     from specd.models.kernels.l2_prefetch import prefetch_share
     from specd.models.kernels.pdl import gdc_release, gdc_wait
 
-    _SS_COLS = tl.constexpr(SS_COLS)
-
     def _divides_k(configs, named_args, **kwargs):
         """Only block shapes whose BLOCK_K divides a split's K range, K / SPLIT_K (the loop has no
         K mask)."""
@@ -152,77 +149,23 @@ if triton is not None:
             x = tl.load(x_ptrs, mask=row_ok, other=0.0)
         return x, ss
 
-    @triton.jit
-    def _residual_norm_finish(d, xr_ptr, stride_xrm, nw_ptr, res_ptr, stride_rm, h_ptr, ss_ptr, pid, rows,
-                              cols, M, N, M_BUCKET: tl.constexpr, BLOCK_N: tl.constexpr):
-        """A column tile's residual r = xr + d (d: the whole product, any float dtype; each add
-        rounded to the model dtype as norm_act.rms_norm rounds), h = r * nw, and r's squares
-        summed every SS_COLS columns (see the kernel's RES_NORM)."""
-        ok = (rows[:, None] < M) & (cols[None, :] < N)
-        dtype = xr_ptr.dtype.element_ty
-        xr = tl.load(xr_ptr + rows[:, None] * stride_xrm + cols[None, :], mask=ok, other=0.0)
-        r = (xr.to(tl.float32) + d.to(dtype).to(tl.float32)).to(dtype)
-        tl.store(res_ptr + rows[:, None] * stride_rm + cols[None, :], r, mask=ok)
-        rf = r.to(tl.float32)
-        nw = tl.load(nw_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
-        tl.store(h_ptr + rows[:, None] * stride_rm + cols[None, :], (rf * nw[None, :]).to(dtype), mask=ok)
-        sq = tl.reshape(rf * rf, (M_BUCKET, BLOCK_N // _SS_COLS, _SS_COLS))
-        ss = tl.sum(sq, axis=2)  # [M_BUCKET, BLOCK_N / _SS_COLS]
-        g = pid * (BLOCK_N // _SS_COLS) + tl.arange(0, BLOCK_N // _SS_COLS)
-        tl.store(ss_ptr + g[None, :] * M + rows[:, None], ss, mask=(rows[:, None] < M) & (g[None, :] * _SS_COLS < N))
-
-    @triton.jit
-    def _residual_norm_epilogue(y_ptr, stride_ys, stride_ym, xr_ptr, stride_xrm, nw_ptr, res_ptr, stride_rm,
-                                h_ptr, ss_ptr, cnt_ptr, pid, rows, cols, M, N, out,
-                                M_BUCKET: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr):
-        """RES_NORM after the product's store: the column tile's last program finishes the norm.
-        Split-K: each program counts itself in (acq_rel: its partial is visible to whoever counts
-        last), and the last sums the SPLIT_K partials in split order (the fp32 sum, hence the bits,
-        do not depend on which program came last), then resets the counter for the next launch or
-        graph replay."""
-        if SPLIT_K > 1:
-            tl.debug_barrier()  # every thread's partial stored before the count says so
-            count = tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel")
-            if count == SPLIT_K - 1:
-                ok = (rows[:, None] < M) & (cols[None, :] < N)
-                y_ptrs = y_ptr + rows[:, None] * stride_ym + cols[None, :]
-                d = tl.load(y_ptrs, mask=ok, other=0.0, cache_modifier=".cg")  # past L1: others' stores
-                for s in tl.static_range(1, SPLIT_K):  # fixed order: deterministic
-                    d += tl.load(y_ptrs + s * stride_ys, mask=ok, other=0.0, cache_modifier=".cg")
-                tl.atomic_xchg(cnt_ptr + pid, 0)
-                _residual_norm_finish(d, xr_ptr, stride_xrm, nw_ptr, res_ptr, stride_rm, h_ptr, ss_ptr, pid,
-                                      rows, cols, M, N, M_BUCKET, BLOCK_N)
-        else:
-            _residual_norm_finish(out, xr_ptr, stride_xrm, nw_ptr, res_ptr, stride_rm, h_ptr, ss_ptr, pid,
-                                  rows, cols, M, N, M_BUCKET, BLOCK_N)
-
-    @triton.autotune(configs=_configs(), key=["M_BUCKET", "N", "K", "SWIGLU", "SPLIT_K", "NORM", "DELTA_SPLITS",
-                                              "RES_NORM", "SS_GROUPS"],
+    @triton.autotune(configs=_configs(), key=["M_BUCKET", "N", "K", "SWIGLU", "SPLIT_K", "NORM", "DELTA_SPLITS"],
                      prune_configs_by={"early_config_prune": _divides_k})
     @triton.jit
     def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ys, stride_ym,
                             pf_ptr, pf_units, pf_regions, pf_region_stride,
                             d_ptr, stride_ds, stride_dm, nw_ptr, res_ptr, stride_rm, eps,
-                            xr_ptr, stride_xrm, h_ptr, ss_ptr, cnt_ptr,
                             M_BUCKET: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                             SWIGLU: tl.constexpr, SPLIT_K: tl.constexpr, USE_PDL: tl.constexpr,
                             PF_KIND: tl.constexpr = 0, PF_UNIT: tl.constexpr = 64,
-                            NORM: tl.constexpr = False, DELTA_SPLITS: tl.constexpr = 0,
-                            RES_NORM: tl.constexpr = False, SS_GROUPS: tl.constexpr = 0,
-                            SS_POW2: tl.constexpr = 1):
+                            NORM: tl.constexpr = False, DELTA_SPLITS: tl.constexpr = 0):
         """Grid (cdiv(N, BLOCK_N), SPLIT_K). SPLIT_K 1: y [M, N] in x's dtype. SPLIT_K > 1: program
         (n, s) sums K range s (K / SPLIT_K long) into y[s] of fp32 partials y [SPLIT_K, M, N].
         PF_KIND > 0: after its stores, each program prefetches its share of the next GEMM's
         weights into L2 (pf_*: kernels/l2_prefetch.py).
         NORM: y = RMSNorm(x + delta) * nw @ W^T (normed_gemm.py): delta is DELTA_SPLITS addends
         [M, K] (d_ptr, stride_ds apart; 0: none); the residual x + delta [M, K] goes to res_ptr,
-        program p storing K tile p (each program computes it all, for its own operand).
-        RES_NORM (norm_epilogue.py): the product is a residual delta followed by an RMSNorm; the
-        last program of each column tile (of the SPLIT_K over its K ranges: a counter in cnt_ptr)
-        sums the tile's partials, adds the residual xr [M, N], stores it to res_ptr, stores
-        h = residual * nw (nw [N]) to h_ptr, and each row's sum of squares of every SS_COLS columns
-        to ss_ptr [N / SS_COLS, M]. SS_GROUPS > 0 (norm_epilogue.py): x is such an h, and the
-        product is scaled by the norm's 1 / rms, from ss_ptr [SS_GROUPS, M] (K = SS_GROUPS * SS_COLS)."""
+        program p storing K tile p (each program computes it all, for its own operand)."""
         # silu(gate) * up is not linear: it needs the whole sum, so no split with the epilogue;
         # the norm's row scale needs every K: no split either
         tl.static_assert(SPLIT_K == 1 or not (SWIGLU or NORM))
@@ -250,10 +193,6 @@ if triton is not None:
         if SWIGLU:
             u = tl.load(u_ptrs, mask=col_ok, other=0.0)
         gdc_wait(USE_PDL)
-        if SS_GROUPS > 0:  # the norm's squares, loaded now and summed after the loop: off its path
-            groups = tl.arange(0, SS_POW2)
-            ss_parts = tl.load(ss_ptr + groups[:, None] * M + rows[None, :],
-                               mask=(groups[:, None] < SS_GROUPS) & (rows[None, :] < M), other=0.0)
         x, ss = _x_tile(x_ptrs, d_ptrs, stride_ds, nw_ptrs, row_ok, ss, NORM, DELTA_SPLITS)
         acc = tl.dot(x, tl.trans(w))  # [M_BUCKET, BLOCK_N] float32
         acc_up = tl.zeros((M_BUCKET, BLOCK_N), dtype=tl.float32)
@@ -285,10 +224,6 @@ if triton is not None:
             rstd = 1.0 / tl.sqrt(tl.sum(ss, axis=1) / K + eps)  # [M_BUCKET]
             acc = acc * rstd[:, None]
             acc_up = acc_up * rstd[:, None]
-        if SS_GROUPS > 0:  # the same scale from the producer's squares, summed in fixed order
-            rstd = 1.0 / tl.sqrt(tl.sum(ss_parts, axis=0) / K + eps)  # [M_BUCKET]
-            acc = acc * rstd[:, None]
-            acc_up = acc_up * rstd[:, None]
         out = acc.to(y_ptr.dtype.element_ty)  # partials: fp32 already, nothing rounded
         if SWIGLU:  # silu(gate) * up, rounded as the unfused path rounds (norm_act.silu_mul)
             gate = out.to(tl.float32)
@@ -297,10 +232,6 @@ if triton is not None:
             out = (act * up).to(y_ptr.dtype.element_ty)
         y_ptrs = y_ptr + split * stride_ys + rows[:, None] * stride_ym + cols[None, :]
         tl.store(y_ptrs, out, mask=row_ok & (cols[None, :] < N))
-        if RES_NORM:
-            _residual_norm_epilogue(y_ptr, stride_ys, stride_ym, xr_ptr, stride_xrm, nw_ptr, res_ptr,
-                                    stride_rm, h_ptr, ss_ptr, cnt_ptr, pid, rows, cols, M, N, out,
-                                    M_BUCKET, BLOCK_N, SPLIT_K)
         if PF_KIND > 0:  # the next GEMM's weights, while this grid's last programs finish
             prefetch_share(pf_ptr, pf_units, pf_regions, pf_region_stride,
                            split * tl.num_programs(0) + pid, tl.num_programs(0) * tl.num_programs(1),
@@ -347,12 +278,10 @@ def _pinned_splits(n: int, k: int) -> int | None:
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, n: int, swiglu: bool, splits: int = 1,
             prefetch: torch.Tensor | None = None, prefetch_units: int = 0, prefetch_regions: int = 1,
-            prefetch_kind: int = 0, norm: NormPrologue | None = None, res_norm: ResidualNorm | None = None,
-            row_scale: RowScale | None = None) -> torch.Tensor:
+            prefetch_kind: int = 0, norm: NormPrologue | None = None) -> torch.Tensor:
     """y [M, N] in x's dtype (splits 1), or fp32 partials [splits, M, N]; prefetch_*: what the
     programs pull into L2 after their stores (kernels/l2_prefetch.PrefetchTarget); norm: the
-    RMSNorm prologue (normed_gemm.py), x then being the residual before the delta; res_norm /
-    row_scale: the norm split across a producer's epilogue and its consumer (norm_epilogue.py)."""
+    RMSNorm prologue (normed_gemm.py), x then being the residual before the delta."""
     m, k = x.shape
     assert k % (splits * MIN_BLOCK_K) == 0, (k, splits)
     assert norm is None or splits == 1, "the norm prologue needs every K in one program"
@@ -375,22 +304,11 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, n: int, swiglu: bool, splits:
             d, res = norm.delta, norm.residual
             stride_dm, stride_rm = d.stride(-2), res.stride(0)
             normed["DELTA_SPLITS"], stride_ds = (1, 0) if d.ndim == 2 else (d.shape[0], d.stride(0))
-    xr, stride_xrm, h, ss, cnt = x, 0, x, y, y  # unused without res_norm / row_scale
-    if res_norm is not None:
-        assert res_norm.residual.shape == (m, n) and n % SS_COLS == 0, (res_norm.residual.shape, m, n)
-        assert res_norm.counters.numel() >= n // SS_COLS
-        xr, stride_xrm, nw = res_norm.residual, res_norm.residual.stride(0), res_norm.norm_weight
-        res, stride_rm, h, ss, cnt = res_norm.out, res_norm.out.stride(0), res_norm.h, res_norm.ss, res_norm.counters
-        normed = {"RES_NORM": True}
-    if row_scale is not None:
-        assert row_scale.ss.shape == (k // SS_COLS, m), (row_scale.ss.shape, k, m)
-        ss, eps = row_scale.ss, row_scale.eps
-        normed = {"SS_GROUPS": k // SS_COLS, "SS_POW2": triton.next_power_of_2(k // SS_COLS)}
     pinned = pinned_config(n, k, splits) or tuned_config(x, n, k, swiglu, splits)
     kernel = _skinny_gemm_kernel.fn if pinned else _skinny_gemm_kernel  # the JIT function: no autotuning
     kernel[grid](x, weight, y, m, n, k, x.stride(0), weight.stride(0), m * n, n,
                  prefetch, prefetch_units, prefetch_regions, prefetch.numel() // prefetch_regions,
-                 d, stride_ds, stride_dm, nw, res, stride_rm, eps, xr, stride_xrm, h, ss, cnt,
+                 d, stride_ds, stride_dm, nw, res, stride_rm, eps,
                  M_BUCKET=_row_bucket(m), SWIGLU=swiglu, SPLIT_K=splits,
                  **pf, **normed, **(pinned or {}), **launch_options(use_pdl(x)))
     return y
@@ -411,28 +329,6 @@ class NormPrologue:
             raise ValueError("a delta needs a residual to store the sum to, and only a delta does")
         if self.delta is not None and (self.delta.stride(-1) != 1 or self.residual.stride(-1) != 1):
             raise ValueError("the delta's and the residual's rows must be contiguous")
-
-
-@dataclasses.dataclass(frozen=True)
-class ResidualNorm:
-    """A producer's RES_NORM epilogue (norm_epilogue.py): residual [M, N] (before this product, the
-    delta, is added), norm_weight [N], counters (int32, >= N / SS_COLS, zero between launches) and
-    the outputs: out (the residual after the add) and h = out * norm_weight [M, N] in the model
-    dtype, ss [N / SS_COLS, M] fp32 (the squares of out, summed every SS_COLS columns)."""
-    residual: torch.Tensor
-    norm_weight: torch.Tensor
-    counters: torch.Tensor
-    out: torch.Tensor
-    h: torch.Tensor
-    ss: torch.Tensor
-
-
-@dataclasses.dataclass(frozen=True)
-class RowScale:
-    """A consumer's scale by the norm's 1 / rms (norm_epilogue.py): ss [K / SS_COLS, M] from the
-    producer's ResidualNorm, eps."""
-    ss: torch.Tensor
-    eps: float
 
 
 @torch.library.custom_op("specd::skinny_gemm", mutates_args=())
