@@ -109,7 +109,7 @@ def _configs():
 
 
 if triton is not None:
-    from specd.models.kernels.l2_prefetch import prefetch_share
+    from specd.models.kernels.l2_prefetch import _prefetch_l2, prefetch_share
     from specd.models.kernels.pdl import gdc_release, gdc_wait
 
     def _divides_k(configs, named_args, **kwargs):
@@ -158,7 +158,8 @@ if triton is not None:
                             M_BUCKET: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                             SWIGLU: tl.constexpr, SPLIT_K: tl.constexpr, USE_PDL: tl.constexpr,
                             PF_KIND: tl.constexpr = 0, PF_UNIT: tl.constexpr = 64,
-                            NORM: tl.constexpr = False, DELTA_SPLITS: tl.constexpr = 0):
+                            NORM: tl.constexpr = False, DELTA_SPLITS: tl.constexpr = 0,
+                            PREWAIT_LINES: tl.constexpr = 0):
         """Grid (cdiv(N, BLOCK_N), SPLIT_K). SPLIT_K 1: y [M, N] in x's dtype. SPLIT_K > 1: program
         (n, s) sums K range s (K / SPLIT_K long) into y[s] of fp32 partials y [SPLIT_K, M, N].
         PF_KIND > 0: after its stores, each program prefetches its share of the next GEMM's
@@ -192,6 +193,12 @@ if triton is not None:
         u = w
         if SWIGLU:
             u = tl.load(u_ptrs, mask=col_ok, other=0.0)
+        if PREWAIT_LINES > 0:  # the next lines of each weight row into L2 while the predecessor runs
+            lines = BLOCK_K + tl.arange(0, PREWAIT_LINES) * 64  # 128-byte lines of 2-byte elements
+            pre = w_ptr + cols[:, None] * stride_wn + split * k_len + tl.minimum(lines, k_len - 64)[None, :]
+            _prefetch_l2(pre, 2)
+            if SWIGLU:
+                _prefetch_l2(pre + N * stride_wn, 2)
         gdc_wait(USE_PDL)
         x, ss = _x_tile(x_ptrs, d_ptrs, stride_ds, nw_ptrs, row_ok, ss, NORM, DELTA_SPLITS)
         acc = tl.dot(x, tl.trans(w))  # [M_BUCKET, BLOCK_N] float32
@@ -236,6 +243,19 @@ if triton is not None:
             prefetch_share(pf_ptr, pf_units, pf_regions, pf_region_stride,
                            split * tl.num_programs(0) + pid, tl.num_programs(0) * tl.num_programs(1),
                            PF_KIND, PF_UNIT)
+
+
+PREWAIT_ENV = "SPECD_GEMM_PREWAIT_BYTES"  # experiments: bytes of each weight row pulled into L2 before the PDL wait
+
+
+def prewait_lines(x: torch.Tensor) -> int:
+    """128-byte lines of each weight row a program prefetches into L2 before its PDL wait (past the
+    first tile it loads anyway): SPECD_GEMM_PREWAIT_BYTES rounded to a power of two of lines; 0
+    (none) by default, without PDL (nothing to overlap), on CPU and in the interpreter."""
+    nbytes = int(os.environ.get(PREWAIT_ENV) or 0)
+    if nbytes < 128 or _INTERPRET or not use_pdl(x) or torch.cuda.get_device_capability(x.device)[0] < 9:
+        return 0
+    return triton.next_power_of_2(nbytes // 128)
 
 
 def _row_bucket(m: int) -> int:
@@ -304,6 +324,9 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, n: int, swiglu: bool, splits:
             d, res = norm.delta, norm.residual
             stride_dm, stride_rm = d.stride(-2), res.stride(0)
             normed["DELTA_SPLITS"], stride_ds = (1, 0) if d.ndim == 2 else (d.shape[0], d.stride(0))
+    prewait = prewait_lines(x)
+    if prewait:
+        normed["PREWAIT_LINES"] = prewait
     pinned = pinned_config(n, k, splits) or tuned_config(x, n, k, swiglu, splits)
     kernel = _skinny_gemm_kernel.fn if pinned else _skinny_gemm_kernel  # the JIT function: no autotuning
     kernel[grid](x, weight, y, m, n, k, x.stride(0), weight.stride(0), m * n, n,

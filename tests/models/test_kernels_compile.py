@@ -62,18 +62,19 @@ def test_kernels_compile_to_sm90_ptx():
                 "pf_ptr":P,"pf_units":"i32","pf_regions":"i32","pf_region_stride":"i64",
                 "M_BUCKET":"constexpr","BLOCK_N":"constexpr","BLOCK_K":"constexpr","SWIGLU":"constexpr","SPLIT_K":"constexpr",
                 "d_ptr":"*fp32","stride_ds":"i32","stride_dm":"i32","nw_ptr":P,"res_ptr":P,"stride_rm":"i32","eps":"fp32",
-                "PF_KIND":"constexpr","PF_UNIT":"constexpr","NORM":"constexpr","DELTA_SPLITS":"constexpr"}
+                "PF_KIND":"constexpr","PF_UNIT":"constexpr","NORM":"constexpr","DELTA_SPLITS":"constexpr",
+                "PREWAIT_LINES":"constexpr"}
     # plain, SwiGLU, split-K partials; then the norm prologue (normed_gemm.py): no delta, split-K
     # partials as the delta, a bf16 delta with SwiGLU
     for y_ptr, d_ptr, swiglu, split_k, norm, delta_splits in [
             (P, "*fp32", False, 1, False, 0), (P, "*fp32", True, 1, False, 0), ("*fp32", "*fp32", False, 2, False, 0),
             (P, "*fp32", False, 1, True, 0), (P, "*fp32", False, 1, True, 2), (P, P, True, 1, True, 1)]:
         comp(skinny_gemm._skinny_gemm_kernel.fn, dict(gemm_sig, y_ptr=y_ptr, d_ptr=d_ptr), {"M_BUCKET":16,"BLOCK_N":32,"BLOCK_K":128,"SWIGLU":swiglu,"SPLIT_K":split_k,
-             "PF_KIND":0,"PF_UNIT":64,"NORM":norm,"DELTA_SPLITS":delta_splits}, release_after_loads=True)
+             "PF_KIND":0,"PF_UNIT":64,"NORM":norm,"DELTA_SPLITS":delta_splits,"PREWAIT_LINES":0}, release_after_loads=True)
     for swiglu, norm in [(True, False), (False, True)]:  # SwiGLU's epilogue and the norm's row scale need the whole sum
         with pytest.raises(CompileTimeAssertionFailure):
             comp(skinny_gemm._skinny_gemm_kernel.fn, dict(gemm_sig, y_ptr="*fp32"), {"M_BUCKET":16,"BLOCK_N":32,"BLOCK_K":128,"SWIGLU":swiglu,"SPLIT_K":2,
-                 "NORM":norm})
+                 "NORM":norm,"PREWAIT_LINES":0})
 
 
 def test_gemm_epilogue_prefetch_compiles_after_the_release_and_the_stores():
@@ -90,11 +91,12 @@ def test_gemm_epilogue_prefetch_compiles_after_the_release_and_the_stores():
            "stride_ym":"i32","pf_ptr":P,"pf_units":"i32","pf_regions":"i32","pf_region_stride":"i64","d_ptr":"*fp32",
            "stride_ds":"i32","stride_dm":"i32","nw_ptr":P,"res_ptr":P,"stride_rm":"i32","eps":"fp32","M_BUCKET":"constexpr",
            "BLOCK_N":"constexpr","BLOCK_K":"constexpr","SWIGLU":"constexpr","SPLIT_K":"constexpr","USE_PDL":"constexpr",
-           "PF_KIND":"constexpr","PF_UNIT":"constexpr","NORM":"constexpr","DELTA_SPLITS":"constexpr"}
+           "PF_KIND":"constexpr","PF_UNIT":"constexpr","NORM":"constexpr","DELTA_SPLITS":"constexpr",
+           "PREWAIT_LINES":"constexpr"}
     instruction = {1: "prefetch.global.L2", 2: "prefetch.global.L2", 3: "cp.async.bulk.prefetch.L2.global"}
     for kind, unit in [(0, 64), (1, 16), (2, 64), (3, 2048)]:
         consts = {"M_BUCKET":16,"BLOCK_N":32,"BLOCK_K":128,"SWIGLU":True,"SPLIT_K":1,"USE_PDL":True,"PF_KIND":kind,"PF_UNIT":unit,
-                  "NORM":False,"DELTA_SPLITS":0}
+                  "NORM":False,"DELTA_SPLITS":0,"PREWAIT_LINES":0}
         ptx = triton.compile(ASTSource(fn=skinny_gemm._skinny_gemm_kernel.fn, signature=sig, constexprs=consts),
                              target=GPUTarget("cuda", 90, 32)).asm["ptx"]
         if kind == 0:
@@ -103,3 +105,10 @@ def test_gemm_epilogue_prefetch_compiles_after_the_release_and_the_stores():
         first = ptx.index(instruction[kind])
         assert first > ptx.index("griddepcontrol.launch_dependents"), kind
         assert first > ptx.rindex("st.global"), kind
+    # SPECD_GEMM_PREWAIT_BYTES: the program's own next weight lines, prefetched before the PDL wait
+    # (8 lines of 64 gate rows and 64 up rows over 128 threads: 8 instructions a thread)
+    consts.update(PF_KIND=0, PREWAIT_LINES=8, BLOCK_N=64)
+    ptx = triton.compile(ASTSource(fn=skinny_gemm._skinny_gemm_kernel.fn, signature=sig, constexprs=consts),
+                         target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+    assert ptx.count("prefetch.global.L2") == 8
+    assert ptx.rindex("prefetch.global.L2") < ptx.index("griddepcontrol.wait")
