@@ -1,14 +1,17 @@
 """The static (CUDA-graph) step's model forward through specd's Triton kernels.
 
 Per decoder layer: RMSNorm (fused with the previous layer's residual add) and the fused QKV GEMM,
-RoPE + paged-cache write (one kernel), split-KV paged attention (two; flash-attn's
-flash_attn_with_kvcache instead when it is installed and the blocks suit it), o_proj, residual add +
+split-KV paged attention with RoPE and the paged-cache write of the new tokens folded into its first
+kernel (two kernels; SPECD_ATTN_ROPE=0 runs RoPE + the cache write as a kernel of its own, as the
+flash-attn path, flash_attn_with_kvcache when installed and the blocks suit it, and the prefill's
+SDPA always do; SPECD_ATTN_MERGE=1, opt-in and slower so far, merges the key chunks in the first
+kernel too; kernels/paged_decode_attention.py), o_proj, residual add +
 RMSNorm and the fused gate/up GEMM with silu * up in its epilogue, down_proj; the GEMMs take
 the skinny kernel at few rows (linear.py; above them cuBLAS, and silu * up is a kernel of its own),
 and with SPECD_NORM_PROLOGUE=1 each norm runs inside the GEMM after it (normed_gemm.py, opt-in: slower so far).
 o_proj and down_proj, whose outputs only feed the next RMSNorm's residual add, take the skinny
 kernel split-K where skinny_gemm.split_k_for says so: fp32 partials that the norm sums.
-Nine launches a layer (seven with the norms folded in) where the PyTorch path takes about thirty, and no gathered K/V copies
+Eight launches a layer (six with the norms folded in) where the PyTorch path takes about thirty, and no gathered K/V copies
 (kernels/*.py say why each exists). On Hopper the kernels launch with PDL (kernels/pdl.py): each
 may start during its predecessor's tail, a GEMM streaming its first weight tile meanwhile; and
 under an L2 prefetch plan (kernels/l2_prefetch.py) each skinny GEMM pulls part of the next GEMM's
@@ -64,16 +67,23 @@ def fused_forward(model, input_ids: torch.Tensor, positions: torch.Tensor, meta:
         if i in wanted:
             captured[i] = x
         cache_k, cache_v = kv_cache.k_caches[i], kv_cache.v_caches[i]
-        q = rope_cache.rope_and_cache_write(qkv, cos, sin, meta.slot_mapping, cache_k, cache_v,
-                                            attn.num_heads, attn.num_kv_heads)  # [T, Hq, D]
         # flash-attn installed and 256-token blocks: its kernel; a prefill's Q rows (static
         # prefill, cuda_graphs.py) overflow the decode kernel's tile: the PyTorch twin (SDPA)
-        if flash_kvcache_applies(q, meta) or not paged_decode_attention.serves_query_len(meta.query_len):
-            o = static_paged_attention(q, cache_k, cache_v, meta, attn.scale, attn.sliding_window)
+        other_attention = (flash_kvcache_applies(qkv, meta)
+                           or not paged_decode_attention.serves_query_len(meta.query_len))
+        if not other_attention and paged_decode_attention.folds_rope():  # SPECD_ATTN_ROPE=1: no rope kernel
+            o = paged_decode_attention.rope_paged_decode_attention(
+                qkv, cos, sin, meta.slot_mapping, cache_k, cache_v, meta.ctx_lens, meta.block_tables,
+                meta.query_len, attn.num_heads, attn.scale, attn.sliding_window, counter_owner=kv_cache)
         else:
-            o = paged_decode_attention.paged_decode_attention(
-                q, cache_k, cache_v, meta.ctx_lens, meta.block_tables, meta.query_len, attn.scale,
-                attn.sliding_window)  # [T, Hq, D]
+            q = rope_cache.rope_and_cache_write(qkv, cos, sin, meta.slot_mapping, cache_k, cache_v,
+                                                attn.num_heads, attn.num_kv_heads)  # [T, Hq, D]
+            if other_attention:
+                o = static_paged_attention(q, cache_k, cache_v, meta, attn.scale, attn.sliding_window)
+            else:  # counters: the in-kernel merge's (SPECD_ATTN_MERGE=1), one set per model's cache
+                o = paged_decode_attention.paged_decode_attention(
+                    q, cache_k, cache_v, meta.ctx_lens, meta.block_tables, meta.query_len, attn.scale,
+                    attn.sliding_window, counter_owner=kv_cache)  # [T, Hq, D]
         attn_out = _residual_delta(attn.o_proj, o.reshape(tokens, -1),
                                    l2_prefetch.target_for("gate_up", mlp.gate_up_proj.weight))
         x, act = _norm_project(x, attn_out, layer.post_attention_layernorm.weight, eps, mlp.gate_up_proj,

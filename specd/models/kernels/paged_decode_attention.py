@@ -12,6 +12,20 @@ merges the chunks (exact: the log-sum-exp combination). GQA: the G = Hq / Hkv qu
 a KV head and the Q rows of a slot form one [G * Q, D] tile, so each K/V tile is read once for all
 of them and the score tile is a tensor-core product.
 
+Two opt-in folds, each a launch less per layer on the verify step's latency-bound chain (read at
+call time, i.e. when a CUDA graph is captured; default off until a GPU measurement says so):
+  - SPECD_ATTN_ROPE=1 (rope_paged_decode_attention): RoPE and the paged-cache write of the new
+    tokens (kernels/rope_cache.py) inside the partials kernel. Each program rotates its q tile
+    itself from the raw qkv output, and the program whose key chunk holds a new token's position
+    rotates that token's k and writes it with v into the token's slot before its key loop reads
+    the cache (the chunks partition the keys, so each token is written once per KV head, by the
+    only program that reads it). Same arithmetic and rounding as rope_cache: the same bits.
+  - SPECD_ATTN_MERGE=1: the merge done by each pair's last program to finish (an arrival counter
+    per pair, merge_counters), not by a second kernel.
+The merge sums the splits one by one in split order, elementwise, in both places, so the two
+paths give the same bits whatever the tile shapes and warps (a tl.sum over the splits would add in
+an order that depends on the register layout, i.e. on the kernel).
+
 The PyTorch twin (static_attention.static_paged_attention's gather + SDPA) is the reference the
 tests compare against, on CPU through Triton's interpreter.
 """
@@ -19,6 +33,7 @@ tests compare against, on CPU through Triton's interpreter.
 from __future__ import annotations
 
 import os
+import weakref
 
 import torch
 
@@ -33,6 +48,8 @@ except Exception:  # ImportError, or a broken install
 MAX_QUERY_LEN = 16  # rows per slot this kernel serves: verify (k + 1) and decode; not prefills
 TARGET_PROGRAMS = 264  # ~2 per multiprocessor on an H200 (132): enough key chunks in flight
 TARGET_PROGRAMS_ENV = "SPECD_ATTN_PROGRAMS"  # an override for experiments (read at capture time)
+ROPE_ENV = "SPECD_ATTN_ROPE"  # "0": RoPE + the cache write as a kernel of their own (default "1": folded in)
+MERGE_ENV = "SPECD_ATTN_MERGE"  # "1": the split merge by each pair's last program (capture time)
 MIN_CHUNK_TILES = 1
 
 
@@ -46,16 +63,127 @@ def num_splits(batch: int, num_kv_heads: int, width: int, block_n: int) -> int:
     return max(1, min(tiles, want))
 
 
+def folds_rope() -> bool:
+    """Whether the caller should hand the raw qkv to rope_paged_decode_attention (ROPE_ENV, on by
+    default: the same bits, 33-74 us off the 8B step at batch 1 on the H200, BENCHMARKS.md run 39)."""
+    return os.environ.get(ROPE_ENV, "1") == "1"
+
+
+def folds_merge() -> bool:
+    """Whether the partials kernel merges the splits itself (MERGE_ENV)."""
+    return os.environ.get(MERGE_ENV) == "1"
+
+
+# Arrival counters of the in-kernel merge: owner -> {(device, size): zeroed int32 [size]}.
+# Ownership: one set per owner, the caller's object that serialises its attention calls (fused_forward
+# passes its PagedKVCache: one model's layers run one after another on one stream, and a pair's last
+# program resets its counter before the kernel ends, so one buffer serves every layer and replay).
+# Two owners never share: the in-process pipeline's drafter and target may run attention at the
+# same time on two streams, and shared counters would count each other's programs. Callers that
+# pass no owner share one set (tests, one model).
+# Per size, never grown in place: a captured graph keeps the buffer's address, so replacing it with
+# a bigger one would leave older graphs counting in freed memory. And never allocated while
+# capturing: a torch.zeros there is a memset node in every replay, from the graph's pool; the
+# eager warm-up runs before each capture (cuda_graphs.py) allocate it.
+_counters: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_SHARED = type("SharedCounters", (), {})()  # the owner of callers that pass none (object() takes no weakref)
+
+
+def merge_counters(owner: object | None, device: torch.device | str, size: int) -> torch.Tensor:
+    """owner's zeroed int32 counters [size] on device (see above), allocated at first use."""
+    buffers = _counters.setdefault(_SHARED if owner is None else owner, {})
+    key = (torch.device(device), size)
+    if key not in buffers:
+        if key[0].type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"{MERGE_ENV}: merge counters must be allocated before a CUDA graph capture "
+                               "(run the layout once eagerly first)")
+        buffers[key] = torch.zeros(size, dtype=torch.int32, device=device)
+    return buffers[key]
+
+
 if triton is not None:
     from specd.models.kernels.pdl import gdc_wait_and_release
 
     @triton.jit
-    def _partials_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, ctx_ptr, acc_ptr, ml_ptr,
+    def _rope_tables(cos_ptr, sin_ptr, tok, d, mask, stride_cos):
+        """cos and signed sin of tokens tok [R]: float32 [R, D] each. They are computed from the
+        positions before the step's first layer, long finished when any attention kernel starts (a
+        PDL kernel overlaps only its predecessor): loads that may come before the wait."""
+        offs = tok[:, None] * stride_cos + d[None, :]
+        cos = tl.load(cos_ptr + offs, mask=mask[:, None], other=0.0).to(tl.float32)
+        sin = tl.load(sin_ptr + offs, mask=mask[:, None], other=0.0).to(tl.float32)
+        return cos, sin
+
+    @triton.jit
+    def _load_roped(head_ptrs, d, cos, sin, mask, D: tl.constexpr):
+        """rope_cache's arithmetic on heads of qkv (head_ptrs [R, 1], each at a head's first
+        element): float32 x * cos + x_swapped * signed_sin, x_swapped[d] = x[(d + D / 2) % D]."""
+        x = tl.load(head_ptrs + d[None, :], mask=mask[:, None], other=0.0).to(tl.float32)
+        x_swapped = tl.load(head_ptrs + ((d + D // 2) % D)[None, :], mask=mask[:, None], other=0.0).to(tl.float32)
+        return x * cos + x_swapped * sin
+
+    @triton.jit
+    def _write_new_kv(qkv_ptr, k_ptr, v_ptr, tok, slot, mine, kv, num_heads, num_kv, d, cos, sin,
+                      stride_qt, stride_qh, stride_ks, stride_kh, D: tl.constexpr):
+        """What rope_cache does for KV head kv of the tokens tok [R] where mine: k rotated and
+        rounded once, v copied, both into the token's slot."""
+        row = qkv_ptr + tok[:, None] * stride_qt
+        k = _load_roped(row + (num_heads + kv) * stride_qh, d, cos, sin, mine, D)
+        v = tl.load(row + (num_heads + num_kv + kv) * stride_qh + d[None, :], mask=mine[:, None])
+        dst = (slot * stride_ks + kv * stride_kh)[:, None] + d[None, :]
+        tl.store(k_ptr + dst, k.to(k_ptr.dtype.element_ty), mask=mine[:, None])
+        tl.store(v_ptr + dst, v.to(v_ptr.dtype.element_ty), mask=mine[:, None])
+
+    @triton.jit
+    def _weighted_split(acc_ptr, ml_ptr, row, m_max, d, D: tl.constexpr):
+        """One split's acc [R, D] and l [R] at tile rows row [R], weighted exp(m - m_max) (a
+        chunk with no keys weighs 0)."""
+        m = tl.load(ml_ptr + row * 2, cache_modifier=".cg")
+        w = tl.where(m == float("-inf"), 0.0, tl.exp(m - m_max))
+        acc = tl.load(acc_ptr + row[:, None] * D + d[None, :], cache_modifier=".cg")
+        return acc * w[:, None], tl.load(ml_ptr + row * 2 + 1, cache_modifier=".cg") * w
+
+    @triton.jit
+    def _merge_splits(acc_ptr, ml_ptr, pair, r, d, SPLITS: tl.constexpr, ROWS: tl.constexpr,
+                      D: tl.constexpr):
+        """The log-sum-exp merge of pair's SPLITS partials, tile rows r [R]: [R, D] float32. Split
+        by split in split order, elementwise only (the same bits in every caller, module doc);
+        unrolled so that all the loads are independent. .cg: from L2, never a stale L1 line (the
+        in-kernel merge reads what other programs just wrote)."""
+        base = pair * SPLITS * ROWS + r  # [R]: split s's row r at base + s * ROWS
+        m_max = tl.load(ml_ptr + base * 2, cache_modifier=".cg")
+        for s in tl.static_range(1, SPLITS):
+            m_max = tl.maximum(m_max, tl.load(ml_ptr + (base + s * ROWS) * 2, cache_modifier=".cg"))
+        num, den = _weighted_split(acc_ptr, ml_ptr, base, m_max, d, D)  # not 0 + x: that turns -0 to +0
+        for s in tl.static_range(1, SPLITS):
+            part, part_l = _weighted_split(acc_ptr, ml_ptr, base + s * ROWS, m_max, d, D)
+            num = num + part
+            den = den + part_l
+        return num / den[:, None]
+
+    @triton.jit
+    def _store_rows(out_ptr, out, b, kv, r, d, stride_ot, stride_oh,
+                    QLEN: tl.constexpr, GROUP: tl.constexpr):
+        """out [R, D] of tile rows r into [B * Q, Hq, D]: row r = g * QLEN + i is query head
+        kv * GROUP + g of row i."""
+        g = r // QLEN
+        i = r % QLEN
+        ptrs = out_ptr + (b * QLEN + i)[:, None] * stride_ot + (kv * GROUP + g)[:, None] * stride_oh + d[None, :]
+        tl.store(ptrs, out.to(out_ptr.dtype.element_ty), mask=(r < GROUP * QLEN)[:, None])
+
+    @triton.jit
+    def _partials_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, ctx_ptr, acc_ptr, ml_ptr, out_ptr, counter_ptr,
+                         cos_ptr, sin_ptr, slots_ptr,
                          stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_tb,
+                         stride_ot, stride_oh, stride_cos,
                          scale, window, tiles_per_split,
                          QLEN: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr,
                          BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                         ROPE: tl.constexpr, MERGE: tl.constexpr, SPLITS: tl.constexpr,
                          USE_PDL: tl.constexpr):
+        """ROPE: q_ptr is the qkv output (q heads, k heads, v heads of D each, stride_qh = D), see
+        the module doc; else the rotated q. MERGE: out gets the merged output, SPLITS = the grid's
+        third dimension; else acc/ml get the partials for _combine_kernel."""
         b = tl.program_id(0)
         kv = tl.program_id(1)
         split = tl.program_id(2)
@@ -68,14 +196,30 @@ if triton is not None:
         # so their two dependent memory latencies overlap that kernel's tail (pdl.py).
         ctx = tl.load(ctx_ptr + b)
         block = tl.load(table_row + first // BLOCK_SIZE, mask=first < ctx + QLEN, other=0)
-        gdc_wait_and_release(USE_PDL)
         r = tl.arange(0, ROWS)  # tile row r = g * QLEN + i: query head kv * GROUP + g, row i
         g = r // QLEN
         i = r % QLEN
         row_ok = r < GROUP * QLEN
         d = tl.arange(0, D)
-        q = tl.load(q_ptr + (b * QLEN + i)[:, None] * stride_qt + (kv * GROUP + g)[:, None] * stride_qh
-                    + d[None, :], mask=row_ok[:, None], other=0.0)  # [ROWS, D]
+        if ROPE:
+            # Tile row r < QLEN also stands for new token r (position ctx + r): this program's if
+            # the position is in its key chunk; the last split also takes any past the chunks' end
+            # (none where the block table covers ctx + Q, as static layouts' do, padding slots too).
+            new_pos = ctx + r
+            chunk_end = tl.where(split == num_splits - 1, ctx + QLEN, first + tiles_per_split * BLOCK_N)
+            mine = (r < QLEN) & (new_pos >= first) & (new_pos < chunk_end)
+            q_cos, q_sin = _rope_tables(cos_ptr, sin_ptr, b * QLEN + i, d, row_ok, stride_cos)
+            k_cos, k_sin = _rope_tables(cos_ptr, sin_ptr, b * QLEN + r, d, mine, stride_cos)
+            slot = tl.load(slots_ptr + b * QLEN + r, mask=mine, other=0)  # host-copied too
+        gdc_wait_and_release(USE_PDL)
+        q_heads = q_ptr + (b * QLEN + i)[:, None] * stride_qt + (kv * GROUP + g)[:, None] * stride_qh
+        if ROPE:
+            q = _load_roped(q_heads, d, q_cos, q_sin, row_ok, D).to(q_ptr.dtype.element_ty)  # [ROWS, D]
+            _write_new_kv(q_ptr, k_ptr, v_ptr, b * QLEN + r, slot, mine, kv, GROUP * num_kv, num_kv, d,
+                          k_cos, k_sin, stride_qt, stride_qh, stride_ks, stride_kh, D)
+            tl.debug_barrier()  # the key loop's threads read what the other threads just wrote
+        else:
+            q = tl.load(q_heads + d[None, :], mask=row_ok[:, None], other=0.0)  # [ROWS, D]
         q_pos = ctx + i  # [ROWS] absolute position of each row
         m = tl.full((ROWS,), float("-inf"), tl.float32)
         l = tl.zeros((ROWS,), tl.float32)
@@ -103,34 +247,34 @@ if triton is not None:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             l = l * alpha + tl.sum(p, axis=1)
             m = m_new
-        base = ((b * num_kv + kv) * num_splits + split) * ROWS
-        tl.store(acc_ptr + (base + r)[:, None] * D + d[None, :], acc)
-        tl.store(ml_ptr + (base + r) * 2, m)
-        tl.store(ml_ptr + (base + r) * 2 + 1, l)
+        pair = b * num_kv + kv
+        if MERGE and SPLITS == 1:  # one chunk: what the merge gives (weight exp(0) = 1), directly
+            _store_rows(out_ptr, acc / l[:, None], b, kv, r, d, stride_ot, stride_oh, QLEN, GROUP)
+        else:
+            base = (pair * num_splits + split) * ROWS
+            tl.store(acc_ptr + (base + r)[:, None] * D + d[None, :], acc)
+            tl.store(ml_ptr + (base + r) * 2, m)
+            tl.store(ml_ptr + (base + r) * 2 + 1, l)
+            if MERGE:
+                tl.debug_barrier()  # every thread's partials stored before the arrival (released by it)
+                arrived = tl.atomic_add(counter_ptr + pair, 1, sem="acq_rel")
+                if arrived == SPLITS - 1:  # the pair's last program: every split's partials are visible
+                    out = _merge_splits(acc_ptr, ml_ptr, pair, r, d, SPLITS, ROWS, D)
+                    _store_rows(out_ptr, out, b, kv, r, d, stride_ot, stride_oh, QLEN, GROUP)
+                    tl.store(counter_ptr + pair, 0)  # zero again for the next layer, the next replay
 
     @triton.jit
-    def _combine_kernel(acc_ptr, ml_ptr, out_ptr, stride_ot, stride_oh, num_splits,
+    def _combine_kernel(acc_ptr, ml_ptr, out_ptr, stride_ot, stride_oh,
                         QLEN: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr,
-                        SPLITS_POW2: tl.constexpr, USE_PDL: tl.constexpr):
+                        SPLITS: tl.constexpr, USE_PDL: tl.constexpr):
         gdc_wait_and_release(USE_PDL)
         b = tl.program_id(0)
         kv = tl.program_id(1)
-        r = tl.program_id(2)  # one tile row (query head kv * GROUP + r // QLEN, row r % QLEN)
-        num_kv = tl.num_programs(1)
-        sp = tl.arange(0, SPLITS_POW2)
-        sp_ok = sp < num_splits
-        base = ((b * num_kv + kv) * num_splits + sp) * ROWS + r  # [SPLITS_POW2]
-        m = tl.load(ml_ptr + base * 2, mask=sp_ok, other=float("-inf"))
-        l = tl.load(ml_ptr + base * 2 + 1, mask=sp_ok, other=0.0)
-        m_max = tl.max(m, axis=0)
-        w = tl.where(m == float("-inf"), 0.0, tl.exp(m - m_max))  # [SPLITS_POW2]
+        r = tl.program_id(2) + tl.arange(0, 1)  # one tile row, as a [1] tile for the shared helpers
+        pair = b * tl.num_programs(1) + kv
         d = tl.arange(0, D)
-        acc = tl.load(acc_ptr + base[:, None] * D + d[None, :], mask=sp_ok[:, None], other=0.0)
-        out = tl.sum(acc * w[:, None], axis=0) / tl.sum(l * w, axis=0)  # [D]
-        g = r // QLEN
-        i = r % QLEN
-        tl.store(out_ptr + (b * QLEN + i) * stride_ot + (kv * GROUP + g) * stride_oh + d,
-                 out.to(out_ptr.dtype.element_ty))
+        out = _merge_splits(acc_ptr, ml_ptr, pair, r, d, SPLITS, ROWS, D)
+        _store_rows(out_ptr, out, b, kv, r, d, stride_ot, stride_oh, QLEN, GROUP)
 
 
 def serves_query_len(query_len: int) -> bool:
@@ -151,34 +295,70 @@ def kernel_applies(q: torch.Tensor, cache_k: torch.Tensor) -> bool:
 
 def paged_decode_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor,
                            ctx_lens: torch.Tensor, block_tables: torch.Tensor, query_len: int,
-                           scale: float, sliding_window: int | None = None) -> torch.Tensor:
+                           scale: float, sliding_window: int | None = None,
+                           counter_owner: object | None = None) -> torch.Tensor:
     """q: [B * Q, Hq, D] (row stride free: a view into the fused qkv output is fine);
     cache_k/v: [num_blocks, block_size, Hkv, D]; ctx_lens: [B]; block_tables: [B, NB].
+    counter_owner: whose merge counters (merge_counters) the in-kernel merge uses.
     Returns [B * Q, Hq, D] in q's dtype."""
-    rows, num_heads, head_dim = q.shape
-    num_blocks, block_size, num_kv_heads, _ = cache_k.shape
+    return _attention(q, q.shape[1], q.stride(0), q.stride(1), None, cache_k, cache_v, ctx_lens,
+                      block_tables, query_len, scale, sliding_window, counter_owner)
+
+
+def rope_paged_decode_attention(qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
+                                slot_mapping: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor,
+                                ctx_lens: torch.Tensor, block_tables: torch.Tensor, query_len: int,
+                                num_heads: int, scale: float, sliding_window: int | None = None,
+                                counter_owner: object | None = None) -> torch.Tensor:
+    """rope_cache.rope_and_cache_write then paged_decode_attention, in the attention kernel.
+
+    qkv: [T, (Hq + 2 Hkv) * D] (q heads, k heads, v heads), T = B * Q; cos/signed_sin: [T, D];
+    slot_mapping: [T]; the rest as paged_decode_attention. Writes the rotated k and v of the T
+    tokens into their slots; returns the attention of the rotated q, [T, Hq, D] in qkv's dtype."""
+    head_dim, num_kv_heads = cache_k.shape[-1], cache_k.shape[-2]
+    assert qkv.shape[1] == (num_heads + 2 * num_kv_heads) * head_dim and qkv.stride(-1) == 1, qkv.shape
+    assert cos.stride(-1) == 1 and cos.stride() == signed_sin.stride(), (cos.stride(), signed_sin.stride())
+    assert slot_mapping.stride(0) == 1 and cache_k.stride() == cache_v.stride()
+    return _attention(qkv, num_heads, qkv.stride(0), head_dim, (cos, signed_sin, slot_mapping), cache_k,
+                      cache_v, ctx_lens, block_tables, query_len, scale, sliding_window, counter_owner)
+
+
+def _attention(q_src: torch.Tensor, num_heads: int, stride_qt: int, stride_qh: int,
+               rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None, cache_k: torch.Tensor,
+               cache_v: torch.Tensor, ctx_lens: torch.Tensor, block_tables: torch.Tensor, query_len: int,
+               scale: float, sliding_window: int | None, counter_owner: object | None) -> torch.Tensor:
+    """Both entry points: q_src is q (rope None) or qkv (rope: cos, signed_sin, slot_mapping)."""
+    rows = q_src.shape[0]
+    num_blocks, block_size, num_kv_heads, head_dim = cache_k.shape
     batch = ctx_lens.shape[0]
     group = num_heads // num_kv_heads
-    assert rows == batch * query_len and block_tables.stride(1) == 1, (q.shape, block_tables.shape)
+    assert rows == batch * query_len and block_tables.stride(1) == 1, (q_src.shape, block_tables.shape)
     tile_rows = max(16, triton.next_power_of_2(group * query_len))
     block_n = min(64, block_size) if block_size >= 16 else 16
     assert block_size % block_n == 0, f"block_size {block_size}: a multiple of {block_n} expected"
     width = block_tables.shape[1] * block_size
     splits = num_splits(batch, num_kv_heads, width, block_n)
     tiles_per_split = -(-(-(-width // block_n)) // splits)
-    acc = torch.empty((batch, num_kv_heads, splits, tile_rows, head_dim), dtype=torch.float32,
-                      device=q.device)
-    ml = torch.empty((batch, num_kv_heads, splits, tile_rows, 2), dtype=torch.float32, device=q.device)
-    pdl = use_pdl(q)
+    device = q_src.device
+    acc = torch.empty((batch, num_kv_heads, splits, tile_rows, head_dim), dtype=torch.float32, device=device)
+    ml = torch.empty((batch, num_kv_heads, splits, tile_rows, 2), dtype=torch.float32, device=device)
+    out = torch.empty((rows, num_heads, head_dim), dtype=q_src.dtype, device=device)
+    merge = folds_merge()
+    counters = merge_counters(counter_owner, device, batch * num_kv_heads) if merge else ctx_lens
+    cos, sin, slots = rope if rope is not None else (q_src, q_src, ctx_lens)  # unread without ROPE
+    pdl = use_pdl(q_src)
     _partials_kernel[(batch, num_kv_heads, splits)](
-        q, cache_k, cache_v, block_tables, ctx_lens, acc, ml,
-        q.stride(0), q.stride(1), cache_k.stride(0), cache_k.stride(1), cache_k.stride(2),
-        block_tables.stride(0), scale, sliding_window or 0, tiles_per_split,
+        q_src, cache_k, cache_v, block_tables, ctx_lens, acc, ml, out, counters, cos, sin, slots,
+        stride_qt, stride_qh, cache_k.stride(0), cache_k.stride(1), cache_k.stride(2),
+        block_tables.stride(0), out.stride(0), out.stride(1), cos.stride(0),
+        scale, sliding_window or 0, tiles_per_split,
         QLEN=query_len, GROUP=group, ROWS=tile_rows, D=head_dim, BLOCK_SIZE=block_size, BLOCK_N=block_n,
-        HAS_WINDOW=sliding_window is not None, num_warps=4, num_stages=2, **launch_options(pdl))
-    out = torch.empty((rows, num_heads, head_dim), dtype=q.dtype, device=q.device)
-    _combine_kernel[(batch, num_kv_heads, group * query_len)](
-        acc, ml, out, out.stride(0), out.stride(1), splits,
-        QLEN=query_len, GROUP=group, ROWS=tile_rows, D=head_dim,
-        SPLITS_POW2=triton.next_power_of_2(splits), num_warps=1, **launch_options(pdl))
+        HAS_WINDOW=sliding_window is not None, ROPE=rope is not None, MERGE=merge,
+        SPLITS=splits if merge else 0,  # 0: one compiled variant for every split count without MERGE
+        num_warps=4, num_stages=2, **launch_options(pdl))
+    if not merge:
+        _combine_kernel[(batch, num_kv_heads, group * query_len)](
+            acc, ml, out, out.stride(0), out.stride(1),
+            QLEN=query_len, GROUP=group, ROWS=tile_rows, D=head_dim, SPLITS=splits, num_warps=1,
+            **launch_options(pdl))
     return out
