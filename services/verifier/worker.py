@@ -31,7 +31,7 @@ import time
 
 import redis
 
-from services.verifier.admission import Admission
+from services.verifier.admission import Admission, ReadRider
 from services.verifier.cancel import CancelPoll
 from services.verifier.claims import Claims, HeartbeatRider
 from services.verifier.emitter import Flush, ResultEmitter
@@ -80,6 +80,8 @@ class VerifierWorker(Admission):
         self._last_logged = (0, 0)  # (steps, errors) at the last summary line
         self._redis_failures = 0
         self._group_ready = False
+        self._read_riding = False  # the in-flight result flush carries the request read (admission.py)
+        self._reread_own = False  # a flush with a read failed: read this consumer's pending entries
 
     # ---- lifecycle --------------------------------------------------------------------------
     def run(self) -> None:
@@ -254,7 +256,9 @@ class VerifierWorker(Admission):
                 record.num_finished += 1
         riders = self._riders()
         if self.config.async_emit and self.engine.has_unfinished():
-            self.writer.start(riders)  # answered by the next emit's wait
+            read = self.read_rider()  # the next admit's read, on this round trip (admission.py)
+            started = self.writer.start(riders + [read] if read is not None else riders)
+            self._read_riding = started and read is not None  # answered by the next emit's wait
         else:
             self._collect(lambda: self.writer.flush(riders), record)
         record.emit_seconds = time.perf_counter() - t0
@@ -274,9 +278,11 @@ class VerifierWorker(Admission):
         """Run or wait for a flush (`send`), then apply what its riders learned, on this thread
         (the engine's): Redis unreachable is handled here, the queue was kept for the next flush."""
         t0 = time.perf_counter()
+        riding, self._read_riding = self._read_riding, False  # the flush in flight, if any, is taken now
         try:
             flush: Flush | None = send()
         except (redis.ConnectionError, redis.TimeoutError) as e:
+            self._reread_own = self._reread_own or riding  # its read may have taken entries: find them
             self._on_redis_error("emit", e, idle=not self.engine.has_unfinished())
             return
         finally:
@@ -293,6 +299,8 @@ class VerifierWorker(Admission):
                 self._drop_lost(rider.lost)
             elif isinstance(rider, CancelPoll) and rider.cancelled:
                 self._cancel(rider.cancelled)
+            elif isinstance(rider, ReadRider):
+                record.num_admitted += self.admit_ridden(rider)
         for e in self.emitter.last_errors:
             log.error("redis refused a result write: %s", e)
         self.emitter.last_errors = []

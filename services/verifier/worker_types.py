@@ -3,6 +3,7 @@ error codes it answers with (kept apart from services/verifier/worker.py, which 
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 from services.verifier.claims import ClaimConfig
@@ -17,6 +18,8 @@ CLIENT_CLOSED = 499  # cancelled by the client (nginx's code; the gateway counts
 INTERNAL_ERROR = 500
 NOT_IMPLEMENTED = 501
 DEADLINE_EXCEEDED = 504
+
+RIDE_READS_ENV = "SPECD_VERIFIER_RIDE_READS"  # "0": the busy loop reads the request stream on its own round trip
 
 
 @dataclass
@@ -35,6 +38,10 @@ class WorkerConfig:
     # Result round trips on a writer thread, overlapping the next engine step; False: the loop
     # waits for each one (services/verifier/writer.py says what changes: answers one step late).
     async_emit: bool = True
+    # While the engine is busy, the read for free batch slots rides that result round trip instead
+    # of a round trip of its own on the step's critical path (admission.py, ReadRider); its entries
+    # are admitted when the flush is collected, a step later. SPECD_VERIFIER_RIDE_READS=0: off.
+    ride_reads: bool = field(default_factory=lambda: os.environ.get(RIDE_READS_ENV, "1") != "0")
 
     def __post_init__(self) -> None:
         if not self.consumer:
