@@ -6,7 +6,9 @@ the engine is idle and no results are waiting to be written, so a busy loop neve
 While the engine is busy the read rides the step's result pipeline instead (ReadRider, on the
 writer thread, overlapping the next step: config.ride_reads), so a busy step spends no round trip
 of its own on admission; what it read is admitted when the loop collects that flush, one step
-later than a read of its own would (at batch 1 on an H200 that read was 0.4-0.8 ms of a 2-6 ms step).
+later than a read of its own would (at batch 1 on an H200 that read was 0.4 ms of a 5 ms "off" step:
++7% tokens/s, BENCHMARKS.md run 41). After a read that found requests the next one is the loop's
+own again: a burst is admitted without a step's delay per wave.
 Every `scan_ms` a verifier with room first looks for entries idle past `--reclaim-idle-ms` (their
 verifier died) and resumes them from their result streams (services/verifier/claims.py).
 """
@@ -96,13 +98,14 @@ class Admission:
             self._on_redis_error("admit", e, idle)
             return admitted
         self._redis_failures = 0
+        self._read_found = bool(reply and any(entries for _stream, entries in reply))
         return admitted + self._admit_reply(reply, now)
 
     def read_rider(self) -> ReadRider | None:
         """The read for the step's result flush, when the batch has free slots (admit then skips
         its own read while that flush is in flight); None when draining or full."""
-        if self.draining or not self.config.ride_reads or not self._group_ready:
-            return None
+        if self.draining or not self.config.ride_reads or not self._group_ready or self._read_found:
+            return None  # after a read that found requests, more may be arriving: read them at once
         free = self.engine.max_batch_size - len(self.engine.running) - len(self.engine.waiting)
         if free <= 0:
             return None
@@ -119,6 +122,7 @@ class Admission:
             else:
                 log.error("redis refused the ridden request read: %s", rider.error)
             return 0
+        self._read_found = bool(rider.reply and any(entries for _stream, entries in rider.reply))
         return self._admit_reply(rider.reply, self.clock())
 
     def _admit_reply(self, reply, now: float, unanswered_only: bool = False) -> int:

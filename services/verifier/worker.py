@@ -82,6 +82,7 @@ class VerifierWorker(Admission):
         self._group_ready = False
         self._read_riding = False  # the in-flight result flush carries the request read (admission.py)
         self._reread_own = False  # a flush with a read failed: read this consumer's pending entries
+        self._read_found = False  # the last request read found entries (admission.py: no ride next)
 
     # ---- lifecycle --------------------------------------------------------------------------
     def run(self) -> None:
