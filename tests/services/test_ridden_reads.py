@@ -54,7 +54,10 @@ def test_requests_arriving_mid_run_are_admitted_from_the_result_round_trip(redis
     worker.run_once()  # idle: its own (blocking) read admits the first request
     worker.run_once()
     reads_before = len(own_reads)
-    enqueue(client, stream, later)
+    with client.pipeline(transaction=True) as pipe:  # both at once: one read finds both
+        for r in later:
+            pipe.xadd(stream, r.to_fields())
+        pipe.execute()
     steps = 0
     while not all(any(ar.request_id == r.request_id for ar in worker.active.values()) for r in later):
         worker.run_once()
