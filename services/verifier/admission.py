@@ -98,7 +98,6 @@ class Admission:
             self._on_redis_error("admit", e, idle)
             return admitted
         self._redis_failures = 0
-        self._read_found = bool(reply and any(entries for _stream, entries in reply))
         return admitted + self._admit_reply(reply, now)
 
     def read_rider(self) -> ReadRider | None:
@@ -122,12 +121,13 @@ class Admission:
             else:
                 log.error("redis refused the ridden request read: %s", rider.error)
             return 0
-        self._read_found = bool(rider.reply and any(entries for _stream, entries in rider.reply))
         return self._admit_reply(rider.reply, self.clock())
 
     def _admit_reply(self, reply, now: float, unanswered_only: bool = False) -> int:
         """Admit an XREADGROUP reply's entries; unanswered_only (this consumer's pending history):
-        not those it runs or is answering."""
+        not those it runs or is answering. A read of new entries notes whether it found any (read_rider)."""
+        if not unanswered_only:
+            self._read_found = any(entries for _stream, entries in reply or [])
         admitted = 0
         running = {sid(ar.entry_id) for ar in self.active.values()} if unanswered_only else set()
         for _stream, entries in reply or []:

@@ -38,7 +38,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from specd.models.kernels.l2_prefetch import KINDS
+from specd.models.kernels.l2_prefetch import KINDS, prewait_lines
 from specd.models.kernels.pdl import launch_options, use_pdl
 
 MAX_ROWS = 32
@@ -243,22 +243,6 @@ if triton is not None:
             prefetch_share(pf_ptr, pf_units, pf_regions, pf_region_stride,
                            split * tl.num_programs(0) + pid, tl.num_programs(0) * tl.num_programs(1),
                            PF_KIND, PF_UNIT)
-
-
-PREWAIT_ENV = "SPECD_GEMM_PREWAIT_BYTES"  # bytes of each weight row pulled into L2 before the PDL wait
-PREWAIT_BYTES = 512  # H200, 8B step at batch 1 (BENCHMARKS.md runs 37-39): 512 gained 1-2.7%, 2048 and up lost
-
-
-def prewait_lines(x: torch.Tensor) -> int:
-    """128-byte lines of each weight row a program prefetches into L2 before its PDL wait (past the
-    first tile it loads anyway), while the kernel before it (a norm, RoPE, the attention merge)
-    leaves HBM idle: SPECD_GEMM_PREWAIT_BYTES (default PREWAIT_BYTES) rounded to a power of two of
-    lines; none without PDL (nothing to overlap), on CPU and in the interpreter. A hint: it cannot
-    change a result (outputs bit-identical in every run)."""
-    nbytes = int(os.environ.get(PREWAIT_ENV) or PREWAIT_BYTES)
-    if nbytes < 128 or _INTERPRET or not use_pdl(x) or torch.cuda.get_device_capability(x.device)[0] < 9:
-        return 0
-    return triton.next_power_of_2(nbytes // 128)
 
 
 def _row_bucket(m: int) -> int:

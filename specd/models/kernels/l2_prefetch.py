@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specd.models.kernels.pdl import use_pdl
+
 try:
     import triton
     import triton.language as tl
@@ -37,6 +39,23 @@ except Exception:  # ImportError, or a broken install
 L2_PREFETCH_ENV = "SPECD_L2_PREFETCH"
 PRODUCTS = ("qkv", "o", "gate_up", "down", "lm_head")
 KINDS = {"sector": (1, 16), "line": (2, 64), "bulk": (3, 2048)}  # name -> (kernel code, elements of 2 bytes)
+
+
+PREWAIT_ENV = "SPECD_GEMM_PREWAIT_BYTES"  # bytes of each weight row pulled into L2 before the PDL wait
+PREWAIT_BYTES = 512  # H200, 8B step at batch 1 (BENCHMARKS.md runs 37-39): 512 gained 1-2.7%, 2048 and up lost
+
+
+def prewait_lines(x: torch.Tensor) -> int:
+    """128-byte lines of each weight row a program prefetches into L2 before its PDL wait (past the
+    first tile it loads anyway), while the kernel before it (a norm, RoPE, the attention merge)
+    leaves HBM idle: SPECD_GEMM_PREWAIT_BYTES (default PREWAIT_BYTES) rounded up to a power of two
+    of lines; none without PDL (nothing to overlap), on CPU and in the interpreter. A hint: it cannot
+    change a result (outputs bit-identical in every run)."""
+    nbytes = int(os.environ.get(PREWAIT_ENV) or PREWAIT_BYTES)
+    if (nbytes < 128 or os.environ.get("TRITON_INTERPRET") == "1" or not use_pdl(x)
+            or torch.cuda.get_device_capability(x.device)[0] < 9):
+        return 0
+    return 1 << (nbytes // 128 - 1).bit_length()  # the next power of two (tl.arange's length)
 
 
 @dataclass(frozen=True)
