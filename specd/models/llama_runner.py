@@ -134,6 +134,8 @@ class LlamaRunner:
             shard_llama_(self.model, self.parallel)
         tp = engine_config.tp
         self.session_len = engine_config.session_len or self.config.max_position_embeddings
+        # cos/sin of every position, gathered per step (the KV cache below is sized after it)
+        self.model.model.rotary_emb.reserve(self.session_len, self.dtype)
         self.block_size = engine_config.block_size
         num_blocks = num_cache_blocks(engine_config, self.config, self.session_len, self.dtype,
                                       self.device, self.config.num_key_value_heads // tp)
