@@ -8,21 +8,14 @@ echo server in a process of its own; between messages the client spins for `gap`
 thread's wait for the device), so the server's threads sleep that long, as the drafter's do.
 
     python -m bench.grpc_transport [--pings 1000] [--gaps-ms 0,1,4] [--payload 200] [--server-spin]
-                                   [--servers sync,aio]
 
-It prints the median and p90 round trip per server and gap, and each against the first server's
-gap 0. The servers: "sync" (grpc.server, a thread per stream: the handler thread waits for each
-request on a condition the server's polling thread signals) and "aio" (grpc.aio.server, the handler
-a coroutine on the event loop; services/common/grpc_server.py serves step streams this way).
---server-spin runs a thread in the server process that keeps yielding (time.sleep(0)): does a core
-kept awake help? --idle-poll times every server twice, the second time with a busy loop at
-SCHED_IDLE on each CPU (services/common/idle_poll.py, as the services' --idle-poll starts them).
+It prints the median and p90 round trip per gap, and each against gap 0. --server-spin runs a
+thread in the server process that keeps yielding (time.sleep(0)): does a core kept awake help?
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import multiprocessing
 import os
 import queue
@@ -33,8 +26,6 @@ from concurrent import futures
 
 import grpc
 
-from services.common import idle_poll
-
 SERVICE, METHOD = "specd.bench.Echo", "/specd.bench.Echo/Stream"
 
 
@@ -42,38 +33,17 @@ def _echo(request_iterator, context):
     yield from request_iterator
 
 
-async def _echo_async(request_iterator, context):
-    async for request in request_iterator:
-        yield request
-
-
-def _handlers(echo):
-    return (grpc.method_handlers_generic_handler(SERVICE, {"Stream": grpc.stream_stream_rpc_method_handler(echo)}),)
-
-
-def _serve(port_out, stop, spin, kind) -> None:
+def _serve(port_out, stop, spin) -> None:
     """The echo server's process: bind any free port, report it, serve until `stop` is set."""
     if spin:
         threading.Thread(target=lambda: [time.sleep(0) for _ in iter(int, 1)], daemon=True).start()
-    if kind == "aio":
-        asyncio.run(_serve_async(port_out, stop))
-        return
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-    server.add_generic_rpc_handlers(_handlers(_echo))
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+        SERVICE, {"Stream": grpc.stream_stream_rpc_method_handler(_echo)}),))
     port_out.put(server.add_insecure_port("127.0.0.1:0"))
     server.start()
     stop.wait()
     server.stop(0)
-
-
-async def _serve_async(port_out, stop) -> None:
-    server = grpc.aio.server()
-    server.add_generic_rpc_handlers(_handlers(_echo_async))
-    port_out.put(server.add_insecure_port("127.0.0.1:0"))
-    await server.start()
-    while not stop.is_set():
-        await asyncio.sleep(0.1)
-    await server.stop(0)
 
 
 def round_trips(address: str, pings: int, payload: int, gap_s: float) -> list[float]:
@@ -114,45 +84,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gaps-ms", default="0,1,4", help="client busy time between round trips")
     ap.add_argument("--payload", type=int, default=200, help="bytes per message")
     ap.add_argument("--server-spin", action="store_true")
-    ap.add_argument("--servers", default="sync,aio", help="echo servers to time: sync, aio")
-    ap.add_argument("--idle-poll", action="store_true", help="also time each server with the CPUs kept polling")
     args = ap.parse_args(argv)
-    results = {}
-    for polling in (False, True) if args.idle_poll else (False,):
-        pollers = idle_poll.start() if polling else None
-        try:
-            for kind in args.servers.split(","):
-                if kind not in ("sync", "aio"):
-                    ap.error(f"--servers: unknown server {kind!r} (sync, aio)")
-                for gap, times in _time_server(kind, args).items():
-                    results[kind + (" + idle poll" if polling else ""), gap] = times
-        finally:
-            if pollers is not None:
-                pollers.terminate()
-                pollers.wait(10)
-    print(f"| server | client busy between round trips ms | round trip median us | p90 us | vs the first "
-          f"back to back ({args.pings} pings, {args.payload} B, echo server in its own process) |")
-    print("|---|---|---|---|---|")
-    base = statistics.median(next(iter(results.values())))
-    for (kind, gap), times in results.items():
-        median, p90 = statistics.median(times), sorted(times)[int(0.9 * len(times))]
-        print(f"| {kind} | {gap:g} | {median * 1e6:.0f} | {p90 * 1e6:.0f} | {median / base:.2f}x |")
-    return 0
-
-
-def _time_server(kind: str, args) -> dict[float, list[float]]:
-    """Round trips per gap against one echo server of `kind` in a process of its own."""
     ctx = multiprocessing.get_context("spawn")
     port_out, stop = ctx.Queue(), ctx.Event()
-    server = ctx.Process(target=_serve, args=(port_out, stop, args.server_spin, kind), daemon=True)
+    server = ctx.Process(target=_serve, args=(port_out, stop, args.server_spin), daemon=True)
     server.start()
     try:
         address = f"127.0.0.1:{port_out.get(timeout=60)}"
-        return {gap: round_trips(address, args.pings, args.payload, gap / 1e3)
-                for gap in map(float, args.gaps_ms.split(","))}
+        results = {gap: round_trips(address, args.pings, args.payload, gap / 1e3)
+                   for gap in map(float, args.gaps_ms.split(","))}
     finally:
         stop.set()
         server.join(10)
+    print(f"| client busy between round trips ms | round trip median us | p90 us | vs back to back "
+          f"({args.pings} pings, {args.payload} B, echo server in its own process) |")
+    print("|---|---|---|---|")
+    base = statistics.median(next(iter(results.values())))
+    for gap, times in results.items():
+        median, p90 = statistics.median(times), sorted(times)[int(0.9 * len(times))]
+        print(f"| {gap:g} | {median * 1e6:.0f} | {p90 * 1e6:.0f} | {median / base:.2f}x |")
+    return 0
 
 
 if __name__ == "__main__":

@@ -6,7 +6,6 @@ import argparse
 import os
 import re
 
-from services.common import idle_poll  # stdlib only: cheap
 from services.common.tls import TLSConfig, add_tls_arguments  # no grpc import: cheap
 
 METHODS = ("eagle3", "deepseek_mtp", "qwen3_5_mtp", "draft_model", "ngram", "replay")  # replay: bench only
@@ -48,7 +47,6 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="gRPC threads; each open verifier stream holds one")
     p.add_argument("--log-level", default="INFO")
     add_tls_arguments(p, client=False)
-    idle_poll.add_argument(p)
     p.set_defaults(func=_run)
     return p
 
@@ -59,8 +57,6 @@ def _run(args: argparse.Namespace) -> int:
     from services.drafter.server import serve_drafter
     from specd.messages import SpeculativeConfig
 
-    if args.idle_poll:
-        idle_poll.start()  # ends with this process
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s %(message)s")
     spec = SpeculativeConfig(method=args.speculative_algorithm,

@@ -6,7 +6,6 @@ import argparse
 import os
 import sys
 
-from services.common import idle_poll  # stdlib only: cheap
 from services.common.tls import TLSConfig, add_tls_arguments  # no grpc import: cheap
 from specd.messages import SPECULATIVE_METHODS  # dataclasses only: cheap to import
 
@@ -47,7 +46,6 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--log-interval", type=float, default=10.0, help="seconds between summary lines (0: off)")
     add_tls_arguments(p, server=False)  # it connects to drafters and the grammar service
-    idle_poll.add_argument(p)
     p.set_defaults(func=run)
     return p
 
@@ -61,8 +59,6 @@ def run(args: argparse.Namespace) -> int:
 
     from services.verifier.server import VerifierConfig, configure_logging, default_consumer_name, serve
 
-    if args.idle_poll:
-        idle_poll.start()  # ends with this process
     configure_logging(args.log_level)
     config = VerifierConfig(
         model=args.model, redis_url=args.redis_url, request_stream=args.request_stream,
