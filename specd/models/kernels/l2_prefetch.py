@@ -104,7 +104,7 @@ class PrefetchPlan:
         if spec in ("", "off", "0"):
             return cls()
         megabytes, kind = {}, "line"
-        for part in spec.split(","):
+        for part in spec.split("+"):
             name, sep, value = part.partition("=")
             if not sep:
                 raise ValueError(f"l2 prefetch: expected name=value, got {part!r} in {spec!r}")
