@@ -13,14 +13,14 @@ def test_one_size_for_every_product():
 
 
 def test_sizes_by_product_shape_over_a_default():
-    spec = "512+6144/4096:4096+4096/14336:0"
+    spec = "512,6144/4096:4096,4096/14336:0"
     assert prewait_bytes(spec, 6144, 4096) == 4096  # qkv at 8B
     assert prewait_bytes(spec, 4096, 14336) == 0  # down_proj
     assert prewait_bytes(spec, 4096, 4096) == 512  # o_proj: the default
     assert prewait_bytes("6144/4096:2048", 4096, 4096) == PREWAIT_BYTES  # no default given
 
 
-@pytest.mark.parametrize("spec", ["lots", "512+qkv:1024", "512+6144/4096:x", "512,1024", "6144/4096/1:64"])
+@pytest.mark.parametrize("spec", ["lots", "512,qkv:1024", "512,6144/4096:x", "6144/4096/1:64"])
 def test_a_malformed_setting_is_a_clear_error(spec):
     with pytest.raises(ValueError, match="SPECD_GEMM_PREWAIT_BYTES"):
         prewait_bytes(spec, 6144, 4096)

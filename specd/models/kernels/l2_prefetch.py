@@ -46,11 +46,11 @@ PREWAIT_BYTES = 512  # H200, 8B step at batch 1 (BENCHMARKS.md runs 37-39): 512 
 
 
 def prewait_bytes(spec: str, n: int, k: int) -> int:
-    """Bytes a row for a GEMM of N output columns over K: spec is "B" (every product) or "B+N/K:B+..."
+    """Bytes a row for a GEMM of N output columns over K: spec is "B" (every product) or "B,N/K:B,..."
     (a default, then products by shape: qkv's 6144/4096 at 8B, gate_up's 14336/4096, down's
     4096/14336)."""
     nbytes = None
-    for part in spec.split("+"):
+    for part in spec.split(","):
         shape, _, value = part.strip().rpartition(":")
         try:
             if not shape:
@@ -60,7 +60,7 @@ def prewait_bytes(spec: str, n: int, k: int) -> int:
             elif not shape.replace("/", "", 1).isdigit():
                 raise ValueError
         except ValueError:
-            raise ValueError(f"{PREWAIT_ENV}: expected BYTES or BYTES+N/K:BYTES+..., got {spec!r}") from None
+            raise ValueError(f"{PREWAIT_ENV}: expected BYTES or BYTES,N/K:BYTES,..., got {spec!r}") from None
     return PREWAIT_BYTES if nbytes is None else nbytes
 
 
@@ -104,7 +104,7 @@ class PrefetchPlan:
         if spec in ("", "off", "0"):
             return cls()
         megabytes, kind = {}, "line"
-        for part in spec.split("+"):
+        for part in spec.split(","):
             name, sep, value = part.partition("=")
             if not sep:
                 raise ValueError(f"l2 prefetch: expected name=value, got {part!r} in {spec!r}")
