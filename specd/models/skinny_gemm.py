@@ -311,7 +311,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, n: int, swiglu: bool, splits:
             d, res = norm.delta, norm.residual
             stride_dm, stride_rm = d.stride(-2), res.stride(0)
             normed["DELTA_SPLITS"], stride_ds = (1, 0) if d.ndim == 2 else (d.shape[0], d.stride(0))
-    prewait = prewait_lines(x, n, k)
+    prewait = prewait_lines(x)
     if prewait:
         normed["PREWAIT_LINES"] = prewait
     pinned = pinned_config(n, k, splits) or tuned_config(x, n, k, swiglu, splits)

@@ -45,32 +45,13 @@ PREWAIT_ENV = "SPECD_GEMM_PREWAIT_BYTES"  # bytes of each weight row pulled into
 PREWAIT_BYTES = 512  # H200, 8B step at batch 1 (BENCHMARKS.md runs 37-39): 512 gained 1-2.7%, 2048 and up lost
 
 
-def prewait_bytes(spec: str, n: int, k: int) -> int:
-    """Bytes a row for a GEMM of N output columns over K: spec is "B" (every product) or "B,N/K:B,..."
-    (a default, then products by shape: qkv's 6144/4096 at 8B, gate_up's 14336/4096, down's
-    4096/14336)."""
-    nbytes = None
-    for part in spec.split(","):
-        shape, _, value = part.strip().rpartition(":")
-        try:
-            if not shape:
-                nbytes = int(value) if nbytes is None else nbytes
-            elif shape == f"{n}/{k}":
-                return int(value)
-            elif not shape.replace("/", "", 1).isdigit():
-                raise ValueError
-        except ValueError:
-            raise ValueError(f"{PREWAIT_ENV}: expected BYTES or BYTES,N/K:BYTES,..., got {spec!r}") from None
-    return PREWAIT_BYTES if nbytes is None else nbytes
-
-
-def prewait_lines(x: torch.Tensor, n: int, k: int) -> int:
+def prewait_lines(x: torch.Tensor) -> int:
     """128-byte lines of each weight row a program prefetches into L2 before its PDL wait (past the
     first tile it loads anyway), while the kernel before it (a norm, RoPE, the attention merge)
-    leaves HBM idle: SPECD_GEMM_PREWAIT_BYTES (default PREWAIT_BYTES; per product, see
-    prewait_bytes) rounded up to a power of two of lines; none without PDL (nothing to overlap), on
-    CPU and in the interpreter. A hint: it cannot change a result (outputs bit-identical in every run)."""
-    nbytes = prewait_bytes(os.environ.get(PREWAIT_ENV) or str(PREWAIT_BYTES), n, k)
+    leaves HBM idle: SPECD_GEMM_PREWAIT_BYTES (default PREWAIT_BYTES) rounded up to a power of two
+    of lines; none without PDL (nothing to overlap), on CPU and in the interpreter. A hint: it cannot
+    change a result (outputs bit-identical in every run)."""
+    nbytes = int(os.environ.get(PREWAIT_ENV) or PREWAIT_BYTES)
     if (nbytes < 128 or os.environ.get("TRITON_INTERPRET") == "1" or not use_pdl(x)
             or torch.cuda.get_device_capability(x.device)[0] < 9):
         return 0
