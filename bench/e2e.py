@@ -144,8 +144,9 @@ def step_split_ms(before: dict, after: dict) -> dict[str, float]:
 # "replay-nohandoff" without the send handoff (specd/proposers/drafter_stream.py), "replay-nocarry"
 # without carried drafts (specd/engine/drafting.py), "replay-carry4" carrying 4 past k (one step's worth),
 # "off-ownread" / "replay-ownread" with the busy verifier's request read on a round trip of its own
-# (services/verifier/admission.py ReadRider: it rides the result round trip by default).
-VARIANTS = {"-sync": {"SPECD_DRAFT_AHEAD": "0"}, "-nohandoff": {"SPECD_DRAFT_SEND_HANDOFF": "0"},
+# (services/verifier/admission.py ReadRider: it rides the result round trip by default), "-grpcsteps"
+# with the drafter round trip on the gRPC stream instead of the fast socket path (drafter_stream.py).
+VARIANTS = {"-grpcsteps": {"SPECD_DRAFTER_FAST_PATH": "0"}, "-sync": {"SPECD_DRAFT_AHEAD": "0"}, "-nohandoff": {"SPECD_DRAFT_SEND_HANDOFF": "0"},
             "-nocarry": {"SPECD_DRAFT_CARRY": "0"}, "-ownread": {"SPECD_VERIFIER_RIDE_READS": "0"},
             "-carry4": {"SPECD_DRAFT_CARRY": "4"}}  # one step's worth at the bench's k = 3
 

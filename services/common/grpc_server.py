@@ -10,7 +10,7 @@ import logging
 import signal
 import threading
 from concurrent import futures
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import grpc
@@ -36,6 +36,7 @@ class RunningServer:
     servicer: Any
     health: health.HealthServicer
     port: int
+    also_stop: list[Callable[[], None]] = field(default_factory=list)  # after the gRPC server (its grace first)
 
     @property
     def address(self) -> str:
@@ -45,6 +46,8 @@ class RunningServer:
         """Report NOT_SERVING, then let in-flight steps finish for up to grace_s seconds."""
         self.health.enter_graceful_shutdown()
         self.server.stop(grace_s).wait()
+        for stop in self.also_stop:
+            stop()
 
 
 def start_grpc_server(servicer: Any, add_to_server: Callable[[Any, grpc.Server], None], service_name: str,

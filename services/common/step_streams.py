@@ -5,6 +5,7 @@ readable message while the server keeps serving the others."""
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Iterator
 
 import grpc
@@ -32,7 +33,9 @@ def serve_steps(stream, request_iterator, context, step: Callable, close: Callab
     requests, on an error, and from gRPC's callback when the client vanishes while we wait on it.
     An error becomes status_of(error)'s status; INTERNAL ones are logged with their traceback.
     """
-    context.add_callback(lambda: close(stream, "rpc_done"))
+    # gRPC runs the callback on its server thread; close takes the servicer's lock, which a long
+    # step (another stream's) may hold for seconds: off that thread, or the server stalls meanwhile.
+    context.add_callback(lambda: threading.Thread(target=close, args=(stream, "rpc_done"), daemon=True).start())
     try:
         for request in request_iterator:
             yield step(stream, request)

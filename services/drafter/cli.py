@@ -45,6 +45,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="replay (bench only): probability that a draft token is corrupted")
     p.add_argument("--max-workers", type=int, default=32,
                    help="gRPC threads; each open verifier stream holds one")
+    p.add_argument("--fast-step-port", type=int, default=int(os.environ.get("SPECD_DRAFTER_FAST_STEP_PORT", "0")),
+                   help="serve the per-step round trip over framed sockets too, on this port (0: any free "
+                        "port, advertised to verifiers in Info; -1: gRPC only). Not under TLS.")
     p.add_argument("--log-level", default="INFO")
     add_tls_arguments(p, client=False)
     p.set_defaults(func=_run)
@@ -69,5 +72,6 @@ def _run(args: argparse.Namespace) -> int:
     serve_drafter(args.speculative_draft_model or args.model, spec, target_path=args.model,
                   host=args.host, port=args.port, device=args.device, dtype=args.dtype,
                   max_num_draft_tokens=args.max_num_draft_tokens, max_batch_size=args.max_batch_size,
-                  max_workers=args.max_workers, tls=TLSConfig.from_args(args))
+                  max_workers=args.max_workers, tls=TLSConfig.from_args(args),
+                  fast_step_port=args.fast_step_port)
     return 0

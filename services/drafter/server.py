@@ -16,6 +16,7 @@ import torch
 
 from services.common.grpc_server import RunningServer, serve_until_signal, start_grpc_server
 from services.common.tls import PLAINTEXT, TLSConfig
+from services.drafter.fast_steps import FastStepServer
 from services.drafter.servicer import DrafterServicer
 from specd.messages import PytorchEngineConfig, SpeculativeConfig
 from specd.models.hf_config import read_json
@@ -80,23 +81,31 @@ DrafterServer = RunningServer  # the name tests and callers use
 
 
 def start_server(servicer: DrafterServicer, host: str = "0.0.0.0", port: int = 0,
-                 max_workers: int = 32, tls: TLSConfig = PLAINTEXT) -> RunningServer:
+                 max_workers: int = 32, tls: TLSConfig = PLAINTEXT, fast_step_port: int = 0) -> RunningServer:
     """Start serving `servicer` (port 0: any free port; TLS when `tls` has a certificate); health turns
-    SERVING once started."""
-    return start_grpc_server(servicer, drafter_pb2_grpc.add_DrafterServicer_to_server, DRAFTER_SERVICE,
-                             host=host, port=port, max_workers=max_workers, name="drafter", tls=tls)
+    SERVING once started. Without TLS, DraftSteps is also served over framed sockets on
+    fast_step_port (0: any free port, -1: not at all; fast_steps.py), advertised in Info."""
+    fast = None
+    if fast_step_port >= 0 and not tls.serves_tls:
+        fast = FastStepServer(servicer, host, fast_step_port)  # before gRPC: Info advertises its port
+    running = start_grpc_server(servicer, drafter_pb2_grpc.add_DrafterServicer_to_server, DRAFTER_SERVICE,
+                                host=host, port=port, max_workers=max_workers, name="drafter", tls=tls)
+    if fast is not None:
+        running.also_stop.append(fast.stop)
+    return running
 
 
 def serve_drafter(model_path: str | Path, spec: SpeculativeConfig, target_path: str | Path | None = None,
                   host: str = "0.0.0.0", port: int = DEFAULT_PORT, device: str = "cpu", *,
                   dtype: str = "auto", max_num_draft_tokens: int = 32, max_batch_size: int = 128,
                   max_workers: int = 32, grace_s: float = 5.0,
-                  tls: TLSConfig = PLAINTEXT) -> None:
+                  tls: TLSConfig = PLAINTEXT, fast_step_port: int = 0) -> None:
     """Load, serve until SIGTERM or SIGINT, then stop gracefully (blocks; call from the main thread)."""
     t0 = time.perf_counter()
     servicer = load_drafter(model_path, spec, target_path, device=device, dtype=dtype,
                             max_num_draft_tokens=max_num_draft_tokens, max_batch_size=max_batch_size)
-    running = start_server(servicer, host, port, max_workers, tls)
-    logger.info("event=drafter_serving method=%s host=%s port=%d device=%s load_s=%.2f",
-                servicer.proposer.method, host, running.port, device, time.perf_counter() - t0)
+    running = start_server(servicer, host, port, max_workers, tls, fast_step_port)
+    logger.info("event=drafter_serving method=%s host=%s port=%d fast_step_port=%d device=%s load_s=%.2f",
+                servicer.proposer.method, host, running.port, servicer.fast_step_port, device,
+                time.perf_counter() - t0)
     serve_until_signal(running, logger, "drafter", grace_s)

@@ -92,6 +92,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         self._stream_ids = itertools.count()
         self._streams: dict[int, _Stream] = {}
         self.num_sequences_opened = 0  # over the servicer's life (tests, logs)
+        self.fast_step_port = 0  # advertised in Info once a FastStepServer serves this servicer
 
     # ---- RPCs -------------------------------------------------------------------------------
     def Info(self, request, context) -> drafter_pb2.DrafterInfoResponse:
@@ -99,15 +100,20 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             method=self.proposer.method, hidden_kind=HIDDEN_KIND_TO_PB[self.proposer.hidden_kind],
             aux_layer_ids=list(getattr(self.proposer, "aux_layer_ids", None) or []),
             vocab_size=self.vocab_size, hidden_size=self.hidden_size,
-            max_num_draft_tokens=self.max_num_draft_tokens)
+            max_num_draft_tokens=self.max_num_draft_tokens, fast_step_port=self.fast_step_port)
 
     def DraftSteps(self, request_iterator, context):
+        stream = self.open_stream(context.peer())
+        yield from serve_steps(stream, request_iterator, context, self._step, self._close_stream, _status_of)
+
+    def open_stream(self, peer: str) -> _Stream:
+        """A new stream's state: gRPC's DraftSteps and the fast socket path (fast_steps.py) each open one."""
         with self._lock:
-            stream = _Stream(next(self._stream_ids), context.peer())
+            stream = _Stream(next(self._stream_ids), peer)
             self._streams[stream.stream_id] = stream
         logger.info("event=stream_open stream=%d peer=%s method=%s", stream.stream_id, stream.peer,
                     self.proposer.method)
-        yield from serve_steps(stream, request_iterator, context, self._step, self._close_stream, _status_of)
+        return stream
 
     # ---- one step ---------------------------------------------------------------------------
     def _step(self, stream: _Stream, request: drafter_pb2.DraftStepRequest

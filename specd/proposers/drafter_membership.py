@@ -74,6 +74,11 @@ class DrafterMembership:
                           stream.info.max_num_draft_tokens, self.max_num_draft_tokens)
                 stream.shutdown()
                 continue
+            try:  # back when it answers a step in time, not only Info: a drafter still inside a slow
+                stream.probe(self.deadline_s)  # step (the one that missed) would miss the next one too
+            except DrafterError:
+                stream.shutdown()
+                continue
             self._revived.put((stream, cancel))  # handed to the engine thread, which owns the ring
             return
 

@@ -1,27 +1,39 @@
 """One drafter connection: channel, Info, the DraftSteps stream, and the errors it raises.
 
-Sync gRPC: a request queue feeds the stream and a reader thread drains the responses, so a step
-can wait for its answer with a deadline. send() hands a step to gRPC's sender thread and waits
-(up to `handoff_s`) until that thread has taken it: left alone, the sender thread waits for the
-GIL while the engine thread runs its commit and emit, ~0.26 ms a step on the H200 machine. A stream that fails once is dead (`error` is set): the
-drafter drops a stream's sequences when it ends, so the owner (RemoteProposer) starts a new one.
-Also the consistent-hash ring that spreads sequences over drafters.
+Where the drafter advertises a fast step port (Info.fast_step_port) and the channel is not on TLS,
+the steps go over a plain socket with the same messages (specd/transport/step_frames.py): the
+engine thread writes each request and reads each answer itself, with the deadline as the socket's
+timeout, and no other thread of this process is involved. Otherwise (or with SPECD_DRAFTER_FAST_PATH=0,
+or when the port cannot be reached) the gRPC stream carries them: sync gRPC, a request queue feeds
+the stream and a reader thread drains the responses, so a step can wait for its answer with a
+deadline. send() then hands a step to gRPC's sender thread and waits (up to `handoff_s`) until that
+thread has taken it: left alone, the sender thread waits for the GIL while the engine thread runs
+its commit and emit, ~0.26 ms a step on the H200 machine. A stream that fails once is dead
+(`error` is set): the drafter drops a stream's sequences when it ends, so the owner
+(RemoteProposer) starts a new one. Also the consistent-hash ring that spreads sequences over drafters.
 """
 
 from __future__ import annotations
 
 import bisect
 import hashlib
+import logging
 import os
 import queue
+import socket
 import threading
 import time
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from specd.sampling_params import SamplingParams
+from specd.transport import step_frames
 from specd.transport.grpc_client import CHANNEL_OPTIONS, REJECTED_CODES
 from specd.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
+
+logger = logging.getLogger(__name__)
+FAST_PATH_ENV = "SPECD_DRAFTER_FAST_PATH"  # "0": the steps stay on the gRPC stream (A/B, or a firewall)
 
 
 
@@ -55,7 +67,10 @@ class DrafterRejectedError(DrafterError):
 
 
 def _error_from_rpc(address: str, err: grpc.RpcError) -> DrafterError:
-    code, details = err.code(), err.details()
+    return _error_from_status(address, err.code(), err.details())
+
+
+def _error_from_status(address: str, code: grpc.StatusCode, details: str) -> DrafterError:
     cls = DrafterRejectedError if code in REJECTED_CODES else DrafterUnavailableError
     return cls(address, f"{code.name}: {details}", code)
 
@@ -119,11 +134,15 @@ class DrafterStream:
                                           err.code()) from None
         self._requests: queue.SimpleQueue = queue.SimpleQueue()  # None half-closes the stream
         self._responses: queue.SimpleQueue = queue.SimpleQueue()  # responses or a DrafterError
-        self._left_at: dict[int, float] = {}  # step id -> when gRPC's sender pulled it from the queue
+        self._left_at: dict[int, float] = {}  # step id -> when it left (gRPC: its sender pulled it)
         self._taken = threading.Event()  # set when the sender thread takes a step (send() waits on it)
-        self._call = stub.DraftSteps(self._outgoing())
-        self._reader = threading.Thread(target=self._read, name=f"drafter-{address}", daemon=True)
-        self._reader.start()
+        self._sock = None if credentials is not None else self._connect_fast(connect_timeout_s)
+        self._send_error: DrafterError | None = None  # a socket write that failed, raised by receive()
+        self._call = self._reader = None
+        if self._sock is None:
+            self._call = stub.DraftSteps(self._outgoing())
+            self._reader = threading.Thread(target=self._read, name=f"drafter-{address}", daemon=True)
+            self._reader.start()
         self.pending_open: dict[int, tuple[SamplingParams, object]] = {}  # seq -> (params, grammar)
         self.pending_close: list[int] = []
         self.next_step_id = 0
@@ -147,9 +166,37 @@ class DrafterStream:
         except grpc.RpcError as err:
             self._responses.put(_error_from_rpc(self.address, err))
 
+    @property
+    def fast(self) -> bool:
+        """Whether the steps go over the fast socket path (else the gRPC stream)."""
+        return self._sock is not None
+
+    def _connect_fast(self, timeout_s: float) -> socket.socket | None:
+        port = self.info.fast_step_port
+        if not port or os.environ.get(FAST_PATH_ENV, "1") == "0":
+            return None
+        host = self.address.rpartition(":")[0].strip("[]")
+        try:
+            sock = socket.create_connection((host, port), timeout=min(timeout_s, 5.0))
+        except OSError as err:
+            logger.warning("drafter %s: fast step port %d unreachable (%s); steps go over gRPC",
+                           self.address, port, err)
+            return None
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return sock
+
     def send(self, message: drafter_pb2.DraftStepRequest) -> None:
         message.step_id = self.next_step_id
         self.next_step_id += 1
+        if self._sock is not None:
+            if self._send_error is None:
+                self._left_at[message.step_id] = time.perf_counter()
+                try:
+                    self._sock.settimeout(None)
+                    step_frames.send_message(self._sock, message.SerializeToString())
+                except OSError as err:
+                    self._send_error = DrafterUnavailableError(self.address, f"fast step path: send failed: {err}")
+            return
         self._taken.clear()
         self._requests.put(message)
         if self.handoff_s > 0:
@@ -157,8 +204,16 @@ class DrafterStream:
             # and hands it to gRPC's core (where it drops the GIL again) before this thread resumes.
             self._taken.wait(self.handoff_s)
 
+    def probe(self, timeout_s: float) -> None:
+        """One empty step, answered within timeout_s (raises DrafterError otherwise): the drafter
+        serves steps, not only Info."""
+        self.send(drafter_pb2.DraftStepRequest())
+        self.receive(self.next_step_id - 1, time.monotonic() + timeout_s)
+
     def receive(self, step_id: int, deadline: float) -> drafter_pb2.DraftStepResponse:
         """The answer to step_id, by `deadline` (time.monotonic()); marks the stream dead on failure."""
+        if self._sock is not None:
+            return self._receive_fast(step_id, deadline)
         try:
             item = self._responses.get(timeout=max(0.0, deadline - time.monotonic()))
         except queue.Empty:
@@ -176,8 +231,39 @@ class DrafterStream:
             raise item
         return item
 
+    def _receive_fast(self, step_id: int, deadline: float) -> drafter_pb2.DraftStepResponse:
+        error = self._send_error
+        if error is None:
+            try:
+                self._sock.settimeout(max(1e-4, deadline - time.monotonic()))
+                frame = step_frames.read_frame(self._sock)
+                arrived = time.perf_counter()
+                if frame is None:
+                    error = DrafterUnavailableError(self.address, "the drafter ended the stream")
+                elif frame[0] == step_frames.ERROR:
+                    error = _error_from_status(self.address, *step_frames.parse_error(frame[1]))
+                else:
+                    response = drafter_pb2.DraftStepResponse.FromString(frame[1])
+                    if response.step_id == step_id:
+                        self.last_arrived_at = arrived
+                        self.last_left_at = self._left_at.pop(step_id, arrived)
+                        return response
+                    error = DrafterError(self.address, f"answered step {response.step_id}, expected {step_id}")
+            except socket.timeout:
+                error = DrafterUnavailableError(self.address, f"no answer to step {step_id} within the deadline",
+                                                grpc.StatusCode.DEADLINE_EXCEEDED)
+            except (OSError, DecodeError) as err:  # a broken connection, or bytes that are no response
+                error = DrafterUnavailableError(self.address, f"fast step path: {type(err).__name__}: {err}")
+        self.error = error
+        self._sock.close()  # a dead stream: the drafter closes its sequences when it sees the end
+        raise error
+
     def shutdown(self, timeout_s: float = 1.0) -> None:
         """Half-close (the drafter drops this stream's sequences), then close the channel."""
+        if self._sock is not None:
+            self._sock.close()
+            self.channel.close()
+            return
         self._requests.put(None)
         if self.error is not None:  # a dead (maybe hung) drafter: do not wait for it to answer
             self._call.cancel()

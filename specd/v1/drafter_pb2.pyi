@@ -22,20 +22,22 @@ class DrafterInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DrafterInfoResponse(_message.Message):
-    __slots__ = ("method", "hidden_kind", "aux_layer_ids", "vocab_size", "hidden_size", "max_num_draft_tokens")
+    __slots__ = ("method", "hidden_kind", "aux_layer_ids", "vocab_size", "hidden_size", "max_num_draft_tokens", "fast_step_port")
     METHOD_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_KIND_FIELD_NUMBER: _ClassVar[int]
     AUX_LAYER_IDS_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FAST_STEP_PORT_FIELD_NUMBER: _ClassVar[int]
     method: str
     hidden_kind: HiddenKind
     aux_layer_ids: _containers.RepeatedScalarFieldContainer[int]
     vocab_size: int
     hidden_size: int
     max_num_draft_tokens: int
-    def __init__(self, method: _Optional[str] = ..., hidden_kind: _Optional[_Union[HiddenKind, str]] = ..., aux_layer_ids: _Optional[_Iterable[int]] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., max_num_draft_tokens: _Optional[int] = ...) -> None: ...
+    fast_step_port: int
+    def __init__(self, method: _Optional[str] = ..., hidden_kind: _Optional[_Union[HiddenKind, str]] = ..., aux_layer_ids: _Optional[_Iterable[int]] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., max_num_draft_tokens: _Optional[int] = ..., fast_step_port: _Optional[int] = ...) -> None: ...
 
 class DraftStepRequest(_message.Message):
     __slots__ = ("step_id", "open", "sequences", "close")

@@ -1,5 +1,6 @@
-"""DrafterStream's send handoff: send() returns once gRPC's sender thread holds the step (a real
-n-gram drafter service over loopback gRPC), and SPECD_DRAFT_SEND_HANDOFF sets or turns off the wait."""
+"""DrafterStream's send handoff on the gRPC stream: send() returns once gRPC's sender thread holds
+the step (a real n-gram drafter service over loopback gRPC, the fast socket path turned off), and
+SPECD_DRAFT_SEND_HANDOFF sets or turns off the wait."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ import pytest
 
 from services.drafter.server import load_drafter, start_server
 from specd.messages import SpeculativeConfig
-from specd.proposers.drafter_stream import (DEFAULT_SEND_HANDOFF_S, SEND_HANDOFF_ENV, DrafterStream,
-                                            send_handoff_s)
+from specd.proposers.drafter_stream import (DEFAULT_SEND_HANDOFF_S, FAST_PATH_ENV, SEND_HANDOFF_ENV,
+                                            DrafterStream, send_handoff_s)
 from specd.v1 import drafter_pb2
 
 
@@ -24,10 +25,12 @@ def ngram_drafter(tiny_models):
     server.stop(0.5)
 
 
-def test_send_returns_once_the_sender_thread_holds_the_step(ngram_drafter):
+def test_send_returns_once_the_sender_thread_holds_the_step(monkeypatch, ngram_drafter):
+    monkeypatch.setenv(FAST_PATH_ENV, "0")
     # A long handoff bound: the wait must end on the sender thread's signal, not on the timeout.
     stream = DrafterStream(ngram_drafter.address, connect_timeout_s=10.0, handoff_s=30.0)
     try:
+        assert not stream.fast
         for step in range(5):
             message = drafter_pb2.DraftStepRequest()
             if step == 0:
@@ -45,6 +48,7 @@ def test_send_returns_once_the_sender_thread_holds_the_step(ngram_drafter):
 
 
 def test_the_handoff_wait_is_configurable_and_can_be_turned_off(monkeypatch, ngram_drafter):
+    monkeypatch.setenv(FAST_PATH_ENV, "0")
     monkeypatch.delenv(SEND_HANDOFF_ENV, raising=False)
     assert send_handoff_s() == DEFAULT_SEND_HANDOFF_S
     monkeypatch.setenv(SEND_HANDOFF_ENV, "0.01")

@@ -1,0 +1,70 @@
+"""DraftSteps messages framed over a plain socket: the drafter's fast step path.
+
+Why not gRPC for this one hop: a drafter round trip on gRPC's Python stream passes ~6 threads
+(the verifier's sender, channel and reader threads, the drafter's poller and handler, each needing
+its process's GIL) that slept through the device's step, and on the H200 VM that cost 0.65-1.40 ms
+a step (BENCHMARKS.md, runs 41-44). On a socket the engine thread writes the request itself and
+reads the answer itself: the drafter's one serving thread wakes, nothing else does. gRPC stays the
+control plane (Info, health, reflection), the path under TLS and the fallback; the messages are the
+same protos (proto/specd/v1/drafter.proto, `fast_step_port`).
+
+A frame is kind (u8) and payload length (u32, big-endian), then the payload: MESSAGE carries a
+serialized DraftStepRequest / DraftStepResponse, ERROR a u32 gRPC status code and a UTF-8 message
+(the step was refused; the stream ends, as a gRPC stream ends with that status).
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+
+import grpc
+
+MESSAGE, ERROR = 0, 1
+HEADER = struct.Struct(">BI")
+CODE = struct.Struct(">I")
+MAX_FRAME_BYTES = 256 << 20  # as the gRPC servers' message limit
+STATUS_BY_VALUE = {code.value[0]: code for code in grpc.StatusCode}
+
+
+class FrameError(ConnectionError):
+    """The peer closed mid-frame or sent something that is not a frame."""
+
+
+def send_message(sock: socket.socket, payload: bytes) -> None:
+    sock.sendall(HEADER.pack(MESSAGE, len(payload)) + payload)
+
+
+def send_error(sock: socket.socket, code: grpc.StatusCode, message: str) -> None:
+    payload = CODE.pack(code.value[0]) + message.encode()
+    sock.sendall(HEADER.pack(ERROR, len(payload)) + payload)
+
+
+def parse_error(payload: bytes) -> tuple[grpc.StatusCode, str]:
+    (value,) = CODE.unpack_from(payload)
+    return STATUS_BY_VALUE.get(value, grpc.StatusCode.UNKNOWN), payload[CODE.size:].decode(errors="replace")
+
+
+def read_frame(sock: socket.socket) -> tuple[int, bytes] | None:
+    """The next frame (kind, payload); None when the peer closed between frames. Blocks under the
+    socket's own timeout (socket.timeout past it)."""
+    header = _read_exact(sock, HEADER.size, at_boundary=True)
+    if header is None:
+        return None
+    kind, length = HEADER.unpack(header)
+    if kind not in (MESSAGE, ERROR) or length > MAX_FRAME_BYTES:
+        raise FrameError(f"not a step frame (kind {kind}, {length} bytes)")
+    return kind, _read_exact(sock, length) if length else b""
+
+
+def _read_exact(sock: socket.socket, n: int, at_boundary: bool = False) -> bytes | None:
+    buf = bytearray(n)
+    view, got = memoryview(buf), 0
+    while got < n:
+        k = sock.recv_into(view[got:])
+        if k == 0:
+            if got == 0 and at_boundary:
+                return None
+            raise FrameError(f"the peer closed after {got} of {n} bytes")
+        got += k
+    return bytes(buf)

@@ -1,0 +1,146 @@
+"""The drafter's fast step path: DraftSteps over framed sockets (services/drafter/fast_steps.py,
+specd/transport/step_frames.py), against a real n-gram drafter service on loopback."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import grpc
+import pytest
+
+from services.drafter.server import load_drafter, start_server
+from services.drafter.servicer import DrafterServicer
+from specd.messages import SpeculativeConfig
+from specd.proposers.drafter_stream import (FAST_PATH_ENV, DrafterRejectedError, DrafterStream,
+                                            DrafterUnavailableError)
+from specd.transport import step_frames
+from specd.v1 import drafter_pb2
+from tests.services.test_drafter import SlowProposer
+
+
+@pytest.fixture(scope="module")
+def ngram_drafter(tiny_models):
+    target = tiny_models["target-llama"]
+    servicer = load_drafter(target, SpeculativeConfig(method="ngram", num_speculative_tokens=3), target,
+                            max_num_draft_tokens=8)
+    server = start_server(servicer, "127.0.0.1", 0, max_workers=4)
+    yield server
+    server.stop(0.5)
+
+
+def _steps(stream: DrafterStream, seq_id: int) -> list[list[int]]:
+    """Five steps of one sequence whose history repeats (the n-gram drafter finds continuations)."""
+    drafts = []
+    for step, tokens in enumerate([[5, 6, 7, 5, 6], [7], [5, 6], [7, 5], [6]]):
+        message = drafter_pb2.DraftStepRequest()
+        if step == 0:
+            message.open.add(seq_id=seq_id)
+        message.sequences.add(seq_id=seq_id, new_token_ids=tokens, num_draft_tokens=4)
+        stream.send(message)
+        answer = stream.receive(step, time.monotonic() + 10.0)
+        assert answer.step_id == step and stream.last_left_at <= stream.last_arrived_at
+        drafts.append(list(answer.sequences[0].token_ids))
+    return drafts
+
+
+def _wait(condition, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def test_steps_over_the_socket_answer_as_over_the_grpc_stream(monkeypatch, ngram_drafter):
+    assert ngram_drafter.servicer.fast_step_port > 0
+    fast = DrafterStream(ngram_drafter.address, connect_timeout_s=10.0)
+    monkeypatch.setenv(FAST_PATH_ENV, "0")
+    slow = DrafterStream(ngram_drafter.address, connect_timeout_s=10.0)
+    try:
+        assert fast.fast and fast.info.fast_step_port == ngram_drafter.servicer.fast_step_port
+        assert not slow.fast
+        got = _steps(fast, 1)
+        assert got == _steps(slow, 1)  # stream-scoped ids: seq 1 on each stream
+        assert any(got), got  # the n-gram drafter did draft
+    finally:
+        fast.shutdown()
+        slow.shutdown()
+
+
+def test_closing_the_connection_closes_the_streams_sequences(ngram_drafter):
+    servicer = ngram_drafter.servicer
+    before = servicer.num_open_sequences
+    stream = DrafterStream(ngram_drafter.address, connect_timeout_s=10.0)
+    _steps(stream, 7)
+    assert servicer.num_open_sequences == before + 1
+    stream.shutdown()
+    _wait(lambda: servicer.num_open_sequences == before)
+
+
+def test_a_refused_step_ends_the_stream_with_its_status(ngram_drafter):
+    servicer = ngram_drafter.servicer
+    streams = servicer.num_streams
+    stream = DrafterStream(ngram_drafter.address, connect_timeout_s=10.0)
+    message = drafter_pb2.DraftStepRequest()
+    message.sequences.add(seq_id=99, new_token_ids=[1], num_draft_tokens=2)  # never opened
+    stream.send(message)
+    with pytest.raises(DrafterRejectedError, match="unknown seq id 99") as err:
+        stream.receive(0, time.monotonic() + 10.0)
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and stream.error is err.value
+    _wait(lambda: servicer.num_streams == streams)
+    stream.shutdown()
+
+
+def test_bytes_that_are_no_request_are_refused_as_invalid(ngram_drafter):
+    with socket.create_connection(("127.0.0.1", ngram_drafter.servicer.fast_step_port), timeout=10) as sock:
+        step_frames.send_message(sock, b"\xff\xff\xff")
+        kind, payload = step_frames.read_frame(sock)
+        assert kind == step_frames.ERROR
+        code, message = step_frames.parse_error(payload)
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "DraftStepRequest" in message
+        assert step_frames.read_frame(sock) is None  # and the stream ends
+    with socket.create_connection(("127.0.0.1", ngram_drafter.servicer.fast_step_port), timeout=10) as sock:
+        sock.sendall(bytes([7, 0, 0, 0, 0]))  # not a frame kind: the connection is dropped
+        assert step_frames.read_frame(sock) is None
+
+
+def test_a_missed_deadline_is_unavailable_and_kills_the_stream():
+    server = start_server(DrafterServicer(SlowProposer(1.0), vocab_size=16), "127.0.0.1", 0)
+    try:
+        stream = DrafterStream(server.address, connect_timeout_s=10.0)
+        assert stream.fast
+        message = drafter_pb2.DraftStepRequest()
+        message.open.add(seq_id=1)
+        message.sequences.add(seq_id=1, new_token_ids=[1, 2], num_draft_tokens=2)
+        t0 = time.perf_counter()
+        stream.send(message)
+        with pytest.raises(DrafterUnavailableError, match="within the deadline") as err:
+            stream.receive(0, time.monotonic() + 0.2)
+        assert time.perf_counter() - t0 < 0.9 and err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+        with pytest.raises(DrafterUnavailableError):
+            stream.probe(5.0)  # dead once failed: a new stream is needed
+        fresh = DrafterStream(server.address, connect_timeout_s=10.0)
+        fresh.probe(5.0)  # answers once the slow step is over
+        fresh.shutdown()
+    finally:
+        server.stop(0)
+
+
+def test_a_drafter_without_the_fast_port_and_an_unreachable_port_both_mean_grpc(tiny_models, monkeypatch):
+    target = tiny_models["target-llama"]
+    servicer = load_drafter(target, SpeculativeConfig(method="ngram", num_speculative_tokens=3), target)
+    server = start_server(servicer, "127.0.0.1", 0, fast_step_port=-1)
+    try:
+        stream = DrafterStream(server.address, connect_timeout_s=10.0)
+        assert stream.info.fast_step_port == 0 and not stream.fast
+        stream.probe(10.0)
+        stream.shutdown()
+        with socket.socket() as unused:  # a port nobody listens on
+            unused.bind(("127.0.0.1", 0))
+            servicer.fast_step_port = unused.getsockname()[1]
+            stream = DrafterStream(server.address, connect_timeout_s=10.0)
+        assert stream.info.fast_step_port == servicer.fast_step_port and not stream.fast
+        stream.probe(10.0)
+        stream.shutdown()
+    finally:
+        server.stop(0)
