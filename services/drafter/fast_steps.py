@@ -28,7 +28,8 @@ class FastStepServer:
 
     def __init__(self, servicer: DrafterServicer, host: str = "0.0.0.0", port: int = 0) -> None:
         self.servicer = servicer
-        self._listener = socket.create_server((host, port), reuse_port=False)
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._listener = socket.create_server((host.strip("[]"), port), family=family)
         self.port = self._listener.getsockname()[1]
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()

@@ -61,7 +61,8 @@ class DrafterMembership:
         while not self._closed.wait(delay) and not cancel.is_set():
             delay = min(max(delay, self.reconnect_backoff_s) * 2, self.reconnect_max_backoff_s)
             try:
-                stream = DrafterStream(address, self.reconnect_timeout_s, self.credentials)
+                stream = DrafterStream(address, self.reconnect_timeout_s, self.credentials,
+                                       send_timeout_s=self.deadline_s)
             except DrafterError:
                 continue
             if _contract(stream.info) != self._contract:

@@ -119,8 +119,13 @@ class DrafterStream:
     """One drafter: channel, Info, the DraftSteps stream and the open/close ops not yet sent."""
 
     def __init__(self, address: str, connect_timeout_s: float,
-                 credentials: grpc.ChannelCredentials | None = None, handoff_s: float | None = None) -> None:
+                 credentials: grpc.ChannelCredentials | None = None, handoff_s: float | None = None,
+                 send_timeout_s: float | None = None) -> None:
+        """send_timeout_s bounds a fast-path write (default connect_timeout_s): a drafter stuck in a
+        step stops reading, and a large step (hidden rows) would otherwise block the engine thread
+        past the step's deadline once the socket's buffer is full."""
         self.address = address
+        self.send_timeout_s = connect_timeout_s if send_timeout_s is None else send_timeout_s
         self.handoff_s = send_handoff_s() if handoff_s is None else handoff_s
         self.channel = (grpc.secure_channel(address, credentials, options=CHANNEL_OPTIONS) if credentials
                         else grpc.insecure_channel(address, options=CHANNEL_OPTIONS))
@@ -192,7 +197,7 @@ class DrafterStream:
             if self._send_error is None:
                 self._left_at[message.step_id] = time.perf_counter()
                 try:
-                    self._sock.settimeout(None)
+                    self._sock.settimeout(self.send_timeout_s)
                     step_frames.send_message(self._sock, message.SerializeToString())
                 except OSError as err:
                     self._send_error = DrafterUnavailableError(self.address, f"fast step path: send failed: {err}")

@@ -125,7 +125,8 @@ class RemoteProposer(DrafterMembership):
         failures: list[DrafterError] = []
         for address in self._wanted:
             try:
-                self._drafters[address] = DrafterStream(address, connect_timeout_s, self.credentials)
+                self._drafters[address] = DrafterStream(address, connect_timeout_s, self.credentials,
+                                                        send_timeout_s=deadline_s)
             except DrafterError as err:
                 failures.append(err)
         if not self._drafters:

@@ -144,3 +144,21 @@ def test_a_drafter_without_the_fast_port_and_an_unreachable_port_both_mean_grpc(
         stream.shutdown()
     finally:
         server.stop(0)
+
+
+def test_a_write_to_a_drafter_that_stopped_reading_is_bounded(ngram_drafter):
+    """A drafter stuck in a step reads nothing: a large step must not block the engine thread
+    past send_timeout_s once the socket's buffers are full."""
+    stream = DrafterStream(ngram_drafter.address, connect_timeout_s=10.0, send_timeout_s=0.2)
+    with socket.create_server(("127.0.0.1", 0)) as deaf:  # accepts, never reads
+        stream._sock.close()
+        stream._sock = socket.create_connection(deaf.getsockname(), timeout=5)
+        message = drafter_pb2.DraftStepRequest()
+        message.open.add(seq_id=1)
+        message.sequences.add(seq_id=1, new_token_ids=list(range(1 << 22)), num_draft_tokens=2)  # ~16 MB
+        t0 = time.perf_counter()
+        stream.send(message)
+        assert time.perf_counter() - t0 < 3.0
+        with pytest.raises(DrafterUnavailableError, match="send failed"):
+            stream.receive(0, time.monotonic() + 10.0)
+    stream.shutdown()
