@@ -1,4 +1,5 @@
-"""Fixtures for service tests: a real Redis server on loopback, a client of it, the tiny target."""
+"""Fixtures for service tests: a real Redis server on loopback, a client of it, the tiny target,
+an n-gram drafter service."""
 
 from __future__ import annotations
 
@@ -38,3 +39,17 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def ngram_drafter(tiny_models):
+    """A real n-gram drafter service on loopback (gRPC and its fast step port), k up to 8."""
+    from services.drafter.server import load_drafter, start_server
+    from specd.messages import SpeculativeConfig
+
+    target = tiny_models["target-llama"]
+    servicer = load_drafter(target, SpeculativeConfig(method="ngram", num_speculative_tokens=3), target,
+                            max_num_draft_tokens=8)
+    server = start_server(servicer, "127.0.0.1", 0, max_workers=4)
+    yield server
+    server.stop(0.5)

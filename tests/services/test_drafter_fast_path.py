@@ -19,16 +19,6 @@ from specd.v1 import drafter_pb2
 from tests.services.test_drafter import SlowProposer
 
 
-@pytest.fixture(scope="module")
-def ngram_drafter(tiny_models):
-    target = tiny_models["target-llama"]
-    servicer = load_drafter(target, SpeculativeConfig(method="ngram", num_speculative_tokens=3), target,
-                            max_num_draft_tokens=8)
-    server = start_server(servicer, "127.0.0.1", 0, max_workers=4)
-    yield server
-    server.stop(0.5)
-
-
 def _steps(stream: DrafterStream, seq_id: int) -> list[list[int]]:
     """Five steps of one sequence whose history repeats (the n-gram drafter finds continuations)."""
     drafts = []

@@ -6,23 +6,9 @@ from __future__ import annotations
 
 import time
 
-import pytest
-
-from services.drafter.server import load_drafter, start_server
-from specd.messages import SpeculativeConfig
 from specd.proposers.drafter_stream import (DEFAULT_SEND_HANDOFF_S, FAST_PATH_ENV, SEND_HANDOFF_ENV,
                                             DrafterStream, send_handoff_s)
 from specd.v1 import drafter_pb2
-
-
-@pytest.fixture(scope="module")
-def ngram_drafter(tiny_models):
-    target = tiny_models["target-llama"]
-    servicer = load_drafter(target, SpeculativeConfig(method="ngram", num_speculative_tokens=3), target,
-                            max_num_draft_tokens=8)
-    server = start_server(servicer, "127.0.0.1", 0, max_workers=4)
-    yield server
-    server.stop(0.5)
 
 
 def test_send_returns_once_the_sender_thread_holds_the_step(monkeypatch, ngram_drafter):
