@@ -85,6 +85,10 @@ class FastStepServer:
         with self._lock:
             self._stopping = True
             conns = list(self._conns)
+        try:  # wakes the accept() blocked in the other thread (close alone does not, on Linux)
+            self._listener.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
         self._listener.close()
         for conn in conns:
             try:

@@ -129,9 +129,13 @@ def test_slow_drafter_costs_one_deadline_then_decoding_goes_on(tiny_models):
             elapsed = time.perf_counter() - t0
     finally:
         server.stop(0)
-    print(f"\n4 requests through a drafter 10x past the 0.3 s deadline: {elapsed:.2f} s")
-    # One missed deadline, not one per step; a reconnect while the drafter is still inside its slow
-    # step (Info answers, the step waits for the model) may cost one more.
-    assert 1 <= remote.num_failovers <= 1 + remote.num_reconnects and elapsed < 3.0
+    t0 = time.perf_counter()
     reference = build_engine(tiny_models["target-llama"], ENGINE_CONFIG).generate(prompts, params)
+    alone = time.perf_counter() - t0
+    print(f"\n4 requests through a drafter 10x past the 0.3 s deadline: {elapsed:.2f} s "
+          f"({alone:.2f} s without a drafter, {remote.num_failovers} failovers)")
+    # One missed deadline, not one per step: the drafter rejoins only once it answers a step in
+    # time (after its slow one), and each rejoin may cost one more deadline, never the drafter's 3 s.
+    assert 1 <= remote.num_failovers <= 1 + remote.num_reconnects
+    assert elapsed < alone + 0.3 * remote.num_failovers + 2.0
     assert [s.output_token_ids for s in seqs] == [r.output_token_ids for r in reference]

@@ -152,3 +152,17 @@ def test_a_write_to_a_drafter_that_stopped_reading_is_bounded(ngram_drafter):
         with pytest.raises(DrafterUnavailableError, match="send failed"):
             stream.receive(0, time.monotonic() + 10.0)
     stream.shutdown()
+
+
+def test_stopping_the_drafter_is_prompt_and_closes_the_fast_port():
+    server = start_server(DrafterServicer(SlowProposer(0.0), vocab_size=16), "127.0.0.1", 0)
+    port = server.servicer.fast_step_port
+    stream = DrafterStream(server.address, connect_timeout_s=10.0)
+    stream.probe(10.0)
+    t0 = time.perf_counter()
+    server.stop(0)
+    assert time.perf_counter() - t0 < 1.0  # the accept thread is woken, not waited out
+    with pytest.raises(DrafterUnavailableError):
+        stream.probe(10.0)  # the open connection was ended too
+    with pytest.raises(OSError):
+        socket.create_connection(("127.0.0.1", port), timeout=2).close()
