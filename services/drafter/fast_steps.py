@@ -14,7 +14,6 @@ import socket
 import threading
 
 import grpc
-from google.protobuf.message import DecodeError
 
 from services.drafter.servicer import DrafterServicer, _status_of
 from specd.transport import step_frames
@@ -64,8 +63,7 @@ class FastStepServer:
                 try:
                     response = self.servicer._step(stream, drafter_pb2.DraftStepRequest.FromString(payload))
                 except Exception as exc:  # noqa: BLE001 - a refused step ends this stream, not the server
-                    code, message = ((grpc.StatusCode.INVALID_ARGUMENT, f"not a DraftStepRequest: {exc}")
-                                     if isinstance(exc, DecodeError) else _status_of(exc))
+                    code, message = _status_of(exc)
                     if code == grpc.StatusCode.INTERNAL:
                         logger.exception("stream %d: step failed", stream.stream_id)
                     reason = f"error:{code.name}"

@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass, field
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from services.common.step_streams import StepError, invalid, serve_steps
 from specd.grammar.backend import GrammarSpec
@@ -42,6 +43,8 @@ def _status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return exc.code, str(exc)
     if isinstance(exc, (ConfigError, TensorCodecError)):
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+    if isinstance(exc, DecodeError):  # the fast socket path parses requests itself (fast_steps.py)
+        return grpc.StatusCode.INVALID_ARGUMENT, f"not a DraftStepRequest: {exc}"
     if isinstance(exc, (ValueError, KeyError)):  # the proposer refused this sequence's state
         return grpc.StatusCode.FAILED_PRECONDITION, f"proposer: {exc}"
     return grpc.StatusCode.INTERNAL, f"drafter internal error: {type(exc).__name__}: {exc}"

@@ -35,8 +35,6 @@ from specd.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
 logger = logging.getLogger(__name__)
 FAST_PATH_ENV = "SPECD_DRAFTER_FAST_PATH"  # "0": the steps stay on the gRPC stream (A/B, or a firewall)
 
-
-
 # How long send() waits for gRPC's sender thread to take a step (seconds); "0" turns the wait off
 # (the e2e bench's "-nohandoff" variant). A wait that times out is harmless: the step still goes.
 SEND_HANDOFF_ENV = "SPECD_DRAFT_SEND_HANDOFF"
