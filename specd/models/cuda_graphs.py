@@ -12,6 +12,14 @@ and the replay is the step's one CUDA call before its kernels (each call costs 1
 on the H200 machine). An event recorded right after the copy node guards the buffer: a fill waits
 for it only when the host runs a whole step ahead of the device.
 
+With `SPECD_GRAPH_HEAD_LAYERS=N` (an experiment, not yet timed on the GPU; default 0: one graph)
+the fused body is captured in two parts, a head (the input copy, the embedding and the first N
+layers) and the rest. Why: the replay call of the 8B step's ~265 nodes took 12-190 us of host time
+on the H200 VMs (BENCHMARKS.md), all of it before the first kernel runs. If that time grows with
+the nodes, the head's few nodes launch sooner and the rest launches while the head runs (~0.13 ms
+a layer at 8B). Both parts share the memory pool; the tensors passing from one to the other are
+live across the cut (held by the capture's frame), as make_graphed_callables' chains hold theirs.
+
 For each (B, Q, NB, aux layers) key, the first batch that needs it captures a graph (CUDA) or,
 on CPU and with graphs off, simply runs the same body eagerly: the CPU twin executes the very code
 that is captured, so tests on CPU prove the static path's logits equal the eager path's.
@@ -59,6 +67,21 @@ GRAPH_DEBUG_ENV = "SPECD_GRAPH_DEBUG_DIR"
 # "fill": the graphs' input copy runs in the fill, from pageable memory, as a CUDA call of its own
 # (the A/B twin of the copy captured into the graph; read when a layout's buffers are made).
 GRAPH_INPUT_COPY_ENV = "SPECD_GRAPH_INPUT_COPY"
+# Layers in the head graph (see the module doc; 0: one graph). Read at capture.
+GRAPH_HEAD_LAYERS_ENV = "SPECD_GRAPH_HEAD_LAYERS"
+DEFAULT_GRAPH_HEAD_LAYERS = 0
+
+
+def graph_head_layers() -> int:
+    """SPECD_GRAPH_HEAD_LAYERS as an int >= 0 (default DEFAULT_GRAPH_HEAD_LAYERS)."""
+    raw = os.environ.get(GRAPH_HEAD_LAYERS_ENV, "")
+    try:
+        value = int(raw) if raw else DEFAULT_GRAPH_HEAD_LAYERS
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ValueError(f"{GRAPH_HEAD_LAYERS_ENV}: expected a whole number of layers >= 0, got {raw!r}")
+    return value
 
 
 def batch_buckets(max_batch_size: int, buckets: tuple[int, ...] = DEFAULT_BATCH_BUCKETS) -> tuple[int, ...]:
@@ -95,7 +118,7 @@ class _Entry:
     hidden: torch.Tensor | None = None  # [B * Q, H] outputs of the last run / the capture
     aux: torch.Tensor | None = None  # [B * Q, n_aux * H] or None
     logits: torch.Tensor | None = None  # [B * Q, V] float32
-    graph: "torch.cuda.CUDAGraph | None" = None
+    graphs: "tuple[torch.cuda.CUDAGraph, ...]" = ()  # replayed in order (CUDA); empty: the body runs eagerly
     copy_in_graph: bool = False  # the graph copies host -> packed itself (else the fill does)
     copied: "torch.cuda.Event | None" = None  # recorded by the graph once its input copy is done
 
@@ -156,9 +179,9 @@ class StaticForward:
 
     def applies(self, query_lens: list[int], ctx_lens: list[int]) -> bool:
         """Whether this batch (tokens per chunk, cached tokens before it) fits the static path."""
-        return self._layout(query_lens, ctx_lens) is not None
+        return self.layout(query_lens, ctx_lens) is not None
 
-    def _layout(self, query_lens: list[int], ctx_lens: list[int]) -> tuple[int, int, int] | None:
+    def layout(self, query_lens: list[int], ctx_lens: list[int]) -> tuple[int, int, int] | None:
         """(B, Q, NB) of this batch, or None where it does not fit the static path."""
         qlen, batch = self._qlen(query_lens), self._bucket(len(query_lens))
         if batch is None or (qlen > self.max_query_len and batch * qlen > self.max_prefill_rows):
@@ -221,12 +244,15 @@ class StaticForward:
         self._fill(entry, [], [], [], [])
 
     # ---- running -------------------------------------------------------------------------------
-    def _body(self, entry: _Entry, aux_layer_ids: tuple[int, ...]) -> None:
+    def _body(self, entry: _Entry, aux_layer_ids: tuple[int, ...], after_layer=None) -> None:
+        """The forward over the entry's buffers; after_layer(i) (the fused body only) runs once
+        layer i is launched: where the capture cuts the head graph off."""
         input_ids, positions, slots, ctx_lens, tables, _ = entry.views()
         meta = StaticAttentionMetadata(ctx_lens=ctx_lens, block_tables=tables, slot_mapping=slots,
                                        query_len=entry.qlen, block_size=self.block_size)
         if self.fused:
-            hidden, aux = fused_forward(self.model, input_ids, positions, meta, self.kv_cache, aux_layer_ids)
+            hidden, aux = fused_forward(self.model, input_ids, positions, meta, self.kv_cache, aux_layer_ids,
+                                        after_layer)
         else:
             hidden, aux = self.model(input_ids, positions, meta, self.kv_cache, aux_layer_ids, self.regions)
         entry.hidden, entry.aux = hidden, aux
@@ -286,25 +312,28 @@ class StaticForward:
         torch.cuda.current_stream(self.device).wait_stream(stream)
         if self._pool is None or os.environ.get(GRAPH_POOL_ENV) == "fresh":
             self._pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        debug_dir = os.environ.get(GRAPH_DEBUG_ENV)
-        if debug_dir:
-            graph.enable_debug_mode()
-        with torch.cuda.graph(graph, pool=self._pool), torch.no_grad():
+        head = graph_head_layers()
+        cut = head if self.fused and 0 < head < len(self.model.model.layers) else None
+        chain = _GraphChain(self._pool, self.device, debug=bool(os.environ.get(GRAPH_DEBUG_ENV)))
+        with chain, torch.no_grad():
             if entry.copy_in_graph:
                 self._copy_inputs(entry)
-            self._body(entry, aux_layer_ids)
+            self._body(entry, aux_layer_ids, (lambda i: chain.cut() if i + 1 == cut else None))
+        debug_dir = os.environ.get(GRAPH_DEBUG_ENV)
         if debug_dir:
             os.makedirs(debug_dir, exist_ok=True)
-            graph.debug_dump(os.path.join(debug_dir, f"graph-{self.num_captures}-b{entry.batch}-q{entry.qlen}.dot"))
-        entry.graph = graph
+            for part, graph in enumerate(chain.graphs):
+                graph.debug_dump(os.path.join(
+                    debug_dir, f"graph-{self.num_captures}-b{entry.batch}-q{entry.qlen}-part{part}.dot"))
+        entry.graphs = tuple(chain.graphs)
         self.num_captures += 1
         self.capture_seconds += time.perf_counter() - t0
-        logger.info("captured CUDA graph batch=%d q=%d blocks=%d aux=%s", entry.batch, entry.qlen,
-                    entry.width, list(aux_layer_ids))
+        logger.info("captured CUDA graph batch=%d q=%d blocks=%d aux=%s parts=%d", entry.batch, entry.qlen,
+                    entry.width, list(aux_layer_ids), len(entry.graphs))
 
     def forward(self, token_ids: list[list[int]], ctx_lens: list[int], slots: list[list[int]],
-                block_tables: list[list[int]], aux_layer_ids: tuple[int, ...] = (), want_hidden: bool = True
+                block_tables: list[list[int]], aux_layer_ids: tuple[int, ...] = (), want_hidden: bool = True,
+                layout: tuple[int, int, int] | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """Run one batch (its slots already reserved in the cache); rows of the real tokens only.
 
@@ -312,9 +341,9 @@ class StaticForward:
         cached before them; block_tables[i]: the sequence's blocks (covering the new tokens).
         Returns (logits [T, V] float32, hidden [T, H] or None unless want_hidden, aux
         [T, n_aux * H] or None), T = all new tokens in chunk order: fresh tensors, not views of
-        the static outputs.
+        the static outputs. layout: what layout() said for this batch, if the caller asked already.
         """
-        layout = self._layout([len(t) for t in token_ids], ctx_lens)
+        layout = layout or self.layout([len(t) for t in token_ids], ctx_lens)
         if layout is None:
             raise ValueError("StaticForward.forward: the batch is outside its buckets (see applies)")
         batch, qlen, width = layout
@@ -323,8 +352,9 @@ class StaticForward:
             self._prepare_prefill_layouts(aux_layer_ids)
         entry = self._entry(batch, qlen, width, aux_layer_ids)
         total = self._fill(entry, token_ids, ctx_lens, slots, block_tables)
-        if entry.graph is not None:
-            entry.graph.replay()
+        if entry.graphs:
+            for graph in entry.graphs:  # the head's launch first: the device starts on it
+                graph.replay()
         else:
             with torch.no_grad():
                 self._body(entry, aux_layer_ids)
@@ -336,3 +366,41 @@ class StaticForward:
         aux = entry.aux.index_select(0, index) if entry.aux is not None else None
         hidden = entry.hidden.index_select(0, index) if want_hidden else None
         return entry.logits.index_select(0, index), hidden, aux
+
+
+class _GraphChain:
+    """Captures consecutive stream work into a chain of CUDA graphs sharing one memory pool:
+    `with chain:` captures into the first graph, `cut()` ends the current graph and starts the
+    next. What torch.cuda.graph does for one graph (synchronise, then capture on a side stream),
+    for several; replaying the graphs in order replays the whole."""
+
+    def __init__(self, pool, device: torch.device, debug: bool = False) -> None:
+        self.pool = pool
+        self.debug = debug
+        self.graphs: list[torch.cuda.CUDAGraph] = []
+        self._stream = torch.cuda.Stream(device)
+        self._stream_ctx = None
+
+    def _begin(self) -> None:
+        graph = torch.cuda.CUDAGraph()
+        if self.debug:
+            graph.enable_debug_mode()
+        graph.capture_begin(pool=self.pool)
+        self.graphs.append(graph)
+
+    def cut(self) -> None:
+        self.graphs[-1].capture_end()
+        self._begin()
+
+    def __enter__(self) -> "_GraphChain":
+        torch.cuda.synchronize()
+        self._stream_ctx = torch.cuda.stream(self._stream)
+        self._stream_ctx.__enter__()
+        self._begin()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        try:
+            self.graphs[-1].capture_end()
+        finally:
+            self._stream_ctx.__exit__(*exc)

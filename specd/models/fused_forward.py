@@ -26,6 +26,8 @@ head_dim. Otherwise StaticForward runs the PyTorch body (the twin the tests comp
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from specd.models import normed_gemm, skinny_gemm
@@ -48,9 +50,12 @@ def applies(model, kv_cache: PagedKVCache) -> bool:
 
 
 def fused_forward(model, input_ids: torch.Tensor, positions: torch.Tensor, meta: StaticAttentionMetadata,
-                  kv_cache: PagedKVCache, aux_layer_ids: tuple[int, ...] = ()
+                  kv_cache: PagedKVCache, aux_layer_ids: tuple[int, ...] = (),
+                  after_layer: Callable[[int], None] | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """LlamaForCausalLM.forward's contract: (hidden [T, H] after the final norm, aux or None)."""
+    """LlamaForCausalLM.forward's contract: (hidden [T, H] after the final norm, aux or None).
+    after_layer(i), when given, runs once layer i's kernels are launched (cuda_graphs.py cuts its
+    capture into two graphs there)."""
     config = model.config
     eps = config.rms_norm_eps
     x = model.model.embed_tokens(input_ids)  # [T, H]
@@ -91,6 +96,8 @@ def fused_forward(model, input_ids: torch.Tensor, positions: torch.Tensor, meta:
         after_down = (l2_prefetch.target_for("qkv", layers[i + 1].self_attn.qkv_proj.weight) if i + 1 < len(layers)
                       else l2_prefetch.target_for("lm_head", getattr(model.lm_head, "weight", None)))
         delta = _residual_delta(mlp.down_proj, act, after_down)
+        if after_layer is not None:
+            after_layer(i)
     _, hidden = norm_act.rms_norm(x, model.model.norm.weight, eps, delta)
     aux = torch.cat([captured[i] for i in aux_layer_ids], dim=-1) if aux_layer_ids else None
     return hidden, aux

@@ -110,6 +110,11 @@ class PagedKVCache:
     def block_table(self, seq_id: int) -> list[int]:
         return list(self._seq(seq_id).block_table)
 
+    def block_table_view(self, seq_id: int) -> list[int]:
+        """The sequence's block table itself, not a copy: read it before the next append or
+        truncate, never write it (the static path's fill, on every step's critical path)."""
+        return self._seq(seq_id).block_table
+
     def _blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 

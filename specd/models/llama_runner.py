@@ -236,17 +236,17 @@ class LlamaRunner:
         self._check_batch(chunks)
         starts = [self.kv_cache.num_tokens(c.seq_id) for c in chunks]
         query_lens = [len(c.token_ids) for c in chunks]
-        slots: list[int] = []
-        for c, n in zip(chunks, query_lens):
-            slots.extend(self.kv_cache.append_slots(c.seq_id, n))
+        slots = [self.kv_cache.append_slots(c.seq_id, n) for c, n in zip(chunks, query_lens)]  # per chunk
         try:
-            if self.static is not None and self.static.applies(query_lens, starts):
-                return self._static_forward(chunks, starts, slots, want_hidden, want_aux_hidden)
+            layout = self.static.layout(query_lens, starts) if self.static is not None else None
+            if layout is not None:
+                return self._static_forward(chunks, starts, slots, layout, want_hidden, want_aux_hidden)
             meta = AttentionMetadata.build(
                 query_lens=query_lens,
                 seq_lens=[s + n for s, n in zip(starts, query_lens)],
                 block_tables=self.kv_cache.block_tables([c.seq_id for c in chunks]),
-                slot_mapping=slots, block_size=self.block_size, device=self.device)
+                slot_mapping=[slot for chunk_slots in slots for slot in chunk_slots],
+                block_size=self.block_size, device=self.device)
             input_ids = torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.long,
                                      device=self.device)  # [T]
             positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, query_lens)]
@@ -259,25 +259,18 @@ class LlamaRunner:
             for c, s in zip(chunks, starts):  # leave the caches as they were
                 self.kv_cache.truncate(c.seq_id, s)
             raise
-        offsets = [0]
-        for n in query_lens:
-            offsets.append(offsets[-1] + n)
-        return ForwardOutput(logits=logits, offsets=offsets,
+        return ForwardOutput(logits=logits, offsets=_offsets(query_lens),
                              hidden_states=hidden if want_hidden else None,
                              aux_hidden_states=aux)
 
-    def _static_forward(self, chunks: list[SequenceChunk], starts: list[int], slots: list[int],
-                        want_hidden: bool, want_aux_hidden: bool) -> ForwardOutput:
+    def _static_forward(self, chunks: list[SequenceChunk], starts: list[int], slots: list[list[int]],
+                        layout: tuple[int, int, int], want_hidden: bool, want_aux_hidden: bool) -> ForwardOutput:
         """The verify / decode batch through the static buffers (slots already reserved)."""
-        per_chunk, offsets = [], [0]
-        for c in chunks:
-            per_chunk.append(slots[offsets[-1]:offsets[-1] + len(c.token_ids)])
-            offsets.append(offsets[-1] + len(c.token_ids))
-        tables = [self.kv_cache.block_table(c.seq_id) for c in chunks]
         logits, hidden, aux = self.static.forward(
-            [c.token_ids for c in chunks], starts, per_chunk, tables,
-            tuple(self.aux_layer_ids) if want_aux_hidden else (), want_hidden=want_hidden)
-        return ForwardOutput(logits=logits, offsets=offsets,
+            [c.token_ids for c in chunks], starts, slots,
+            [self.kv_cache.block_table_view(c.seq_id) for c in chunks],
+            tuple(self.aux_layer_ids) if want_aux_hidden else (), want_hidden=want_hidden, layout=layout)
+        return ForwardOutput(logits=logits, offsets=_offsets([len(c.token_ids) for c in chunks]),
                              hidden_states=hidden if want_hidden else None, aux_hidden_states=aux)
 
     def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
@@ -289,3 +282,11 @@ class LlamaRunner:
         """[n, hidden] -> [n, vocab] float32."""
         with torch.no_grad(), gemm_backend(self.gemm), pdl_launches(self.pdl):
             return self.model.compute_logits(hidden.to(device=self.device, dtype=self.dtype))
+
+
+def _offsets(query_lens: list[int]) -> list[int]:
+    """[0, n0, n0 + n1, ...]: where each chunk's rows start in the batch's outputs."""
+    offsets = [0]
+    for n in query_lens:
+        offsets.append(offsets[-1] + n)
+    return offsets

@@ -121,7 +121,8 @@ def test_rms_norm_sums_split_k_partials_then_adds_as_the_unsplit_delta():
 
 def test_fused_forward_with_split_k_gemms_equals_the_pytorch_body():
     """The static step with the skinny GEMMs ("auto"), o_proj and down_proj split-K into the
-    norms (K = 128 and 256 here), vs PyTorch ops and F.linear."""
+    norms (K = 128 and 256 here), vs PyTorch ops and F.linear; with the capture's after-layer hook
+    called (it must change nothing)."""
     out = run_interpreted("""
         import dataclasses
         import torch
@@ -136,6 +137,11 @@ def test_fused_forward_with_split_k_gemms_equals_the_pytorch_body():
             splits.append((*w.shape, s))
             return partials(x, w, s)
         skinny_gemm.skinny_gemm_partials = counting
+        # the capture's cut hook (cuda_graphs.py cuts the head graph off there): once a layer, in order
+        from specd.models import cuda_graphs
+        layers_seen = []
+        fused = cuda_graphs.fused_forward
+        cuda_graphs.fused_forward = lambda *args: fused(*args[:6], layers_seen.append)
         cfg = dataclasses.replace(arch_config("small"), hidden_size=128, intermediate_size=256, head_dim=32)
         model = random_model(cfg, torch.float16, torch.device("cpu"))
         ec = PytorchEngineConfig(max_batch_size=2, block_size=16, num_gpu_blocks=16, session_len=64,
@@ -152,6 +158,7 @@ def test_fused_forward_with_split_k_gemms_equals_the_pytorch_body():
             results[gemm] = (step.logits, step.aux_hidden_states)
         # o_proj [128, 128] and down_proj [128, 256] of both layers, split in two, in the fused runner only
         assert splits == [(128, 128, 2), (128, 256, 2)] * 2, splits
+        assert layers_seen == [0, 1], layers_seen  # the fused runner's one step, hook and all
         for a, b in zip(results["auto"], results["torch"]):
             err = ((a.float() - b.float()).norm() / b.float().norm()).item()
             print(tuple(a.shape), err)
