@@ -8,7 +8,10 @@ SDPA always do; SPECD_ATTN_MERGE=1, opt-in and slower so far, merges the key chu
 kernel too; kernels/paged_decode_attention.py), o_proj, residual add +
 RMSNorm and the fused gate/up GEMM with silu * up in its epilogue, down_proj; the GEMMs take
 the skinny kernel at few rows (linear.py; above them cuBLAS, and silu * up is a kernel of its own),
-and with SPECD_NORM_PROLOGUE=1 each norm runs inside the GEMM after it (normed_gemm.py, opt-in: slower so far).
+and with SPECD_NORM_PROLOGUE=1 each norm runs inside the GEMM after it (normed_gemm.py, opt-in: slower so far);
+with SPECD_NORM_FOLD=1 (norm_fold.py, opt-in until timed on the GPU) the split-K product before a norm
+finishes the residual add and the product after it scales its rows by 1 / rms: no norm kernel
+between them.
 o_proj and down_proj, whose outputs only feed the next RMSNorm's residual add, take the skinny
 kernel split-K where skinny_gemm.split_k_for says so: fp32 partials that the norm sums.
 Eight launches a layer (six with the norms folded in) where the PyTorch path takes about thirty, and no gathered K/V copies
@@ -30,7 +33,7 @@ from collections.abc import Callable
 
 import torch
 
-from specd.models import normed_gemm, skinny_gemm
+from specd.models import norm_fold, normed_gemm, skinny_gemm
 from specd.models.kernels import l2_prefetch, norm_act, paged_decode_attention, rope_cache
 from specd.models.kv_cache import PagedKVCache
 from specd.models.linear import takes_skinny_kernel
@@ -64,43 +67,61 @@ def fused_forward(model, input_ids: torch.Tensor, positions: torch.Tensor, meta:
     wanted = set(aux_layer_ids)
     captured: dict[int, torch.Tensor] = {}
     delta = None  # the previous layer's MLP output, added to x by this layer's first norm
+    folded = None  # instead of delta: the previous down_proj folded the norm (norm_fold.py)
     layers = model.model.layers
     for i, layer in enumerate(layers):
         attn, mlp = layer.self_attn, layer.mlp
-        x, qkv = _norm_project(x, delta, layer.input_layernorm.weight, eps, attn.qkv_proj,
-                               l2_prefetch.target_for("o", attn.o_proj.weight))
+        if folded is not None:
+            x, qkv = folded.residual, norm_fold.scaled_product(attn.qkv_proj, folded, eps)
+        else:
+            x, qkv = _norm_project(x, delta, layer.input_layernorm.weight, eps, attn.qkv_proj,
+                                   l2_prefetch.target_for("o", attn.o_proj.weight))
         if i in wanted:
             captured[i] = x
-        cache_k, cache_v = kv_cache.k_caches[i], kv_cache.v_caches[i]
-        # flash-attn installed and 256-token blocks: its kernel; a prefill's Q rows (static
-        # prefill, cuda_graphs.py) overflow the decode kernel's tile: the PyTorch twin (SDPA)
-        other_attention = (flash_kvcache_applies(qkv, meta)
-                           or not paged_decode_attention.serves_query_len(meta.query_len))
-        if not other_attention and paged_decode_attention.folds_rope():  # SPECD_ATTN_ROPE=1: no rope kernel
-            o = paged_decode_attention.rope_paged_decode_attention(
-                qkv, cos, sin, meta.slot_mapping, cache_k, cache_v, meta.ctx_lens, meta.block_tables,
-                meta.query_len, attn.num_heads, attn.scale, attn.sliding_window, counter_owner=kv_cache)
+        o = _attention(attn, qkv, cos, sin, meta, kv_cache, i).reshape(tokens, -1)
+        if norm_fold.applies(o, attn.o_proj, mlp.gate_up_proj):
+            folded = norm_fold.residual_product(attn.o_proj, o, x, layer.post_attention_layernorm.weight, kv_cache)
+            x, act = folded.residual, norm_fold.scaled_product(mlp.gate_up_proj, folded, eps, swiglu=True)
         else:
-            q = rope_cache.rope_and_cache_write(qkv, cos, sin, meta.slot_mapping, cache_k, cache_v,
-                                                attn.num_heads, attn.num_kv_heads)  # [T, Hq, D]
-            if other_attention:
-                o = static_paged_attention(q, cache_k, cache_v, meta, attn.scale, attn.sliding_window)
-            else:  # counters: the in-kernel merge's (SPECD_ATTN_MERGE=1), one set per model's cache
-                o = paged_decode_attention.paged_decode_attention(
-                    q, cache_k, cache_v, meta.ctx_lens, meta.block_tables, meta.query_len, attn.scale,
-                    attn.sliding_window, counter_owner=kv_cache)  # [T, Hq, D]
-        attn_out = _residual_delta(attn.o_proj, o.reshape(tokens, -1),
-                                   l2_prefetch.target_for("gate_up", mlp.gate_up_proj.weight))
-        x, act = _norm_project(x, attn_out, layer.post_attention_layernorm.weight, eps, mlp.gate_up_proj,
-                               l2_prefetch.target_for("down", mlp.down_proj.weight), swiglu=True)
-        after_down = (l2_prefetch.target_for("qkv", layers[i + 1].self_attn.qkv_proj.weight) if i + 1 < len(layers)
-                      else l2_prefetch.target_for("lm_head", getattr(model.lm_head, "weight", None)))
-        delta = _residual_delta(mlp.down_proj, act, after_down)
+            attn_out = _residual_delta(attn.o_proj, o, l2_prefetch.target_for("gate_up", mlp.gate_up_proj.weight))
+            x, act = _norm_project(x, attn_out, layer.post_attention_layernorm.weight, eps, mlp.gate_up_proj,
+                                   l2_prefetch.target_for("down", mlp.down_proj.weight), swiglu=True)
+        following = layers[i + 1] if i + 1 < len(layers) else None
+        folded = delta = None
+        if following is not None and norm_fold.applies(act, mlp.down_proj, following.self_attn.qkv_proj):
+            folded = norm_fold.residual_product(mlp.down_proj, act, x, following.input_layernorm.weight, kv_cache)
+        else:
+            after_down = (l2_prefetch.target_for("qkv", following.self_attn.qkv_proj.weight) if following is not None
+                          else l2_prefetch.target_for("lm_head", getattr(model.lm_head, "weight", None)))
+            delta = _residual_delta(mlp.down_proj, act, after_down)
         if after_layer is not None:
             after_layer(i)
     _, hidden = norm_act.rms_norm(x, model.model.norm.weight, eps, delta)
     aux = torch.cat([captured[i] for i in aux_layer_ids], dim=-1) if aux_layer_ids else None
     return hidden, aux
+
+
+def _attention(attn, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: StaticAttentionMetadata,
+               kv_cache: PagedKVCache, layer: int) -> torch.Tensor:
+    """Layer `layer`'s attention of the new tokens' qkv [T, (Hq + 2 Hkv) D], their k/v written to
+    the paged cache first: [T, Hq, D]."""
+    cache_k, cache_v = kv_cache.k_caches[layer], kv_cache.v_caches[layer]
+    # flash-attn installed and 256-token blocks: its kernel; a prefill's Q rows (static
+    # prefill, cuda_graphs.py) overflow the decode kernel's tile: the PyTorch twin (SDPA)
+    other_attention = (flash_kvcache_applies(qkv, meta)
+                       or not paged_decode_attention.serves_query_len(meta.query_len))
+    if not other_attention and paged_decode_attention.folds_rope():  # SPECD_ATTN_ROPE=1: no rope kernel
+        return paged_decode_attention.rope_paged_decode_attention(
+            qkv, cos, sin, meta.slot_mapping, cache_k, cache_v, meta.ctx_lens, meta.block_tables,
+            meta.query_len, attn.num_heads, attn.scale, attn.sliding_window, counter_owner=kv_cache)
+    q = rope_cache.rope_and_cache_write(qkv, cos, sin, meta.slot_mapping, cache_k, cache_v,
+                                        attn.num_heads, attn.num_kv_heads)  # [T, Hq, D]
+    if other_attention:
+        return static_paged_attention(q, cache_k, cache_v, meta, attn.scale, attn.sliding_window)
+    # counters: the in-kernel merge's (SPECD_ATTN_MERGE=1), one set per model's cache
+    return paged_decode_attention.paged_decode_attention(
+        q, cache_k, cache_v, meta.ctx_lens, meta.block_tables, meta.query_len, attn.scale,
+        attn.sliding_window, counter_owner=kv_cache)
 
 
 def _prefetch_args(target: l2_prefetch.PrefetchTarget | None) -> tuple:

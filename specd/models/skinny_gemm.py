@@ -34,12 +34,16 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from specd.models.kernels.l2_prefetch import KINDS, prewait_lines
 from specd.models.kernels.pdl import launch_options, use_pdl
+
+if TYPE_CHECKING:
+    from specd.models.norm_fold import ResidualFinalize, RowScale
 
 MAX_ROWS = 32
 MIN_BLOCK_K = 64
@@ -111,6 +115,7 @@ def _configs():
 if triton is not None:
     from specd.models.kernels.l2_prefetch import _prefetch_l2, prefetch_share
     from specd.models.kernels.pdl import gdc_release, gdc_wait
+    from specd.models.kernels.residual_epilogue import finalize_residual, row_rstd
 
     def _divides_k(configs, named_args, **kwargs):
         """Only block shapes whose BLOCK_K divides a split's K range, K / SPLIT_K (the loop has no
@@ -149,24 +154,32 @@ if triton is not None:
             x = tl.load(x_ptrs, mask=row_ok, other=0.0)
         return x, ss
 
-    @triton.autotune(configs=_configs(), key=["M_BUCKET", "N", "K", "SWIGLU", "SPLIT_K", "NORM", "DELTA_SPLITS"],
+    @triton.autotune(configs=_configs(), key=["M_BUCKET", "N", "K", "SWIGLU", "SPLIT_K", "NORM", "DELTA_SPLITS",
+                                              "FINALIZE", "ROW_SCALE"],
                      prune_configs_by={"early_config_prune": _divides_k})
     @triton.jit
     def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ys, stride_ym,
                             pf_ptr, pf_units, pf_regions, pf_region_stride,
                             d_ptr, stride_ds, stride_dm, nw_ptr, res_ptr, stride_rm, eps,
+                            fx_ptr, stride_fx, fw_ptr, fr_ptr, fh_ptr, stride_fr, fss_ptr, fcnt_ptr, ss_ptr,
                             M_BUCKET: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                             SWIGLU: tl.constexpr, SPLIT_K: tl.constexpr, USE_PDL: tl.constexpr,
                             PF_KIND: tl.constexpr = 0, PF_UNIT: tl.constexpr = 64,
                             NORM: tl.constexpr = False, DELTA_SPLITS: tl.constexpr = 0,
-                            PREWAIT_LINES: tl.constexpr = 0):
+                            PREWAIT_LINES: tl.constexpr = 0, FINALIZE: tl.constexpr = False,
+                            ROW_SCALE: tl.constexpr = 0):
         """Grid (cdiv(N, BLOCK_N), SPLIT_K). SPLIT_K 1: y [M, N] in x's dtype. SPLIT_K > 1: program
         (n, s) sums K range s (K / SPLIT_K long) into y[s] of fp32 partials y [SPLIT_K, M, N].
         PF_KIND > 0: after its stores, each program prefetches its share of the next GEMM's
         weights into L2 (pf_*: kernels/l2_prefetch.py).
         NORM: y = RMSNorm(x + delta) * nw @ W^T (normed_gemm.py): delta is DELTA_SPLITS addends
         [M, K] (d_ptr, stride_ds apart; 0: none); the residual x + delta [M, K] goes to res_ptr,
-        program p storing K tile p (each program computes it all, for its own operand)."""
+        program p storing K tile p (each program computes it all, for its own operand).
+        FINALIZE (norm_fold.py): y is fp32 partials and each column block's last program finishes
+        the residual add after them (residual_epilogue.finalize_residual: fx + sum(y) to fr, times
+        fw to fh, squares' sums to fss; fcnt its arrival counters). ROW_SCALE > 0 (norm_fold.py):
+        the product times each row's 1 / rms from squares' sums ss_ptr [K / 16, M] (ROW_SCALE:
+        K / 16 rounded up to a power of two)."""
         # silu(gate) * up is not linear: it needs the whole sum, so no split with the epilogue;
         # the norm's row scale needs every K: no split either
         tl.static_assert(SPLIT_K == 1 or not (SWIGLU or NORM))
@@ -200,6 +213,8 @@ if triton is not None:
             if SWIGLU:
                 _prefetch_l2(pre + N * stride_wn, 2)
         gdc_wait(USE_PDL)
+        if ROW_SCALE > 0:  # loaded before the loop: its latency hides under the weight stream's
+            row_scale = row_rstd(ss_ptr, rows, M, K, eps, ROW_SCALE)
         x, ss = _x_tile(x_ptrs, d_ptrs, stride_ds, nw_ptrs, row_ok, ss, NORM, DELTA_SPLITS)
         acc = tl.dot(x, tl.trans(w))  # [M_BUCKET, BLOCK_N] float32
         acc_up = tl.zeros((M_BUCKET, BLOCK_N), dtype=tl.float32)
@@ -231,6 +246,9 @@ if triton is not None:
             rstd = 1.0 / tl.sqrt(tl.sum(ss, axis=1) / K + eps)  # [M_BUCKET]
             acc = acc * rstd[:, None]
             acc_up = acc_up * rstd[:, None]
+        if ROW_SCALE > 0:
+            acc = acc * row_scale[:, None]
+            acc_up = acc_up * row_scale[:, None]
         out = acc.to(y_ptr.dtype.element_ty)  # partials: fp32 already, nothing rounded
         if SWIGLU:  # silu(gate) * up, rounded as the unfused path rounds (norm_act.silu_mul)
             gate = out.to(tl.float32)
@@ -239,6 +257,9 @@ if triton is not None:
             out = (act * up).to(y_ptr.dtype.element_ty)
         y_ptrs = y_ptr + split * stride_ys + rows[:, None] * stride_ym + cols[None, :]
         tl.store(y_ptrs, out, mask=row_ok & (cols[None, :] < N))
+        if FINALIZE:
+            finalize_residual(y_ptr, stride_ys, stride_ym, fx_ptr, stride_fx, fw_ptr, fr_ptr, fh_ptr, stride_fr,
+                              fss_ptr, fcnt_ptr, pid, rows, cols, M, N, SPLIT_K, M_BUCKET, BLOCK_N)
         if PF_KIND > 0:  # the next GEMM's weights, while this grid's last programs finish
             prefetch_share(pf_ptr, pf_units, pf_regions, pf_region_stride,
                            split * tl.num_programs(0) + pid, tl.num_programs(0) * tl.num_programs(1),
@@ -285,14 +306,17 @@ def _pinned_splits(n: int, k: int) -> int | None:
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, n: int, swiglu: bool, splits: int = 1,
             prefetch: torch.Tensor | None = None, prefetch_units: int = 0, prefetch_regions: int = 1,
-            prefetch_kind: int = 0, norm: NormPrologue | None = None) -> torch.Tensor:
-    """y [M, N] in x's dtype (splits 1), or fp32 partials [splits, M, N]; prefetch_*: what the
-    programs pull into L2 after their stores (kernels/l2_prefetch.PrefetchTarget); norm: the
-    RMSNorm prologue (normed_gemm.py), x then being the residual before the delta."""
+            prefetch_kind: int = 0, norm: NormPrologue | None = None, finalize: ResidualFinalize | None = None,
+            row_scale: RowScale | None = None) -> torch.Tensor:
+    """y [M, N] in x's dtype (splits 1), or fp32 partials [splits, M, N] (splits > 1, or finalize);
+    prefetch_*: what the programs pull into L2 after their stores (kernels/l2_prefetch.PrefetchTarget);
+    norm: the RMSNorm prologue (normed_gemm.py), x then being the residual before the delta;
+    finalize, row_scale: the norm folded into the GEMMs around it (norm_fold.py)."""
     m, k = x.shape
     assert k % (splits * MIN_BLOCK_K) == 0, (k, splits)
     assert norm is None or splits == 1, "the norm prologue needs every K in one program"
-    shape, dtype = ((m, n), x.dtype) if splits == 1 else ((splits, m, n), torch.float32)
+    partials = splits > 1 or finalize is not None
+    shape, dtype = ((splits, m, n), torch.float32) if partials else ((m, n), x.dtype)
     y = torch.empty(shape, dtype=dtype, device=x.device)
     if m == 0:
         return y
@@ -311,6 +335,16 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, n: int, swiglu: bool, splits:
             d, res = norm.delta, norm.residual
             stride_dm, stride_rm = d.stride(-2), res.stride(0)
             normed["DELTA_SPLITS"], stride_ds = (1, 0) if d.ndim == 2 else (d.shape[0], d.stride(0))
+    fin = (x, 0, x, x, x, 0, x, x, x)  # fx, stride_fx, fw, fr, fh, stride_fr, fss, fcnt, ss: unused
+    if finalize is not None:
+        f = finalize
+        fin = (f.residual, f.residual.stride(0), f.norm_weight, f.residual_out, f.normed_out,
+               f.residual_out.stride(0), f.squares, f.counters, x)
+        normed["FINALIZE"] = True
+    if row_scale is not None:
+        fin = fin[:-1] + (row_scale.squares,)
+        normed["ROW_SCALE"] = triton.next_power_of_2(k // 16)
+        eps = row_scale.eps
     prewait = prewait_lines(x)
     if prewait:
         normed["PREWAIT_LINES"] = prewait
@@ -318,7 +352,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, n: int, swiglu: bool, splits:
     kernel = _skinny_gemm_kernel.fn if pinned else _skinny_gemm_kernel  # the JIT function: no autotuning
     kernel[grid](x, weight, y, m, n, k, x.stride(0), weight.stride(0), m * n, n,
                  prefetch, prefetch_units, prefetch_regions, prefetch.numel() // prefetch_regions,
-                 d, stride_ds, stride_dm, nw, res, stride_rm, eps,
+                 d, stride_ds, stride_dm, nw, res, stride_rm, eps, *fin,
                  M_BUCKET=_row_bucket(m), SWIGLU=swiglu, SPLIT_K=splits,
                  **pf, **normed, **(pinned or {}), **launch_options(use_pdl(x)))
     return y

@@ -118,6 +118,9 @@ def test_merge_counters_are_one_zeroed_buffer_per_owner_and_size():
     assert paged_decode_attention.merge_counters(other, "cpu", 8) is not cpu  # another model's: its own
     assert paged_decode_attention.merge_counters(owner, "cpu", 16) is not cpu  # the first stays (graphs keep it)
     assert paged_decode_attention.merge_counters(None, "cpu", 8) is not cpu
+    from specd.models.kernels.arrival_counters import arrival_counters
+    assert arrival_counters(owner, "attention merge", "cpu", 8) is cpu
+    assert arrival_counters(owner, "another kernel", "cpu", 8) is not cpu  # a purpose of its own
 
 
 def test_fused_static_forward_with_both_attention_folds_equals_the_pytorch_body():

@@ -33,10 +33,10 @@ tests compare against, on CPU through Triton's interpreter.
 from __future__ import annotations
 
 import os
-import weakref
 
 import torch
 
+from specd.models.kernels.arrival_counters import arrival_counters
 from specd.models.kernels.pdl import launch_options, use_pdl
 
 try:
@@ -74,31 +74,10 @@ def folds_merge() -> bool:
     return os.environ.get(MERGE_ENV) == "1"
 
 
-# Arrival counters of the in-kernel merge: owner -> {(device, size): zeroed int32 [size]}.
-# Ownership: one set per owner, the caller's object that serialises its attention calls (fused_forward
-# passes its PagedKVCache: one model's layers run one after another on one stream, and a pair's last
-# program resets its counter before the kernel ends, so one buffer serves every layer and replay).
-# Two owners never share: the in-process pipeline's drafter and target may run attention at the
-# same time on two streams, and shared counters would count each other's programs. Callers that
-# pass no owner share one set (tests, one model).
-# Per size, never grown in place: a captured graph keeps the buffer's address, so replacing it with
-# a bigger one would leave older graphs counting in freed memory. And never allocated while
-# capturing: a torch.zeros there is a memset node in every replay, from the graph's pool; the
-# eager warm-up runs before each capture (cuda_graphs.py) allocate it.
-_counters: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_SHARED = type("SharedCounters", (), {})()  # the owner of callers that pass none (object() takes no weakref)
-
-
 def merge_counters(owner: object | None, device: torch.device | str, size: int) -> torch.Tensor:
-    """owner's zeroed int32 counters [size] on device (see above), allocated at first use."""
-    buffers = _counters.setdefault(_SHARED if owner is None else owner, {})
-    key = (torch.device(device), size)
-    if key not in buffers:
-        if key[0].type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(f"{MERGE_ENV}: merge counters must be allocated before a CUDA graph capture "
-                               "(run the layout once eagerly first)")
-        buffers[key] = torch.zeros(size, dtype=torch.int32, device=device)
-    return buffers[key]
+    """The in-kernel merge's arrival counters: owner's zeroed int32 [size] (kernels/arrival_counters.py;
+    fused_forward passes its PagedKVCache)."""
+    return arrival_counters(owner, "attention merge", device, size)
 
 
 if triton is not None:
