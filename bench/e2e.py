@@ -145,8 +145,11 @@ def step_split_ms(before: dict, after: dict) -> dict[str, float]:
 # without carried drafts (specd/engine/drafting.py), "replay-carry4" carrying 4 past k (one step's worth),
 # "off-ownread" / "replay-ownread" with the busy verifier's request read on a round trip of its own
 # (services/verifier/admission.py ReadRider: it rides the result round trip by default), "-grpcsteps"
-# with the drafter round trip on the gRPC stream instead of the fast socket path (drafter_stream.py).
-VARIANTS = {"-grpcsteps": {"SPECD_DRAFTER_FAST_PATH": "0"}, "-sync": {"SPECD_DRAFT_AHEAD": "0"}, "-nohandoff": {"SPECD_DRAFT_SEND_HANDOFF": "0"},
+# with the drafter round trip on the gRPC stream instead of the fast socket path (drafter_stream.py),
+# "-fold" with the verifier's norms folded into its GEMMs (models/norm_fold.py), "-head2" with its
+# graphs in two parts, the first two layers launched first (models/cuda_graphs.py).
+VARIANTS = {"-fold": {"SPECD_NORM_FOLD": "1"}, "-head2": {"SPECD_GRAPH_HEAD_LAYERS": "2"},
+            "-grpcsteps": {"SPECD_DRAFTER_FAST_PATH": "0"}, "-sync": {"SPECD_DRAFT_AHEAD": "0"}, "-nohandoff": {"SPECD_DRAFT_SEND_HANDOFF": "0"},
             "-nocarry": {"SPECD_DRAFT_CARRY": "0"}, "-ownread": {"SPECD_VERIFIER_RIDE_READS": "0"},
             "-carry4": {"SPECD_DRAFT_CARRY": "4"}}  # one step's worth at the bench's k = 3
 

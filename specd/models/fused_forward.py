@@ -8,8 +8,7 @@ SDPA always do; SPECD_ATTN_MERGE=1, opt-in and slower so far, merges the key chu
 kernel too; kernels/paged_decode_attention.py), o_proj, residual add +
 RMSNorm and the fused gate/up GEMM with silu * up in its epilogue, down_proj; the GEMMs take
 the skinny kernel at few rows (linear.py; above them cuBLAS, and silu * up is a kernel of its own),
-and with SPECD_NORM_PROLOGUE=1 each norm runs inside the GEMM after it (normed_gemm.py, opt-in: slower so far);
-with SPECD_NORM_FOLD=1 (norm_fold.py, opt-in until timed on the GPU) the split-K product before a norm
+and with SPECD_NORM_FOLD=1 (norm_fold.py, opt-in until timed on the GPU) the split-K product before a norm
 finishes the residual add and the product after it scales its rows by 1 / rms: no norm kernel
 between them.
 o_proj and down_proj, whose outputs only feed the next RMSNorm's residual add, take the skinny
@@ -33,7 +32,7 @@ from collections.abc import Callable
 
 import torch
 
-from specd.models import norm_fold, normed_gemm, skinny_gemm
+from specd.models import norm_fold, skinny_gemm
 from specd.models.kernels import l2_prefetch, norm_act, paged_decode_attention, rope_cache
 from specd.models.kv_cache import PagedKVCache
 from specd.models.linear import takes_skinny_kernel
@@ -134,11 +133,8 @@ def _prefetch_args(target: l2_prefetch.PrefetchTarget | None) -> tuple:
 def _norm_project(x: torch.Tensor, delta: torch.Tensor | None, norm_weight: torch.Tensor, eps: float, proj,
                   prefetch: l2_prefetch.PrefetchTarget | None, swiglu: bool = False
                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(residual x + delta, proj(RMSNorm(residual))), silu(gate) * up of it with swiglu: one
-    kernel where the norm folds into the skinny GEMM (normed_gemm.py), else the norm kernel and then
-    the product."""
-    if normed_gemm.applies(x, proj):
-        return normed_gemm.normed_linear(x, delta, norm_weight, eps, proj.weight, swiglu, *_prefetch_args(prefetch))
+    """(residual x + delta, proj(RMSNorm(residual))), silu(gate) * up of it with swiglu: the norm
+    kernel, then the product."""
     x, h = norm_act.rms_norm(x, norm_weight, eps, delta)
     return x, (_swiglu(proj, h, prefetch) if swiglu else _project(proj, h, prefetch))
 

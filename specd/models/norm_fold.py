@@ -4,8 +4,8 @@ says; read when the forward runs, i.e. at capture).
 
 Why: at batch 1 each norm kernel adds ~3.4 us to a ~4.4 ms 8B step (63 of them: ~215 us;
 BENCHMARKS.md, run 43's timeline), mostly the wait for the GEMM before it and the start of the GEMM
-after it. normed_gemm.py folded the norm into the next GEMM's K loop and made every K step slower
-(runs 29-33). Here the K loops stay the plain GEMM's:
+after it. Folding the norm into the next GEMM's K loop (normed_gemm.py, SPECD_NORM_PROLOGUE=1,
+removed since) made every K step slower (runs 29-33). Here the K loops stay the plain GEMM's:
   - the split-K product before the norm (o_proj, down_proj) finishes the residual add in each
     column block's last program (kernels/residual_epilogue.finalize_residual, arrival counters):
     r = x + product (norm_act.rms_norm's residual, bit for bit), h = r * w (w: the norm's weight),
@@ -13,8 +13,8 @@ after it. normed_gemm.py folded the norm into the next GEMM's K loop and made ev
   - the product after it (qkv, gate/up) streams h as its x and scales each row of its accumulator
     by 1 / rms, summed from those squares (kernels/residual_epilogue.row_rstd) before its K loop.
 Rounding: the operand is round(r * w) and 1 / rms scales the product in fp32, where the norm
-kernel rounds r / rms and then times w (normed_gemm.py's rounding; the PyTorch twin agrees within
-bf16 rounding, the tests say how closely). The residual, the aux features (EAGLE) and the final
+kernel rounds r / rms and then times w (the PyTorch twin agrees within bf16 rounding, the tests
+say how closely). The residual, the aux features (EAGLE) and the final
 norm are unchanged. Deterministic: the partials are summed in split order, the squares per 16
 columns and then over the groups in an order fixed by the kernel's shape.
 

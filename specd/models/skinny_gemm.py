@@ -17,9 +17,9 @@ to the model dtype as an unsplit product would be), and S is a fixed rule of the
 (`split_k_for`), not an autotuned choice and not a function of M: so the result is still
 deterministic and a row's result still does not depend on the batch.
 
-NORM (normed_gemm.py, opt-in): the RMSNorm before the product, with its residual add, folded into
-the K loop (each program forms x + delta and its squares tile by tile; 1 / rms scales the
-accumulator after the loop).
+FINALIZE / ROW_SCALE (norm_fold.py, opt-in): the RMSNorm between two products folded into them,
+the split-K product before it finishing the residual add in each column block's last program,
+the product after it scaling its rows by 1 / rms.
 
 `skinny_linear` dispatches: CUDA, bf16/fp16, M <= MAX_ROWS, Triton importable, K a multiple of the
 smallest BLOCK_K -> the kernel; anything else -> F.linear (cuBLAS on CUDA, the CPU twin). The
@@ -32,7 +32,6 @@ CPU (TRITON_INTERPRET=1) against float64.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from typing import TYPE_CHECKING
 
@@ -123,58 +122,21 @@ if triton is not None:
         k_len = named_args["K"] // {**named_args, **kwargs}["SPLIT_K"]  # a keyword from _launch
         return [c for c in configs if k_len % c.kwargs["BLOCK_K"] == 0] or configs[-1:]
 
-    @triton.jit
-    def _residual_tile(x_ptrs, d_ptrs, stride_ds, row_ok, DELTA_SPLITS: tl.constexpr):
-        """x + delta for one [M_BUCKET, BLOCK_K] tile: the delta's DELTA_SPLITS addends summed in
-        fixed order in fp32 and rounded to x's dtype, then the add rounded (norm_act.rms_norm's
-        residual, bit for bit); x itself without a delta."""
-        x = tl.load(x_ptrs, mask=row_ok, other=0.0)
-        if DELTA_SPLITS > 0:
-            d = tl.load(d_ptrs, mask=row_ok, other=0.0).to(tl.float32)
-            for s in tl.static_range(1, DELTA_SPLITS):  # fixed order: deterministic
-                d += tl.load(d_ptrs + s * stride_ds, mask=row_ok, other=0.0).to(tl.float32)
-            d = d.to(x_ptrs.dtype.element_ty)  # the product's rounding (exact for a bf16 delta)
-            x = (x.to(tl.float32) + d.to(tl.float32)).to(x_ptrs.dtype.element_ty)
-        return x
-
-    @triton.jit
-    def _x_tile(x_ptrs, d_ptrs, stride_ds, nw_ptrs, row_ok, ss, NORM: tl.constexpr, DELTA_SPLITS: tl.constexpr):
-        """One K tile of the GEMM's left operand [M_BUCKET, BLOCK_K]: x itself, or (NORM) the
-        RMSNorm prologue's: the residual r (_residual_tile), its squares added to ss, and r * w
-        rounded to x's dtype (the norm's 1 / rms is a row scale: the epilogue applies it).
-        ss is elementwise [M_BUCKET, BLOCK_K], summed over K after the loop: a sum across the
-        tile in the loop would put shuffles and barriers into every K step of the weight stream.
-        No store here: the residual goes out after the loop, a K tile a program."""
-        if NORM:
-            x = _residual_tile(x_ptrs, d_ptrs, stride_ds, row_ok, DELTA_SPLITS)
-            xf = x.to(tl.float32)
-            ss += xf * xf
-            x = (xf * tl.load(nw_ptrs, mask=row_ok, other=0.0).to(tl.float32)).to(x_ptrs.dtype.element_ty)
-        else:
-            x = tl.load(x_ptrs, mask=row_ok, other=0.0)
-        return x, ss
-
-    @triton.autotune(configs=_configs(), key=["M_BUCKET", "N", "K", "SWIGLU", "SPLIT_K", "NORM", "DELTA_SPLITS",
-                                              "FINALIZE", "ROW_SCALE"],
+    @triton.autotune(configs=_configs(), key=["M_BUCKET", "N", "K", "SWIGLU", "SPLIT_K", "FINALIZE", "ROW_SCALE"],
                      prune_configs_by={"early_config_prune": _divides_k})
     @triton.jit
     def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ys, stride_ym,
                             pf_ptr, pf_units, pf_regions, pf_region_stride,
-                            d_ptr, stride_ds, stride_dm, nw_ptr, res_ptr, stride_rm, eps,
-                            fx_ptr, stride_fx, fw_ptr, fr_ptr, fh_ptr, stride_fr, fss_ptr, fcnt_ptr, ss_ptr,
+                            eps, fx_ptr, stride_fx, fw_ptr, fr_ptr, fh_ptr, stride_fr, fss_ptr, fcnt_ptr, ss_ptr,
                             M_BUCKET: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                             SWIGLU: tl.constexpr, SPLIT_K: tl.constexpr, USE_PDL: tl.constexpr,
                             PF_KIND: tl.constexpr = 0, PF_UNIT: tl.constexpr = 64,
-                            NORM: tl.constexpr = False, DELTA_SPLITS: tl.constexpr = 0,
                             PREWAIT_LINES: tl.constexpr = 0, FINALIZE: tl.constexpr = False,
                             ROW_SCALE: tl.constexpr = 0):
         """Grid (cdiv(N, BLOCK_N), SPLIT_K). SPLIT_K 1: y [M, N] in x's dtype. SPLIT_K > 1: program
         (n, s) sums K range s (K / SPLIT_K long) into y[s] of fp32 partials y [SPLIT_K, M, N].
         PF_KIND > 0: after its stores, each program prefetches its share of the next GEMM's
         weights into L2 (pf_*: kernels/l2_prefetch.py).
-        NORM: y = RMSNorm(x + delta) * nw @ W^T (normed_gemm.py): delta is DELTA_SPLITS addends
-        [M, K] (d_ptr, stride_ds apart; 0: none); the residual x + delta [M, K] goes to res_ptr,
-        program p storing K tile p (each program computes it all, for its own operand).
         FINALIZE (norm_fold.py): y is fp32 partials and each column block's last program finishes
         the residual add after them (residual_epilogue.finalize_residual: fx + sum(y) to fr, times
         fw to fh, squares' sums to fss; fcnt its arrival counters). ROW_SCALE > 0 (norm_fold.py):
@@ -182,7 +144,7 @@ if triton is not None:
         K / 16 rounded up to a power of two)."""
         # silu(gate) * up is not linear: it needs the whole sum, so no split with the epilogue;
         # the norm's row scale needs every K: no split either
-        tl.static_assert(SPLIT_K == 1 or not (SWIGLU or NORM))
+        tl.static_assert(SPLIT_K == 1 or not (SWIGLU or ROW_SCALE > 0))
         pid = tl.program_id(0)
         split = tl.program_id(1)
         k_len = K // SPLIT_K  # a multiple of BLOCK_K (_divides_k, split_k_for)
@@ -192,14 +154,8 @@ if triton is not None:
         x_ptrs = x_ptr + rows[:, None] * stride_xm + ks[None, :]  # [M_BUCKET, BLOCK_K]
         w_ptrs = w_ptr + cols[:, None] * stride_wn + ks[None, :]  # [BLOCK_N, BLOCK_K]
         u_ptrs = w_ptrs + N * stride_wn  # SWIGLU: the up rows, N below the gate rows
-        d_ptrs = d_ptr + rows[:, None] * stride_dm + ks[None, :]  # NORM: the delta's first addend
-        # NORM: the norm's weight as a [M_BUCKET, BLOCK_K] tile of equal rows, shaped like x's so the
-        # loop's pipeliner streams it ahead as it does x's (a [BLOCK_K] load stayed a synchronous load
-        # in every K step of Triton 3.6's loop; the tile did not make the kernel fast either: run 33)
-        nw_ptrs = nw_ptr + rows[:, None] * 0 + ks[None, :]
         row_ok = rows[:, None] < M
         col_ok = cols[:, None] < N
-        ss = tl.zeros((M_BUCKET, BLOCK_K), dtype=tl.float32)  # NORM: the rows' squares, by K lane
         # The first weight tile is read before waiting for the previous kernel (PDL, pdl.py):
         # no kernel writes weights, and the read overlaps the previous kernel's tail.
         w = tl.load(w_ptrs, mask=col_ok, other=0.0)
@@ -215,7 +171,7 @@ if triton is not None:
         gdc_wait(USE_PDL)
         if ROW_SCALE > 0:  # loaded before the loop: its latency hides under the weight stream's
             row_scale = row_rstd(ss_ptr, rows, M, K, eps, ROW_SCALE)
-        x, ss = _x_tile(x_ptrs, d_ptrs, stride_ds, nw_ptrs, row_ok, ss, NORM, DELTA_SPLITS)
+        x = tl.load(x_ptrs, mask=row_ok, other=0.0)
         acc = tl.dot(x, tl.trans(w))  # [M_BUCKET, BLOCK_N] float32
         acc_up = tl.zeros((M_BUCKET, BLOCK_N), dtype=tl.float32)
         if SWIGLU:
@@ -223,30 +179,17 @@ if triton is not None:
         for _ in range(BLOCK_K, k_len, BLOCK_K):
             x_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
-            if NORM:
-                d_ptrs += BLOCK_K
-                nw_ptrs += BLOCK_K
-            x, ss = _x_tile(x_ptrs, d_ptrs, stride_ds, nw_ptrs, row_ok, ss, NORM, DELTA_SPLITS)
+            x = tl.load(x_ptrs, mask=row_ok, other=0.0)
             w = tl.load(w_ptrs, mask=col_ok, other=0.0)
             acc += tl.dot(x, tl.trans(w))
             if SWIGLU:
                 u_ptrs += BLOCK_K
                 u = tl.load(u_ptrs, mask=col_ok, other=0.0)
                 acc_up += tl.dot(x, tl.trans(u))
-        if NORM and DELTA_SPLITS > 0:  # the residual out, a K tile a program (after the loop: see _x_tile)
-            for t in range(pid, K // BLOCK_K, tl.num_programs(0)):
-                kt = t * BLOCK_K + tl.arange(0, BLOCK_K)
-                r = _residual_tile(x_ptr + rows[:, None] * stride_xm + kt[None, :],
-                                   d_ptr + rows[:, None] * stride_dm + kt[None, :], stride_ds, row_ok, DELTA_SPLITS)
-                tl.store(res_ptr + rows[:, None] * stride_rm + kt[None, :], r, mask=row_ok)
         # The successor may launch once every program is past its loads: not earlier, or its
         # waiting programs would hold SM room that this grid's later waves need (pdl.py).
         gdc_release(USE_PDL)
-        if NORM:  # the norm's 1 / rms, a per-row scale of the product
-            rstd = 1.0 / tl.sqrt(tl.sum(ss, axis=1) / K + eps)  # [M_BUCKET]
-            acc = acc * rstd[:, None]
-            acc_up = acc_up * rstd[:, None]
-        if ROW_SCALE > 0:
+        if ROW_SCALE > 0:  # the norm's 1 / rms, a per-row scale of the product
             acc = acc * row_scale[:, None]
             acc_up = acc_up * row_scale[:, None]
         out = acc.to(y_ptr.dtype.element_ty)  # partials: fp32 already, nothing rounded
@@ -306,73 +249,46 @@ def _pinned_splits(n: int, k: int) -> int | None:
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, n: int, swiglu: bool, splits: int = 1,
             prefetch: torch.Tensor | None = None, prefetch_units: int = 0, prefetch_regions: int = 1,
-            prefetch_kind: int = 0, norm: NormPrologue | None = None, finalize: ResidualFinalize | None = None,
+            prefetch_kind: int = 0, finalize: ResidualFinalize | None = None,
             row_scale: RowScale | None = None) -> torch.Tensor:
     """y [M, N] in x's dtype (splits 1), or fp32 partials [splits, M, N] (splits > 1, or finalize);
     prefetch_*: what the programs pull into L2 after their stores (kernels/l2_prefetch.PrefetchTarget);
-    norm: the RMSNorm prologue (normed_gemm.py), x then being the residual before the delta;
     finalize, row_scale: the norm folded into the GEMMs around it (norm_fold.py)."""
     m, k = x.shape
     assert k % (splits * MIN_BLOCK_K) == 0, (k, splits)
-    assert norm is None or splits == 1, "the norm prologue needs every K in one program"
+    assert row_scale is None or splits == 1, "the row scale needs every K in one program"
     partials = splits > 1 or finalize is not None
     shape, dtype = ((splits, m, n), torch.float32) if partials else ((m, n), x.dtype)
     y = torch.empty(shape, dtype=dtype, device=x.device)
     if m == 0:
         return y
     grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), splits)  # noqa: E731 - Triton's grid idiom
-    pf = {}
+    options = {}
     if prefetch is not None and prefetch_kind > 0 and prefetch_units > 0:
-        pf = {"PF_KIND": prefetch_kind, "PF_UNIT": PREFETCH_UNIT_ELEMS[prefetch_kind]}
+        options = {"PF_KIND": prefetch_kind, "PF_UNIT": PREFETCH_UNIT_ELEMS[prefetch_kind]}
     else:
         prefetch, prefetch_units, prefetch_regions = weight, 0, 1
-    normed = {}
-    d, stride_ds, stride_dm, nw, res, stride_rm, eps = x, 0, 0, x, x, 0, 0.0  # unused without a norm
-    if norm is not None:
-        nw, eps = norm.weight, norm.eps
-        normed = {"NORM": True, "DELTA_SPLITS": 0}
-        if norm.delta is not None:
-            d, res = norm.delta, norm.residual
-            stride_dm, stride_rm = d.stride(-2), res.stride(0)
-            normed["DELTA_SPLITS"], stride_ds = (1, 0) if d.ndim == 2 else (d.shape[0], d.stride(0))
-    fin = (x, 0, x, x, x, 0, x, x, x)  # fx, stride_fx, fw, fr, fh, stride_fr, fss, fcnt, ss: unused
+    eps = 0.0
+    fold = (x, 0, x, x, x, 0, x, x, x)  # fx, stride_fx, fw, fr, fh, stride_fr, fss, fcnt, ss: unused
     if finalize is not None:
         f = finalize
-        fin = (f.residual, f.residual.stride(0), f.norm_weight, f.residual_out, f.normed_out,
-               f.residual_out.stride(0), f.squares, f.counters, x)
-        normed["FINALIZE"] = True
+        fold = (f.residual, f.residual.stride(0), f.norm_weight, f.residual_out, f.normed_out,
+                f.residual_out.stride(0), f.squares, f.counters, x)
+        options["FINALIZE"] = True
     if row_scale is not None:
-        fin = fin[:-1] + (row_scale.squares,)
-        normed["ROW_SCALE"] = triton.next_power_of_2(k // 16)
+        fold = fold[:-1] + (row_scale.squares,)
+        options["ROW_SCALE"] = triton.next_power_of_2(k // 16)
         eps = row_scale.eps
     prewait = prewait_lines(x)
     if prewait:
-        normed["PREWAIT_LINES"] = prewait
+        options["PREWAIT_LINES"] = prewait
     pinned = pinned_config(n, k, splits) or tuned_config(x, n, k, swiglu, splits)
     kernel = _skinny_gemm_kernel.fn if pinned else _skinny_gemm_kernel  # the JIT function: no autotuning
     kernel[grid](x, weight, y, m, n, k, x.stride(0), weight.stride(0), m * n, n,
-                 prefetch, prefetch_units, prefetch_regions, prefetch.numel() // prefetch_regions,
-                 d, stride_ds, stride_dm, nw, res, stride_rm, eps, *fin,
+                 prefetch, prefetch_units, prefetch_regions, prefetch.numel() // prefetch_regions, eps, *fold,
                  M_BUCKET=_row_bucket(m), SWIGLU=swiglu, SPLIT_K=splits,
-                 **pf, **normed, **(pinned or {}), **launch_options(use_pdl(x)))
+                 **options, **(pinned or {}), **launch_options(use_pdl(x)))
     return y
-
-
-@dataclasses.dataclass(frozen=True)
-class NormPrologue:
-    """The RMSNorm a skinny GEMM applies to its x first (normed_gemm.py): weight [K], eps; delta
-    None, [M, K], or fp32 split-K partials [S, M, K] added to x first, the sum stored to
-    residual [M, K] (contiguous rows)."""
-    weight: torch.Tensor
-    eps: float
-    delta: torch.Tensor | None = None
-    residual: torch.Tensor | None = None
-
-    def __post_init__(self) -> None:
-        if (self.delta is None) != (self.residual is None):
-            raise ValueError("a delta needs a residual to store the sum to, and only a delta does")
-        if self.delta is not None and (self.delta.stride(-1) != 1 or self.residual.stride(-1) != 1):
-            raise ValueError("the delta's and the residual's rows must be contiguous")
 
 
 @torch.library.custom_op("specd::skinny_gemm", mutates_args=())

@@ -128,3 +128,12 @@ def test_the_row_is_the_median_of_the_rounds_without_a_graph_capture():
     every_round_captured = [rnd(1000, 1), rnd(2000, 2), rnd(3000, 1)]
     assert median_round(every_round_captured)[0].tokens_per_s == 2000
     assert median_round([rnd(1000, 0), rnd(2000, 0), rnd(3000, 0)])[0].tokens_per_s == 2000
+
+
+def test_method_suffixes_name_their_settings():
+    from bench.e2e import base_method
+
+    assert base_method("replay") == ("replay", {})
+    assert base_method("replay-grpcsteps") == ("replay", {"SPECD_DRAFTER_FAST_PATH": "0"})
+    assert base_method("off-fold") == ("off", {"SPECD_NORM_FOLD": "1"})
+    assert base_method("replay-head2") == ("replay", {"SPECD_GRAPH_HEAD_LAYERS": "2"})

@@ -81,22 +81,17 @@ def test_kernels_compile_to_sm90_ptx():
     gemm_sig = {"x_ptr":P,"w_ptr":P,"y_ptr":P,"M":"i32","N":"i32","K":"i32","stride_xm":"i32","stride_wn":"i32","stride_ys":"i32","stride_ym":"i32",
                 "pf_ptr":P,"pf_units":"i32","pf_regions":"i32","pf_region_stride":"i64",
                 "M_BUCKET":"constexpr","BLOCK_N":"constexpr","BLOCK_K":"constexpr","SWIGLU":"constexpr","SPLIT_K":"constexpr",
-                "d_ptr":"*fp32","stride_ds":"i32","stride_dm":"i32","nw_ptr":P,"res_ptr":P,"stride_rm":"i32","eps":"fp32",
-                "PF_KIND":"constexpr","PF_UNIT":"constexpr","NORM":"constexpr","DELTA_SPLITS":"constexpr",
-                "PREWAIT_LINES":"constexpr", **FOLD_SIG}
-    # plain, SwiGLU, split-K partials; then the norm prologue (normed_gemm.py): no delta, split-K
-    # partials as the delta, a bf16 delta with SwiGLU
-    for y_ptr, d_ptr, swiglu, split_k, norm, delta_splits in [
-            (P, "*fp32", False, 1, False, 0), (P, "*fp32", True, 1, False, 0), ("*fp32", "*fp32", False, 2, False, 0),
-            (P, "*fp32", False, 1, True, 0), (P, "*fp32", False, 1, True, 2), (P, P, True, 1, True, 1)]:
-        comp(skinny_gemm._skinny_gemm_kernel.fn, dict(gemm_sig, y_ptr=y_ptr, d_ptr=d_ptr), {"M_BUCKET":16,"BLOCK_N":32,"BLOCK_K":128,"SWIGLU":swiglu,"SPLIT_K":split_k,
-             "PF_KIND":0,"PF_UNIT":64,"NORM":norm,"DELTA_SPLITS":delta_splits,"PREWAIT_LINES":0,**NO_FOLD}, release_after_loads=True)
+                "eps":"fp32","PF_KIND":"constexpr","PF_UNIT":"constexpr","PREWAIT_LINES":"constexpr", **FOLD_SIG}
+    # plain, SwiGLU, split-K partials
+    for y_ptr, swiglu, split_k in [(P, False, 1), (P, True, 1), ("*fp32", False, 2)]:
+        comp(skinny_gemm._skinny_gemm_kernel.fn, dict(gemm_sig, y_ptr=y_ptr), {"M_BUCKET":16,"BLOCK_N":32,"BLOCK_K":128,"SWIGLU":swiglu,"SPLIT_K":split_k,
+             "PF_KIND":0,"PF_UNIT":64,"PREWAIT_LINES":0,**NO_FOLD}, release_after_loads=True)
     # the norm folded (norm_fold.py): split-K partials finished by each column block's last program
     # (after the wait, the arrival, then the partials read past L1), at 16 and 32 rows; the products
     # after it scaled by the rows' 1 / rms (their squares' sums read after the wait)
     for m_bucket in (16, 32):
         consts = {"M_BUCKET":m_bucket,"BLOCK_N":32,"BLOCK_K":128,"SWIGLU":False,"SPLIT_K":2,"PF_KIND":0,"PF_UNIT":64,
-                  "NORM":False,"DELTA_SPLITS":0,"PREWAIT_LINES":0,"FINALIZE":True,"ROW_SCALE":0}
+                  "PREWAIT_LINES":0,"FINALIZE":True,"ROW_SCALE":0}
         comp(skinny_gemm._skinny_gemm_kernel.fn, dict(gemm_sig, y_ptr="*fp32"), consts, release_after_loads=False)
         ptx = triton.compile(ASTSource(fn=skinny_gemm._skinny_gemm_kernel.fn, signature=dict(gemm_sig, y_ptr="*fp32", USE_PDL="constexpr"),
                                        constexprs=dict(consts, USE_PDL=True)), target=tgt).asm["ptx"]
@@ -104,12 +99,12 @@ def test_kernels_compile_to_sm90_ptx():
         assert wait < arrival < ptx.index("ld.global.cg", arrival), m_bucket
     for swiglu in (False, True):
         consts = {"M_BUCKET":16,"BLOCK_N":64,"BLOCK_K":128,"SWIGLU":swiglu,"SPLIT_K":1,"PF_KIND":0,"PF_UNIT":64,
-                  "NORM":False,"DELTA_SPLITS":0,"PREWAIT_LINES":0,"FINALIZE":False,"ROW_SCALE":256}
+                  "PREWAIT_LINES":0,"FINALIZE":False,"ROW_SCALE":256}
         comp(skinny_gemm._skinny_gemm_kernel.fn, gemm_sig, consts, release_after_loads=True)
-    for swiglu, norm in [(True, False), (False, True)]:  # SwiGLU's epilogue and the norm's row scale need the whole sum
+    for swiglu, row_scale in [(True, 0), (False, 256)]:  # SwiGLU's epilogue and the row scale need the whole sum
         with pytest.raises(CompileTimeAssertionFailure):
             comp(skinny_gemm._skinny_gemm_kernel.fn, dict(gemm_sig, y_ptr="*fp32"), {"M_BUCKET":16,"BLOCK_N":32,"BLOCK_K":128,"SWIGLU":swiglu,"SPLIT_K":2,
-                 "NORM":norm,"PREWAIT_LINES":0,**NO_FOLD})
+                 "PREWAIT_LINES":0,"FINALIZE":False,"ROW_SCALE":row_scale})
 
 
 def test_gemm_epilogue_prefetch_compiles_after_the_release_and_the_stores():
@@ -123,15 +118,14 @@ def test_gemm_epilogue_prefetch_compiles_after_the_release_and_the_stores():
 
     P = "*bf16"
     sig = {"x_ptr":P,"w_ptr":P,"y_ptr":P,"M":"i32","N":"i32","K":"i32","stride_xm":"i32","stride_wn":"i32","stride_ys":"i32",
-           "stride_ym":"i32","pf_ptr":P,"pf_units":"i32","pf_regions":"i32","pf_region_stride":"i64","d_ptr":"*fp32",
-           "stride_ds":"i32","stride_dm":"i32","nw_ptr":P,"res_ptr":P,"stride_rm":"i32","eps":"fp32","M_BUCKET":"constexpr",
+           "stride_ym":"i32","pf_ptr":P,"pf_units":"i32","pf_regions":"i32","pf_region_stride":"i64",
+           "eps":"fp32","M_BUCKET":"constexpr",
            "BLOCK_N":"constexpr","BLOCK_K":"constexpr","SWIGLU":"constexpr","SPLIT_K":"constexpr","USE_PDL":"constexpr",
-           "PF_KIND":"constexpr","PF_UNIT":"constexpr","NORM":"constexpr","DELTA_SPLITS":"constexpr",
-           "PREWAIT_LINES":"constexpr", **FOLD_SIG}
+           "PF_KIND":"constexpr","PF_UNIT":"constexpr","PREWAIT_LINES":"constexpr", **FOLD_SIG}
     instruction = {1: "prefetch.global.L2", 2: "prefetch.global.L2", 3: "cp.async.bulk.prefetch.L2.global"}
     for kind, unit in [(0, 64), (1, 16), (2, 64), (3, 2048)]:
         consts = {"M_BUCKET":16,"BLOCK_N":32,"BLOCK_K":128,"SWIGLU":True,"SPLIT_K":1,"USE_PDL":True,"PF_KIND":kind,"PF_UNIT":unit,
-                  "NORM":False,"DELTA_SPLITS":0,"PREWAIT_LINES":0,**NO_FOLD}
+                  "PREWAIT_LINES":0,**NO_FOLD}
         ptx = triton.compile(ASTSource(fn=skinny_gemm._skinny_gemm_kernel.fn, signature=sig, constexprs=consts),
                              target=GPUTarget("cuda", 90, 32)).asm["ptx"]
         if kind == 0:
