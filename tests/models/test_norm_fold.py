@@ -118,3 +118,39 @@ def test_fused_forward_with_the_norm_folded_equals_the_pytorch_body():
     """)
     print(out)
     assert out.strip().endswith("ok"), out
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="CUDA: the programs race only on a GPU")
+def test_residual_product_is_race_free_at_the_8b_shapes_on_cuda():
+    """At o_proj's and down_proj's 8B shapes (128+ column blocks, 2 splits, both programs of a block
+    racing for the last arrival), 50 calls: the residual bit for bit the norm kernel's every time,
+    the squares and r * w the same bits every time, the counters zero after each."""
+    import torch
+
+    from specd.models import norm_fold, skinny_gemm
+    from specd.models.kernels import norm_act
+    from specd.models.kernels.arrival_counters import arrival_counters
+    from specd.models.linear import gemm_backend
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    owner = type("Owner", (), {})()
+    hidden = 4096
+    with gemm_backend("auto"):
+        for m, k in ((4, 4096), (20, 14336)):
+            proj = type("Proj", (), {"weight": (torch.randn(hidden, k, generator=g, device="cuda") * 0.02).bfloat16(),
+                                     "bias": None})()
+            nxt = type("Proj", (), {"weight": torch.zeros(6144, hidden, device="cuda", dtype=torch.bfloat16),
+                                    "bias": None})()
+            x = torch.randn(m, k, generator=g, device="cuda").bfloat16()
+            residual = (torch.randn(m, hidden, generator=g, device="cuda") * 3).bfloat16()
+            norm_w = (1 + 0.1 * torch.randn(hidden, generator=g, device="cuda")).bfloat16()
+            assert norm_fold.applies(x, proj, nxt)
+            partials = skinny_gemm.skinny_gemm_partials(x, proj.weight, skinny_gemm.split_k_for(hidden, k))
+            want, _ = norm_act.rms_norm(residual, norm_w, 1e-5, partials)
+            first = norm_fold.residual_product(proj, x, residual, norm_w, owner)
+            counters = arrival_counters(owner, "residual product", x.device, hidden // 16)
+            for _ in range(50):
+                got = norm_fold.residual_product(proj, x, residual, norm_w, owner)
+                assert torch.equal(got.residual, want)
+                assert torch.equal(got.squares, first.squares) and torch.equal(got.normed, first.normed)
+                assert not counters.any()
