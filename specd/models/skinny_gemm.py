@@ -192,6 +192,10 @@ if triton is not None:
         if ROW_SCALE > 0:  # the norm's 1 / rms, a per-row scale of the product
             acc = acc * row_scale[:, None]
             acc_up = acc_up * row_scale[:, None]
+        if FINALIZE:  # the residual's tile and the norm's weight, read while this program finishes
+            fin_ok = row_ok & (cols[None, :] < N)
+            fin_x = tl.load(fx_ptr + rows[:, None] * stride_fx + cols[None, :], mask=fin_ok, other=0.0)
+            fin_w = tl.load(fw_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
         out = acc.to(y_ptr.dtype.element_ty)  # partials: fp32 already, nothing rounded
         if SWIGLU:  # silu(gate) * up, rounded as the unfused path rounds (norm_act.silu_mul)
             gate = out.to(tl.float32)
@@ -201,7 +205,7 @@ if triton is not None:
         y_ptrs = y_ptr + split * stride_ys + rows[:, None] * stride_ym + cols[None, :]
         tl.store(y_ptrs, out, mask=row_ok & (cols[None, :] < N))
         if FINALIZE:
-            finalize_residual(y_ptr, stride_ys, stride_ym, fx_ptr, stride_fx, fw_ptr, fr_ptr, fh_ptr, stride_fr,
+            finalize_residual(y_ptr, stride_ys, stride_ym, fin_x, fin_w, fr_ptr, fh_ptr, stride_fr,
                               fss_ptr, fcnt_ptr, pid, rows, cols, M, N, SPLIT_K, M_BUCKET, BLOCK_N)
         if PF_KIND > 0:  # the next GEMM's weights, while this grid's last programs finish
             prefetch_share(pf_ptr, pf_units, pf_regions, pf_region_stride,

@@ -18,12 +18,13 @@ SQUARES_GROUP = 16  # columns per stored sum of squares (the smallest BLOCK_N of
 
 
 @triton.jit
-def finalize_residual(y_ptr, stride_ys, stride_ym, x_ptr, stride_xm, w_ptr, r_ptr, h_ptr, stride_rm,
-                      ss_ptr, counter_ptr, pid, rows, cols, M, N,
-                      SPLIT_K: tl.constexpr, M_BUCKET: tl.constexpr, BLOCK_N: tl.constexpr):
+def finalize_residual(y_ptr, stride_ys, stride_ym, x, w, r_ptr, h_ptr, stride_rm, ss_ptr, counter_ptr,
+                      pid, rows, cols, M, N, SPLIT_K: tl.constexpr, M_BUCKET: tl.constexpr, BLOCK_N: tl.constexpr):
     """After program (pid, split) stored its partial y[split, rows, cols]: the block's last program
     writes r = x + sum(y) [M, BLOCK_N] to r_ptr, h = r * w to h_ptr (both stride_rm) and the
-    squares' sums of r per 16 columns to ss_ptr [N / 16, M]."""
+    squares' sums of r per 16 columns to ss_ptr [N / 16, M]. x: the residual's tile [M_BUCKET,
+    BLOCK_N] and w: the norm weight's [BLOCK_N] fp32, loaded by the caller before its stores (their
+    latency hides under the arrival's)."""
     tl.debug_barrier()  # every thread's partial stored before the arrival (released by it)
     arrived = tl.atomic_add(counter_ptr + pid, 1, sem="acq_rel")
     if arrived == SPLIT_K - 1:  # the column block's last program: every split's partial is visible
@@ -32,12 +33,10 @@ def finalize_residual(y_ptr, stride_ys, stride_ym, x_ptr, stride_xm, w_ptr, r_pt
         d = tl.load(p, mask=ok, other=0.0, cache_modifier=".cg")
         for s in tl.static_range(1, SPLIT_K):  # split order, whichever program arrived last
             d += tl.load(p + s * stride_ys, mask=ok, other=0.0, cache_modifier=".cg")
-        x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=ok, other=0.0)
-        d = d.to(x_ptr.dtype.element_ty)  # the product's rounding
-        r = (x.to(tl.float32) + d.to(tl.float32)).to(x_ptr.dtype.element_ty)  # the residual add's
+        d = d.to(r_ptr.dtype.element_ty)  # the product's rounding
+        r = (x.to(tl.float32) + d.to(tl.float32)).to(r_ptr.dtype.element_ty)  # the residual add's
         out = rows[:, None] * stride_rm + cols[None, :]
         tl.store(r_ptr + out, r, mask=ok)
-        w = tl.load(w_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
         rf = r.to(tl.float32)
         tl.store(h_ptr + out, (rf * w[None, :]).to(h_ptr.dtype.element_ty), mask=ok)
         squares = tl.sum(tl.reshape(rf * rf, (M_BUCKET, BLOCK_N // 16, 16)), axis=2)  # [M_BUCKET, BLOCK_N / 16]
