@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from specd.models.kernels import paged_decode_attention
-from tests.models.interpreted import run_interpreted
+from tests.models.interpreted import SMALL_STEP, run_interpreted
 
 pytestmark = pytest.mark.skipif(paged_decode_attention.triton is None, reason="triton (xgrammar pulls it)")
 
@@ -80,34 +80,16 @@ def test_fused_forward_with_the_norm_folded_equals_the_pytorch_body():
     folded (3 residual products over 2 layers), logits and aux features within fp16 rounding of
     PyTorch ops and F.linear."""
     out = run_interpreted("""
-        import dataclasses, os
-        import torch
+        import os
         os.environ["SPECD_NORM_FOLD"] = "1"
-        from bench.step import arch_config, random_model
-        from specd.messages import PytorchEngineConfig
         from specd.models import norm_fold
-        from specd.models.base import SequenceChunk
-        from specd.models.llama_runner import LlamaRunner
         calls = []
         product = norm_fold.skinny_gemm_residual
         def counting(x, w, *rest):
             calls.append(tuple(w.shape))
             return product(x, w, *rest)
         norm_fold.skinny_gemm_residual = counting
-        cfg = dataclasses.replace(arch_config("small"), hidden_size=128, intermediate_size=256, head_dim=32)
-        model = random_model(cfg, torch.float16, torch.device("cpu"))
-        ec = PytorchEngineConfig(max_batch_size=2, block_size=16, num_gpu_blocks=16, session_len=64,
-                                 device_type="cpu", dtype="float16")
-        results = {}
-        for gemm, kernels in (("auto", "auto"), ("torch", "off")):
-            r = LlamaRunner(".", ec, model=model, config=cfg, use_static_path=True, compile_mode="0",
-                            gemm=gemm, kernels=kernels)
-            r.set_aux_hidden_layers([0, 1])
-            for s, ctx in [(0, 9), (1, 21)]:
-                r.add_sequence(s)
-                r.kv_cache.append_slots(s, ctx)
-            step = r.forward([SequenceChunk(0, [1, 2, 3]), SequenceChunk(1, [4, 5, 6])], want_aux_hidden=True)
-            results[gemm] = (step.logits, step.aux_hidden_states)
+        results = {gemm: small_step(gemm, kernels) for gemm, kernels in (("auto", "auto"), ("torch", "off"))}
         # o_proj [128, 128] of both layers, down_proj [128, 256] of the first (the last feeds the final norm)
         assert calls == [(128, 128), (128, 256), (128, 128)], calls
         for a, b in zip(results["auto"], results["torch"]):
@@ -115,7 +97,7 @@ def test_fused_forward_with_the_norm_folded_equals_the_pytorch_body():
             print(tuple(a.shape), err)
             assert a.shape == b.shape and err < 5e-3, err
         print("ok")
-    """)
+    """, prelude=SMALL_STEP)
     print(out)
     assert out.strip().endswith("ok"), out
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from specd.models.kernels import paged_decode_attention
-from tests.models.interpreted import run_interpreted
+from tests.models.interpreted import SMALL_STEP, run_interpreted
 
 pytestmark = pytest.mark.skipif(paged_decode_attention.triton is None, reason="triton (xgrammar pulls it)")
 
@@ -124,13 +124,7 @@ def test_fused_forward_with_split_k_gemms_equals_the_pytorch_body():
     norms (K = 128 and 256 here), vs PyTorch ops and F.linear; with the capture's after-layer hook
     called (it must change nothing)."""
     out = run_interpreted("""
-        import dataclasses
-        import torch
-        from bench.step import arch_config, random_model
-        from specd.messages import PytorchEngineConfig
         from specd.models import skinny_gemm
-        from specd.models.base import SequenceChunk
-        from specd.models.llama_runner import LlamaRunner
         splits = []
         partials = skinny_gemm.skinny_gemm_partials
         def counting(x, w, s):
@@ -142,20 +136,7 @@ def test_fused_forward_with_split_k_gemms_equals_the_pytorch_body():
         layers_seen = []
         fused = cuda_graphs.fused_forward
         cuda_graphs.fused_forward = lambda *args: fused(*args[:6], layers_seen.append)
-        cfg = dataclasses.replace(arch_config("small"), hidden_size=128, intermediate_size=256, head_dim=32)
-        model = random_model(cfg, torch.float16, torch.device("cpu"))
-        ec = PytorchEngineConfig(max_batch_size=2, block_size=16, num_gpu_blocks=16, session_len=64,
-                                 device_type="cpu", dtype="float16")
-        results = {}
-        for gemm, kernels in (("auto", "auto"), ("torch", "off")):
-            r = LlamaRunner(".", ec, model=model, config=cfg, use_static_path=True, compile_mode="0",
-                            gemm=gemm, kernels=kernels)
-            r.set_aux_hidden_layers([0, 1])
-            for s, ctx in [(0, 9), (1, 21)]:
-                r.add_sequence(s)
-                r.kv_cache.append_slots(s, ctx)
-            step = r.forward([SequenceChunk(0, [1, 2, 3]), SequenceChunk(1, [4, 5, 6])], want_aux_hidden=True)
-            results[gemm] = (step.logits, step.aux_hidden_states)
+        results = {gemm: small_step(gemm, kernels) for gemm, kernels in (("auto", "auto"), ("torch", "off"))}
         # o_proj [128, 128] and down_proj [128, 256] of both layers, split in two, in the fused runner only
         assert splits == [(128, 128, 2), (128, 256, 2)] * 2, splits
         assert layers_seen == [0, 1], layers_seen  # the fused runner's one step, hook and all
@@ -164,7 +145,7 @@ def test_fused_forward_with_split_k_gemms_equals_the_pytorch_body():
             print(tuple(a.shape), err)
             assert a.shape == b.shape and err < 5e-3, err
         print("ok")
-    """)
+    """, prelude=SMALL_STEP)
     assert out.strip().endswith("ok"), out
 
 
