@@ -83,6 +83,9 @@ class VerifierWorker(Admission):
         self._read_riding = False  # the in-flight result flush carries the request read (admission.py)
         self._reread_own = False  # a flush with a read failed: read this consumer's pending entries
         self._read_found = False  # the last request read found entries (admission.py: no ride next)
+        self._record: StepRecord | None = None  # the step under way (emit_first_tokens adds to it)
+        if config.async_emit and config.early_first_token:
+            engine.on_admitted = self.emit_first_tokens
 
     # ---- lifecycle --------------------------------------------------------------------------
     def run(self) -> None:
@@ -177,6 +180,7 @@ class VerifierWorker(Admission):
         draft0, verify0, tokens0 = timings.draft, timings.verify, self.engine.stats.num_output_tokens
         commit0, wait0, launch0 = timings.commit, timings.device_wait, timings.launch
         t0 = time.perf_counter()
+        self._record = record
         try:
             finished = self.engine.step()
         except Exception:
@@ -263,6 +267,24 @@ class VerifierWorker(Admission):
         else:
             self._collect(lambda: self.writer.flush(riders), record)
         record.emit_seconds = time.perf_counter() - t0
+
+    def emit_first_tokens(self, seqs: list[Sequence]) -> None:
+        """The engine just prefilled seqs (engine.on_admitted, with async_emit): their first tokens
+        go out now, on a flush of their own started before the step drafts and verifies, so a
+        request's first token waits for its prefill only, not for a whole step more. The flush in
+        flight (the last step's) is waited for first and its riders applied, as at a step's end:
+        the engine is between its admit and its batch, where cancelling or adding requests is safe."""
+        self._collect(self.writer.wait, self._record or StepRecord())
+        queued = False
+        for seq in seqs:
+            ar = self.active.get(seq.seq_id)
+            n = len(seq.output_token_ids)
+            if ar is not None and not seq.is_finished and n > ar.num_emitted:
+                self.emitter.delta(ar.request_id, ar.num_emitted, seq.output_token_ids[ar.num_emitted:n], seq.stats)
+                ar.num_emitted = n
+                queued = True
+        if queued:
+            self.writer.start()
 
     def _riders(self) -> list:
         """The step's pipeline riders: the heartbeat when due, then the cancellation poll."""

@@ -20,6 +20,7 @@ NOT_IMPLEMENTED = 501
 DEADLINE_EXCEEDED = 504
 
 RIDE_READS_ENV = "SPECD_VERIFIER_RIDE_READS"  # "0": the busy loop reads the request stream on its own round trip
+EARLY_FIRST_TOKEN_ENV = "SPECD_VERIFIER_EARLY_FIRST_TOKEN"
 
 
 @dataclass
@@ -42,6 +43,10 @@ class WorkerConfig:
     # of a round trip of its own on the step's critical path (admission.py, ReadRider); its entries
     # are admitted when the flush is collected, a step later. SPECD_VERIFIER_RIDE_READS=0: off.
     ride_reads: bool = field(default_factory=lambda: os.environ.get(RIDE_READS_ENV, "1") != "0")
+    # With async_emit, the first tokens of the requests a step prefills leave on a flush of their
+    # own before the step drafts and verifies (worker.emit_first_tokens): time to first token is
+    # the prefill's, not the prefill's and a step's. SPECD_VERIFIER_EARLY_FIRST_TOKEN=0: off (A/B).
+    early_first_token: bool = field(default_factory=lambda: os.environ.get(EARLY_FIRST_TOKEN_ENV, "1") != "0")
 
     def __post_init__(self) -> None:
         if not self.consumer:

@@ -12,6 +12,7 @@ import itertools
 import os
 import time
 from collections import deque
+from collections.abc import Callable
 
 import torch
 
@@ -64,6 +65,11 @@ class SpecEngine:
         self._batch_sampling = BatchSamplingTensors()
         self.drafting = Drafting(proposer, lambda seq: self._num_drafts(seq), ahead=draft_ahead,
                                  carry=draft_carry if proposer is not None else 0)
+        # Called in step() with the sequences its prefill just started (their first token sampled),
+        # before their first draft and verify: the verifier sends those first tokens out at once
+        # (a request's time to first token is its prefill, not its prefill and a whole step). It
+        # may abort sequences (engine.abort) and add requests: the step's batch is taken after it.
+        self.on_admitted: Callable[[list[Sequence]], None] | None = None
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
@@ -132,7 +138,10 @@ class SpecEngine:
         t0 = time.perf_counter()
         prefetched = self.drafting.collect()  # first: nothing else touches the proposer before
         t_collect = time.perf_counter()
+        num_running = len(self.running)
         finished = self.admit()
+        if self.on_admitted is not None and len(self.running) > num_running:
+            self.on_admitted(self.running[num_running:])
         t1 = time.perf_counter()
         self._preempt_if_full()
         self._resync_drafts()

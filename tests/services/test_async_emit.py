@@ -17,6 +17,7 @@ import redis
 from services.verifier.claims import ClaimConfig
 from services.verifier.emitter import ResultEmitter
 from services.verifier.worker import VerifierWorker, WorkerConfig
+from services.verifier.worker_types import EARLY_FIRST_TOKEN_ENV
 from services.verifier.writer import ResultWriter
 from specd.engine.builder import build_engine
 from specd.messages import PytorchEngineConfig, SpeculativeConfig
@@ -214,8 +215,7 @@ def test_an_exception_of_the_writer_thread_reaches_the_loop(redis_url, client, t
     stream = "async-bug:requests"
     worker, _ = make_worker(redis_url, target, stream, fail=lambda n: "bug" if n == 1 else None)
     enqueue(client, stream, make_requests(2, seed=33, prefix="ab", max_new_tokens=(40,), ignore_eos=True))
-    worker.run_once()
-    worker.run_once()  # hands flush 1 to the writer, which fails
+    worker.run_once()  # flush 0: the first tokens (worker.emit_first_tokens); flush 1, the step's, fails
     with pytest.raises(RuntimeError, match="a bug in the writer"):
         worker.run_once()  # raised on the loop's thread, where it waits for that flush
     assert worker.emitter.has_pending and not worker.writer.in_flight  # its results kept for the next flush
@@ -342,3 +342,41 @@ def test_the_engine_step_overlaps_the_previous_flush(redis_url, client, target, 
     else:
         assert overlapped == 0 and wait >= flush and elapsed >= serial
     check_answers(read_streams(client, [r.request_id for r in requests]), reference_tokens(target, requests))
+
+
+# ---- the first token ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("async_emit,early", [(True, True), (True, False), (False, True)])
+def test_the_first_token_is_written_before_the_first_draft(redis_url, client, target, async_emit, early,
+                                                           monkeypatch):
+    """With the writer (async_emit), the first token (the prefill's) goes out on a flush of its own
+    before the step drafts and verifies (worker.emit_first_tokens): the request's first draft call
+    already finds it in Redis. Without the writer, or with SPECD_VERIFIER_EARLY_FIRST_TOKEN=0, it
+    leaves with the step's results, as before. The output is the target's own either way."""
+    if not early:
+        monkeypatch.setenv(EARLY_FIRST_TOKEN_ENV, "0")
+    early = early and async_emit
+    stream = f"async-first-{async_emit}-{early}:requests"
+    worker, slow = make_worker(redis_url, target, stream, async_emit)
+    requests = make_requests(1, seed=41, prefix=f"first-{async_emit}-{early}", max_new_tokens=(12,), ignore_eos=True)
+    rid = requests[0].request_id
+    at_first_draft: list[list[ResultEntry]] = []
+    draft = worker.engine.draft
+
+    def drafting(batch, prefetched=None):
+        if not at_first_draft:  # the request's first step: wait a little for the writer thread's flush
+            deadline = time.monotonic() + (2.0 if early else 0.3)
+            while not client.xrange(result_key(rid)) and time.monotonic() < deadline:
+                time.sleep(0.005)
+            at_first_draft.append(read_streams(client, [rid])[rid])
+        return draft(batch, prefetched)
+
+    worker.engine.draft = drafting
+    entries = enqueue(client, stream, requests)
+    run_until_idle(worker)
+    first = at_first_draft[0]
+    if early:
+        assert [(e.kind, e.pos, len(e.tokens)) for e in first] == [("delta", 0, 1)], first
+    else:
+        assert first == []
+    check_answers(read_streams(client, [rid]), reference_tokens(target, requests))
+    check_write_order(slow.executed, entries)
