@@ -31,13 +31,12 @@ import time
 
 import redis
 
-from services.verifier.admission import Admission, ReadRider
-from services.verifier.cancel import CancelPoll
-from services.verifier.claims import Claims, HeartbeatRider
-from services.verifier.emitter import Flush, ResultEmitter
-from services.verifier.metrics import StepRecord, VerifierMetrics, add_spec_difference
-from services.verifier.worker_types import (CLIENT_CLOSED, DEADLINE_EXCEEDED, INTERNAL_ERROR, ActiveRequest,
-                                            WorkerConfig, WorkerSnapshot, sid)
+from services.verifier.admission import Admission
+from services.verifier.claims import Claims
+from services.verifier.emission import Emission
+from services.verifier.emitter import ResultEmitter
+from services.verifier.metrics import StepRecord, VerifierMetrics
+from services.verifier.worker_types import DEADLINE_EXCEEDED, INTERNAL_ERROR, ActiveRequest, WorkerConfig, WorkerSnapshot
 from services.verifier.writer import ResultWriter
 from specd.engine.engine import SpecEngine
 from specd.engine.sequence import Sequence
@@ -46,7 +45,7 @@ from specd.messages import SpecStats
 log = logging.getLogger("specd.verifier")
 
 
-class VerifierWorker(Admission):
+class VerifierWorker(Admission, Emission):
     """Drives one SpecEngine from a Redis request stream to per-request result streams."""
 
     def __init__(self, engine: SpecEngine, client: redis.Redis, config: WorkerConfig,
@@ -233,146 +232,6 @@ class VerifierWorker(Admission):
                 self._request_ids.discard(ar.request_id)
                 self._reject(ar.entry_id, ar.request_id, DEADLINE_EXCEEDED,
                              f"deadline exceeded after {ar.seq.num_output_tokens} tokens", ar.num_emitted)
-
-    # ---- emit -------------------------------------------------------------------------------
-    def emit(self, finished: list[Sequence], record: StepRecord) -> None:
-        """Queue the step's deltas and finals and send them in one round trip: in the background
-        while the engine has a next step to overlap it with (config.async_emit), else right away.
-
-        The previous step's flush is waited for first and its riders' answers applied, so with
-        async_emit a cancellation or a lost entry seen by step n's pipeline takes effect after
-        step n+1 (one step late): that step's tokens for the request are dropped, not written.
-        """
-        t0 = time.perf_counter()
-        for ar in self.active.values():  # before answers drop any: the step ran for all of them
-            add_spec_difference(record.spec, ar.seq.stats, ar.spec_seen)
-        self._collect(self.writer.wait, record)
-        for ar in self.active.values():
-            seq = ar.seq
-            n = len(seq.output_token_ids)
-            if n > ar.num_emitted and not seq.is_finished:
-                self.emitter.delta(ar.request_id, ar.num_emitted, seq.output_token_ids[ar.num_emitted:n],
-                                   seq.stats)
-                ar.num_emitted = n
-        for seq in finished:
-            ar = self.active.pop(seq.seq_id, None)
-            if ar is not None:  # None: cancelled or lost by the answers of the step before
-                self._finish(ar)
-                record.num_finished += 1
-        riders = self._riders()
-        if self.config.async_emit and self.engine.has_unfinished():
-            read = self.read_rider()  # the next admit's read, on this round trip (admission.py)
-            started = self.writer.start(riders + [read] if read is not None else riders)
-            self._read_riding = started and read is not None  # answered by the next emit's wait
-        else:
-            self._collect(lambda: self.writer.flush(riders), record)
-        record.emit_seconds = time.perf_counter() - t0
-
-    def emit_first_tokens(self, seqs: list[Sequence]) -> None:
-        """The engine just prefilled seqs (engine.on_admitted, with async_emit): their first tokens
-        go out now, on a flush of their own started before the step drafts and verifies, so a
-        request's first token waits for its prefill only, not for a whole step more. The flush in
-        flight (the last step's) is waited for first and its riders applied, as at a step's end:
-        the engine is between its admit and its batch, where cancelling or adding requests is safe."""
-        self._collect(self.writer.wait, self._record or StepRecord())
-        queued = False
-        for seq in seqs:
-            ar = self.active.get(seq.seq_id)
-            n = len(seq.output_token_ids)
-            if ar is not None and not seq.is_finished and n > ar.num_emitted:
-                self.emitter.delta(ar.request_id, ar.num_emitted, seq.output_token_ids[ar.num_emitted:n], seq.stats)
-                ar.num_emitted = n
-                queued = True
-        if queued:
-            self.writer.start()
-
-    def _riders(self) -> list:
-        """The step's pipeline riders: the heartbeat when due, then the cancellation poll."""
-        if not self.active:
-            return []
-        riders = []
-        now = time.monotonic()
-        if self.claims.heartbeat_due(now):
-            riders.append(self.claims.heartbeat([ar.entry_id for ar in self.active.values()], now))
-        riders.append(CancelPoll([ar.request_id for ar in self.active.values()], self.config.cancel_prefix))
-        return riders
-
-    def _collect(self, send, record: StepRecord) -> None:
-        """Run or wait for a flush (`send`), then apply what its riders learned, on this thread
-        (the engine's): Redis unreachable is handled here, the queue was kept for the next flush."""
-        t0 = time.perf_counter()
-        riding, self._read_riding = self._read_riding, False  # the flush in flight, if any, is taken now
-        try:
-            flush: Flush | None = send()
-        except (redis.ConnectionError, redis.TimeoutError) as e:
-            self._reread_own = self._reread_own or riding  # its read may have taken entries: find them
-            self._on_redis_error("emit", e, idle=not self.engine.has_unfinished())
-            return
-        finally:
-            record.emit_wait_seconds += time.perf_counter() - t0
-        if flush is None:
-            return
-        self._redis_failures = 0
-        record.flush_seconds += flush.seconds
-        # The heartbeat first: an entry another verifier took over is dropped, never acknowledged
-        # as cancelled (XACK does not check the consumer).
-        for rider in flush.riders:
-            if isinstance(rider, HeartbeatRider) and rider.answered:
-                self.claims.heartbeat_sent(rider.sent_at)
-                self._drop_lost(rider.lost)
-            elif isinstance(rider, CancelPoll) and rider.cancelled:
-                self._cancel(rider.cancelled)
-            elif isinstance(rider, ReadRider):
-                record.num_admitted += self.admit_ridden(rider)
-        for e in self.emitter.last_errors:
-            log.error("redis refused a result write: %s", e)
-        self.emitter.last_errors = []
-
-    def _drop_lost(self, entry_ids: list) -> None:
-        """Entries another verifier reclaimed while we stalled: theirs now, stop running them."""
-        lost = {sid(e) for e in entry_ids}
-        for seq_id, ar in list(self.active.items()):
-            if sid(ar.entry_id) in lost:
-                self.engine.abort(ar.seq, reason="reclaimed")
-                del self.active[seq_id]
-                self._request_ids.discard(ar.request_id)
-                self.num_lost += 1
-                log.warning("request reclaimed by another verifier; dropped here",
-                            extra={"request_id": ar.request_id, "output_tokens": ar.seq.num_output_tokens})
-
-    def _cancel(self, request_ids: list[str]) -> None:
-        """The client went away: abort (frees the KV blocks), acknowledge, delete the results."""
-        cancelled = set(request_ids)
-        for seq_id, ar in list(self.active.items()):
-            if ar.request_id not in cancelled:
-                continue
-            self.engine.abort(ar.seq, reason="cancelled")
-            del self.active[seq_id]
-            self._request_ids.discard(ar.request_id)
-            self.emitter.finish_entry(ar.entry_id)
-            self.emitter.discard(ar.request_id)
-            self.num_cancelled += 1
-            self.metrics.observe_error(CLIENT_CLOSED)
-            log.info("cancelled by the client", extra={"request_id": ar.request_id,
-                                                      "output_tokens": ar.seq.num_output_tokens})
-
-    def _finish(self, ar: ActiveRequest) -> None:
-        seq = ar.seq
-        self.emitter.final(ar.request_id, ar.num_emitted, seq.output_token_ids[ar.num_emitted:],
-                           seq.finish_reason, seq.stats, len(seq.prompt_token_ids))
-        self.emitter.finish_entry(ar.entry_id)
-        ar.num_emitted = len(seq.output_token_ids)
-        self._request_ids.discard(ar.request_id)
-        self.num_finished += 1
-        with self._lock:
-            self.finished_spec.merge(seq.stats)
-        self.metrics.observe_finished(seq.finish_reason)
-        log.info("finished", extra={
-            "request_id": ar.request_id, "finish_reason": seq.finish_reason,
-            "prompt_tokens": len(seq.prompt_token_ids), "output_tokens": seq.num_output_tokens,
-            "acceptance_rate": round(seq.stats.acceptance_rate, 3),
-            "mean_acceptance_length": round(seq.stats.mean_acceptance_length, 3),
-            "latency_s": round(self.clock() - ar.arrival_time, 4)})
 
     # ---- log --------------------------------------------------------------------------------
     def log(self, record: StepRecord) -> None:

@@ -48,6 +48,7 @@ import numpy as np
 import torch
 
 from specd.models.fused_forward import fused_forward
+from specd.models.graph_chain import GraphChain
 from specd.models.kv_cache import PagedKVCache
 from specd.models.llama import EAGER_REGIONS, LayerRegions
 from specd.models.static_attention import StaticAttentionMetadata
@@ -314,7 +315,7 @@ class StaticForward:
             self._pool = torch.cuda.graph_pool_handle()
         head = graph_head_layers()
         cut = head if self.fused and 0 < head < len(self.model.model.layers) else None
-        chain = _GraphChain(self._pool, self.device, debug=bool(os.environ.get(GRAPH_DEBUG_ENV)))
+        chain = GraphChain(self._pool, self.device, debug=bool(os.environ.get(GRAPH_DEBUG_ENV)))
         with chain, torch.no_grad():
             if entry.copy_in_graph:
                 self._copy_inputs(entry)
@@ -367,40 +368,3 @@ class StaticForward:
         hidden = entry.hidden.index_select(0, index) if want_hidden else None
         return entry.logits.index_select(0, index), hidden, aux
 
-
-class _GraphChain:
-    """Captures consecutive stream work into a chain of CUDA graphs sharing one memory pool:
-    `with chain:` captures into the first graph, `cut()` ends the current graph and starts the
-    next. What torch.cuda.graph does for one graph (synchronise, then capture on a side stream),
-    for several; replaying the graphs in order replays the whole."""
-
-    def __init__(self, pool, device: torch.device, debug: bool = False) -> None:
-        self.pool = pool
-        self.debug = debug
-        self.graphs: list[torch.cuda.CUDAGraph] = []
-        self._stream = torch.cuda.Stream(device)
-        self._stream_ctx = None
-
-    def _begin(self) -> None:
-        graph = torch.cuda.CUDAGraph()
-        if self.debug:
-            graph.enable_debug_mode()
-        graph.capture_begin(pool=self.pool)
-        self.graphs.append(graph)
-
-    def cut(self) -> None:
-        self.graphs[-1].capture_end()
-        self._begin()
-
-    def __enter__(self) -> "_GraphChain":
-        torch.cuda.synchronize()
-        self._stream_ctx = torch.cuda.stream(self._stream)
-        self._stream_ctx.__enter__()
-        self._begin()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        try:
-            self.graphs[-1].capture_end()
-        finally:
-            self._stream_ctx.__exit__(*exc)

@@ -1,0 +1,48 @@
+"""A chain of CUDA graphs captured from one stretch of stream work (cuda_graphs.py's head graph).
+
+torch.cuda.graph captures one graph; a chain is cut into several at chosen points, all in one
+memory pool, so that replaying them in order replays the whole, and the first can be launched
+(and start the device) before the others are.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class GraphChain:
+    """Captures consecutive stream work into a chain of CUDA graphs sharing one memory pool:
+    `with chain:` captures into the first graph, `cut()` ends the current graph and starts the
+    next. What torch.cuda.graph does for one graph (synchronise, then capture on a side stream),
+    for several; replaying the graphs in order replays the whole."""
+
+    def __init__(self, pool, device: torch.device, debug: bool = False) -> None:
+        self.pool = pool
+        self.debug = debug
+        self.graphs: list[torch.cuda.CUDAGraph] = []
+        self._stream = torch.cuda.Stream(device)
+        self._stream_ctx = None
+
+    def _begin(self) -> None:
+        graph = torch.cuda.CUDAGraph()
+        if self.debug:
+            graph.enable_debug_mode()
+        graph.capture_begin(pool=self.pool)
+        self.graphs.append(graph)
+
+    def cut(self) -> None:
+        self.graphs[-1].capture_end()
+        self._begin()
+
+    def __enter__(self) -> "GraphChain":
+        torch.cuda.synchronize()
+        self._stream_ctx = torch.cuda.stream(self._stream)
+        self._stream_ctx.__enter__()
+        self._begin()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        try:
+            self.graphs[-1].capture_end()
+        finally:
+            self._stream_ctx.__exit__(*exc)
