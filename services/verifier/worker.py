@@ -6,7 +6,8 @@ and a writer thread that does nothing but the result round trips.
            requests past their deadline are answered with an error result instead
            (services/verifier/admission.py).
     step   engine.step(): draft, verify, commit for the whole batch (synchronous torch work).
-    emit   for every request with tokens committed since the last emit, one delta (with its pos);
+    emit   (services/verifier/emission.py) a request's first token as soon as its prefill
+           sampled it; then for every request with tokens committed since the last emit, one delta (with its pos);
            for finished requests the final entry; then XACK + XDEL of their stream entries — all
            in one pipelined Redis round trip per step (services/verifier/emitter.py), which also
            carries the cancellation poll (services/verifier/cancel.py) and, when due, the
