@@ -4,6 +4,7 @@ kernel between plain GEMMs, on CPU through Triton's interpreter (float16: no bfl
 from __future__ import annotations
 
 import pytest
+import torch
 
 from specd.models.kernels import paged_decode_attention
 from tests.models.interpreted import SMALL_STEP, run_interpreted
@@ -102,13 +103,11 @@ def test_fused_forward_with_the_norm_folded_equals_the_pytorch_body():
     assert out.strip().endswith("ok"), out
 
 
-@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="CUDA: the programs race only on a GPU")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA: the programs race only on a GPU")
 def test_residual_product_is_race_free_at_the_8b_shapes_on_cuda():
     """At o_proj's and down_proj's 8B shapes (128+ column blocks, 2 splits, both programs of a block
     racing for the last arrival), 50 calls: the residual bit for bit the norm kernel's every time,
     the squares and r * w the same bits every time, the counters zero after each."""
-    import torch
-
     from specd.models import norm_fold, skinny_gemm
     from specd.models.kernels import norm_act
     from specd.models.kernels.arrival_counters import arrival_counters
