@@ -1,7 +1,11 @@
 """The gateway's one background reader of result streams.
 
 The reader XREADs every active result stream in one call (BLOCK ~50 ms) and dispatches entries to
-per-request asyncio queues. Positions make delivery exactly-once: tokens below what a request has
+per-request asyncio queues. The XREAD runs on a connection of its own, so that a request which
+subscribes (or is cancelled) while a read blocks can cut that read short with CLIENT UNBLOCK from
+the pool, and joins the next read at once: without it a new request's first tokens waited up to a
+block for a read that did not name its stream, whenever the active streams were quiet (a long
+prefill, requests queued behind a full batch). Positions make delivery exactly-once: tokens below what a request has
 already received are dropped, so duplicate deltas (a verifier that resumed a request, a retried
 write) never reach the client. Cancelling a request (client gone) sets its cancel key, which the
 verifier running it looks up every step (services/verifier/cancel.py).
@@ -32,13 +36,14 @@ class _Subscription:
 class ResultReader:
     """XREADs all active result streams in one call per iteration and dispatches their entries.
 
-    New requests join on the next iteration. After a request's final (or error) entry its result
+    New requests join on the next iteration, which they start (CLIENT UNBLOCK). After a request's final (or error) entry its result
     key is deleted; keys of abandoned requests are deleted too and would otherwise expire (TTL).
     """
 
     def __init__(self, client, *, prefix: str = RESULT_PREFIX, block_ms: int = 50,
                  max_keys_per_call: int = 256, redis_grace_s: float = 2.0,
-                 cancel_prefix: str = CANCEL_PREFIX, cancel_ttl_s: int = RESULT_TTL_SECONDS) -> None:
+                 cancel_prefix: str = CANCEL_PREFIX, cancel_ttl_s: int = RESULT_TTL_SECONDS,
+                 cut_reads_short: bool = True) -> None:
         self.client = client
         self.prefix = prefix
         self.cancel_prefix = cancel_prefix
@@ -53,6 +58,12 @@ class ResultReader:
         self._task: asyncio.Task | None = None
         self._stopping = False
         self._rotation = 0
+        self.cut_reads_short = cut_reads_short  # False: a new stream waits for the read in flight (bench)
+        self._reader = None  # a single-connection client of client's pool: the XREADs' connection
+        self._reader_id: int | None = None  # its CLIENT ID; None until asked, again after a reconnect
+        self._read_gen = 0  # counts XREADs; a read in flight is number _read_gen
+        self._reading = False
+        self._unblocking: asyncio.Task | None = None
 
     @property
     def num_active(self) -> int:
@@ -62,6 +73,7 @@ class ResultReader:
         key = result_key(request_id, self.prefix)
         sub = self._subs[key] = _Subscription(key, asyncio.Queue())
         self._wakeup.set()
+        self._cut_read_short()
         return sub.queue
 
     def unsubscribe(self, request_id: str, *, delete: bool = True) -> None:
@@ -75,9 +87,31 @@ class ResultReader:
         self.unsubscribe(request_id)
         self._to_cancel.append(cancel_key(request_id, self.cancel_prefix))
         self._wakeup.set()
+        self._cut_read_short()  # the verifier learns of it a read sooner, and frees the batch slot
+
+    def _cut_read_short(self) -> None:
+        """End the XREAD in flight (if any), so the next one starts now with the new state."""
+        if (self.cut_reads_short and self._reading and self._unblocking is None
+                and self._reader_id is not None):
+            self._unblocking = asyncio.create_task(self._unblock(self._read_gen, self._reader_id))
+
+    async def _unblock(self, gen: int, reader_id: int) -> None:
+        try:
+            for _ in range(3):
+                if not (self._reading and self._read_gen == gen):
+                    return  # that read ended by itself; the next one names every stream
+                if await self.client.client_unblock(reader_id):
+                    return
+                # Not blocked (yet): the XREAD is still on its way to the server.
+                await asyncio.sleep(0.002)
+        except REDIS_ERRORS:
+            pass  # the read ends by its timeout, as it would have without us
+        finally:
+            self._unblocking = None
 
     def start(self) -> None:
         if self._task is None:
+            self._reader = self.client.client()
             self._task = asyncio.create_task(self._run(), name="specd-result-reader")
 
     async def stop(self) -> None:
@@ -92,7 +126,14 @@ class ResultReader:
             except asyncio.CancelledError:
                 pass
             self._task = None
+        if self._unblocking is not None:
+            self._unblocking.cancel()
         await self._delete_finished()
+        if self._reader is not None:
+            if self._reader.connection is not None:
+                self._reader.connection.deregister_connect_callback(self._on_reader_connect)
+            await self._reader.aclose()  # its connection back to the pool
+            self._reader = None
 
     async def _run(self) -> None:
         failing_since: float | None = None
@@ -106,6 +147,7 @@ class ResultReader:
                     await self._read_once()
                 failing_since = None
             except REDIS_ERRORS as e:
+                self._reader_id = None  # a reconnect gives the connection another id
                 now = time.monotonic()
                 failing_since = failing_since or now
                 if now - failing_since >= self.redis_grace_s:
@@ -124,7 +166,16 @@ class ResultReader:
             start = self._rotation % len(keys)
             keys = (keys[start:] + keys[:start])[:self.max_keys_per_call]
             self._rotation += self.max_keys_per_call
-        reply = await self.client.xread({k: self._subs[k].last_id for k in keys}, block=self.block_ms)
+        if self._reader_id is None:
+            await self._reader.initialize()
+            self._reader.connection.register_connect_callback(self._on_reader_connect)
+            self._reader_id = await self._reader.client_id()
+        self._read_gen += 1
+        self._reading = True
+        try:
+            reply = await self._reader.xread({k: self._subs[k].last_id for k in keys}, block=self.block_ms)
+        finally:
+            self._reading = False
         for key, entries in reply or []:
             key = key.decode() if isinstance(key, bytes) else key
             for entry_id, fields in entries:
@@ -133,6 +184,11 @@ class ResultReader:
                     break
                 sub.last_id = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
                 self._dispatch(sub, ResultEntry.from_fields(fields))
+
+    def _on_reader_connect(self, connection) -> None:
+        """redis-py reconnected the read connection (inside a command's retry, say): its old id may
+        name another client now, so none is used until the next read asks again."""
+        self._reader_id = None
 
     def _dispatch(self, sub: _Subscription, entry: ResultEntry) -> None:
         if entry.kind in ("delta", "final"):

@@ -1,0 +1,112 @@
+"""The gateway's result reader on a real Redis: a request that subscribes (or is cancelled) while
+the reader's XREAD blocks on quiet streams is served at once, not after the block.
+
+The blocks here are 3 s long so that "at once" and "after the block" cannot be confused on a
+loaded CI machine; the gateway's is 50 ms.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import redis.asyncio
+
+from services.gateway.result_reader import ResultReader
+from specd.transport.redis_streams import ResultEntry, cancel_key, result_key
+
+BLOCK_MS = 3000
+
+
+def _delta(pos: int, tokens: list[int]) -> dict:
+    return ResultEntry(kind="delta", pos=pos, tokens=tokens).to_fields()
+
+
+async def _blocking_reader(url: str) -> tuple[redis.asyncio.Redis, ResultReader]:
+    client = redis.asyncio.Redis.from_url(url)
+    reader = ResultReader(client, block_ms=BLOCK_MS)
+    reader.subscribe("quiet")  # a stream with nothing to read: the XREAD blocks
+    reader.start()
+    await asyncio.sleep(0.2)
+    return client, reader
+
+
+async def _first_entry_s(client, reader: ResultReader, request_id: str) -> float:
+    """Subscribe while the read blocks, write the request's first entry; seconds until delivered."""
+    t0 = time.monotonic()
+    queue = reader.subscribe(request_id)
+    await client.xadd(result_key(request_id), _delta(0, [5, 6]))
+    entry = await asyncio.wait_for(queue.get(), 2 * BLOCK_MS / 1000)
+    assert (entry.kind, entry.pos, entry.tokens) == ("delta", 0, [5, 6])
+    return time.monotonic() - t0
+
+
+def test_a_new_request_joins_a_blocked_read_at_once(redis_url):
+    async def main():
+        client, reader = await _blocking_reader(redis_url)
+        try:
+            waits = [await _first_entry_s(client, reader, f"joiner-{i}") for i in range(3)]
+        finally:
+            await reader.stop()
+            await client.aclose()
+        return waits
+
+    waits = asyncio.run(main())
+    assert max(waits) < 0.3 * BLOCK_MS / 1000, waits  # without the unblock: ~BLOCK_MS each
+
+
+def test_the_reader_finds_its_connection_again_after_it_is_killed(redis_url):
+    """The unblock names the read connection's id; a reconnect changes it, and a stale id would
+    unblock nobody (or another client)."""
+
+    async def main():
+        client, reader = await _blocking_reader(redis_url)
+        try:
+            old_id = reader._reader_id
+            await client.client_kill_filter(_id=old_id)  # the blocked XREAD fails; the reader retries
+            await asyncio.sleep(0.5)
+            wait = await _first_entry_s(client, reader, "after-kill")
+            new_id = reader._reader_id
+        finally:
+            await reader.stop()
+            await client.aclose()
+        return old_id, new_id, wait
+
+    old_id, new_id, wait = asyncio.run(main())
+    assert new_id is not None and new_id != old_id
+    assert wait < 0.3 * BLOCK_MS / 1000, wait
+
+
+def test_a_cancel_reaches_redis_without_waiting_for_the_read(redis_url):
+    async def main():
+        client, reader = await _blocking_reader(redis_url)
+        try:
+            reader.subscribe("to-cancel")
+            await asyncio.sleep(0.2)  # the read that names it blocks now
+            t0 = time.monotonic()
+            reader.cancel("to-cancel")
+            while not await client.exists(cancel_key("to-cancel")):
+                assert time.monotonic() - t0 < 2 * BLOCK_MS / 1000, "the cancel key was never set"
+                await asyncio.sleep(0.005)
+            return time.monotonic() - t0
+        finally:
+            await reader.stop()
+            await client.aclose()
+
+    assert asyncio.run(main()) < 0.3 * BLOCK_MS / 1000
+
+
+def test_stop_returns_the_read_connection_to_the_pool(redis_url):
+    async def main():
+        client, reader = await _blocking_reader(redis_url)
+        pool = client.connection_pool
+        try:
+            in_use_while_running = len(list(pool._get_in_use_connections()))
+        finally:
+            await reader.stop()
+        in_use_after = len(list(pool._get_in_use_connections()))
+        await client.aclose()
+        return in_use_while_running, in_use_after
+
+    running, after = asyncio.run(main())
+    assert running >= 1 and after == 0
