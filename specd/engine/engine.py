@@ -253,7 +253,7 @@ class SpecEngine:
         out = self.runner.forward(chunks, want_hidden=self._hidden_kind == "final",
                                   want_aux_hidden=self._hidden_kind == "aux")
         self.stats.timings.launch += time.perf_counter() - t0
-        draft_ids, draft_probs, num_drafts_t = pad_drafts(proposals, vocab, device)
+        draft_ids, draft_probs, num_drafts_t = pad_drafts(proposals, host_drafts, vocab, device)
         st = self._batch_sampling.get(batch, device)
         positions = torch.tensor([s.num_tokens for s in batch]).to(device, non_blocking=True)
         history = ([s.prompt_token_ids + s.output_token_ids for s in batch]

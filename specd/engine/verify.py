@@ -31,22 +31,21 @@ class BatchSamplingTensors:
         return self._tensors
 
 
-def pad_drafts(proposals: list[DraftProposal], vocab_size: int, device: torch.device
-               ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """Stack per-request drafts.
+def pad_drafts(proposals: list[DraftProposal], host_drafts: list[list[int]], vocab_size: int,
+               device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """Stack per-request drafts; host_drafts[i]: proposal i's token ids as a list (the engine
+    has them already: one tensor built from lists, not a slice assignment per request).
 
     Returns draft_token_ids [B, K] (0-padded), draft_probs [B, K, V] or None when every draft is
     one-hot, num_draft_tokens [B]. Ids and counts are assembled on the host and copied once
     (not one small copy per request).
     """
-    num_drafts = [int(p.token_ids.numel()) for p in proposals]
+    num_drafts = [len(d) for d in host_drafts]
     batch, max_k = len(proposals), max(num_drafts, default=0)
-    host_ids = torch.zeros(batch, max_k, dtype=torch.long)
-    for i, (p, k) in enumerate(zip(proposals, num_drafts)):
-        if k:
-            host_ids[i, :k] = p.token_ids.cpu()
+    host_ids = torch.tensor([d + [0] * (max_k - len(d)) for d in host_drafts], dtype=torch.long
+                            ).reshape(batch, max_k)
     token_ids = host_ids.to(device, non_blocking=True)
-    any_probs = any(p.probs is not None and p.token_ids.numel() for p in proposals)
+    any_probs = any(p.probs is not None and k for p, k in zip(proposals, num_drafts))
     probs = torch.zeros(batch, max_k, vocab_size, device=device) if any_probs else None
     if probs is not None:
         for i, (p, k) in enumerate(zip(proposals, num_drafts)):

@@ -239,17 +239,22 @@ class RemoteProposer(DrafterMembership):
                 raise
             except DrafterError as err:
                 self._lose(d, err)
-        out = [DraftProposal(torch.empty(0, dtype=torch.long)) for _ in requests]
+        out: list[DraftProposal | None] = [None] * len(requests)
         for address, indices in groups.items():
             answer = responses.get(address)
             if answer is None:
                 continue  # lost this step: target-only for its sequences
-            if [s.seq_id for s in answer.sequences] != [requests[i].seq_id for i in indices]:
+            seqs = answer.sequences
+            if [s.seq_id for s in seqs] != [requests[i].seq_id for i in indices]:
                 self._lose(self._drafters[address], DrafterError(address, "answered for other sequences"))
                 continue
-            for i, seq in zip(indices, answer.sequences):
+            # One tensor per answer, split into views: a tensor per sequence cost ~3 us each (a
+            # batch of 64 spent 0.2 ms of the step's critical path on them here).
+            ids = torch.tensor([t for s in seqs for t in s.token_ids], dtype=torch.long)
+            for i, seq, token_ids in zip(indices, seqs, ids.split([len(s.token_ids) for s in seqs])):
                 probs = tensor_from_pb(seq.probs) if seq.HasField("probs") else None
-                out[i] = DraftProposal(torch.tensor(seq.token_ids, dtype=torch.long), probs)
+                out[i] = DraftProposal(token_ids, probs)
+        out = [p if p is not None else DraftProposal(torch.empty(0, dtype=torch.long)) for p in out]
         self.last_draft_seconds = max((r.draft_time_us for r in responses.values()), default=0) / 1e6
         done = time.perf_counter()
         self.last_rpc_seconds = done - pending.sent_at
