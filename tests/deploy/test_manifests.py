@@ -98,7 +98,8 @@ def main_container(deployment: dict) -> dict:
 
 def listening_ports(args) -> set[int]:
     return {p for p in (getattr(args, "port", None), getattr(args, "grpc_port", None),
-                        getattr(args, "admin_port", None), getattr(args, "metrics_port", None)) if p}
+                        getattr(args, "admin_port", None), getattr(args, "metrics_port", None),
+                        getattr(args, "fast_step_port", None)) if p and p > 0}
 
 
 def test_the_four_services_have_a_deployment_a_service_and_a_budget(rendered):
@@ -150,6 +151,16 @@ def test_probes_and_services_hit_the_listening_ports(rendered):
         for port in service["spec"]["ports"]:
             target = port["targetPort"]
             assert (named[target] if isinstance(target, str) else target) in named.values(), f"{name}: {port}"
+
+
+def test_the_drafter_pins_its_fast_step_port(rendered):
+    """An ephemeral port (the flag's default 0) cannot be declared, nor opened by a NetworkPolicy or
+    a mesh: the verifiers would quietly fall back to the slower gRPC step path."""
+    _, docs = rendered
+    drafter = parsed(docs, main_container(by_kind(docs, "Deployment")["drafter"]), "drafter")
+    assert drafter.fast_step_port > 0
+    ports = {p["name"]: p["containerPort"] for p in main_container(by_kind(docs, "Deployment")["drafter"])["ports"]}
+    assert ports.get("fast-steps") == drafter.fast_step_port
 
 
 def service_port(docs: list[dict], address: str) -> tuple[dict, int]:
