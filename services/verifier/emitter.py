@@ -31,7 +31,9 @@ from specd.messages import SpecStats
 from specd.transport.redis_streams import CONSUMER_GROUP, RESULT_PREFIX, RESULT_TTL_SECONDS, result_key
 
 # Field encodings are the ones ResultEntry.to_fields writes (kept inline: this is the hot path).
-_SEPARATORS = (",", ":")
+# One encoder: json.dumps with separators builds a new JSONEncoder per call (2.1 vs 1.2 us for a
+# delta's tokens), and a batch of 64 writes two JSON fields per request per step.
+_JSON = json.JSONEncoder(separators=(",", ":"))
 
 
 class PipelineRider(Protocol):
@@ -114,8 +116,7 @@ class ResultEmitter:
         """The last entry of a finished request, carrying its last tokens (possibly none)."""
         self._add(request_id, {"kind": "final", "pos": str(pos), "tokens": _tokens(token_ids),
                                "finish_reason": finish_reason or "",
-                               "spec_stats": json.dumps(asdict(spec_stats or SpecStats()),
-                                                        separators=_SEPARATORS),
+                               "spec_stats": _JSON.encode(asdict(spec_stats or SpecStats())),
                                "prompt_tokens": str(prompt_tokens)})
 
     def error(self, request_id: str, code: int, message: str, pos: int = 0) -> None:
@@ -206,9 +207,9 @@ class ResultEmitter:
 
 def _stats(s: SpecStats) -> str:
     """SpecStats as JSON without dataclasses.asdict's deep copy (once per request per step)."""
-    return json.dumps({"num_drafts": s.num_drafts, "num_draft_tokens": s.num_draft_tokens,
-                       "num_accepted_tokens": s.num_accepted_tokens,
-                       "accepted_per_position": s.accepted_per_position}, separators=_SEPARATORS)
+    return _JSON.encode({"num_drafts": s.num_drafts, "num_draft_tokens": s.num_draft_tokens,
+                         "num_accepted_tokens": s.num_accepted_tokens,
+                         "accepted_per_position": s.accepted_per_position})
 
 
 def _sid(entry_id) -> str:
@@ -217,4 +218,4 @@ def _sid(entry_id) -> str:
 
 
 def _tokens(token_ids: list[int]) -> str:
-    return json.dumps(token_ids, separators=_SEPARATORS)
+    return _JSON.encode(token_ids)
