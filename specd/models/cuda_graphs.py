@@ -115,6 +115,7 @@ class _Entry:
     blank: np.ndarray  # the host buffer of an all-padding batch, the start of every fill
     host_array: np.ndarray | None = None  # host as numpy, and its views(), made once
     host_views: tuple = ()
+    row_numbers: np.ndarray | None = None  # 0 .. B * Q - 1: the gather rows of a batch of full chunks
     real_rows: torch.Tensor | None = None  # views()[5], made once
     hidden: torch.Tensor | None = None  # [B * Q, H] outputs of the last run / the capture
     aux: torch.Tensor | None = None  # [B * Q, n_aux * H] or None
@@ -207,6 +208,7 @@ class StaticForward:
         tables[:] = self.kv_cache.scratch_block
         entry.host_array = host.numpy()
         entry.host_views = entry.views(entry.host_array)
+        entry.row_numbers = np.arange(bq, dtype=np.int64)
         entry.real_rows = entry.views()[5]
         return entry
 
@@ -219,16 +221,27 @@ class StaticForward:
             entry.copied.synchronize()  # the last replay has not read the pinned buffer yet
         entry.host_array[:] = entry.blank
         ids, pos, slot, ctx, tables, rows = entry.host_views
-        q, total = entry.qlen, 0
-        for i, (toks, c, s, t) in enumerate(zip(token_ids, ctx_lens, slots, block_tables)):
-            n, row = len(toks), i * q
-            ids[row:row + n] = toks
-            ctx[i] = c
-            pos[row:row + q] += c
-            slot[row:row + n] = s
-            tables[i, :len(t)] = t
-            rows[total:total + n] = np.arange(row, row + n)
-            total += n
+        q, num_seqs = entry.qlen, len(token_ids)
+        if num_seqs:
+            # Whole-batch numpy writes, not six small ones per sequence (74 -> ~25 us at batch
+            # 64 on the CPU here; on every step's critical path before the replay).
+            ctx[:num_seqs] = ctx_lens
+            pos[:num_seqs * q].reshape(num_seqs, q)[:] += ctx[:num_seqs, None]
+            pad = self.kv_cache.scratch_block
+            tables[:num_seqs] = [t + [pad] * (entry.width - len(t)) for t in block_tables]
+        if sum(map(len, token_ids)) == num_seqs * q:  # a verify / decode batch: every chunk full
+            total = num_seqs * q
+            ids[:total] = [t for toks in token_ids for t in toks]
+            slot[:total] = [x for s in slots for x in s]
+            rows[:total] = entry.row_numbers[:total]
+        else:  # prefill-like: chunks of different lengths padded to Q rows each
+            total = 0
+            for i, (toks, s) in enumerate(zip(token_ids, slots)):
+                n, row = len(toks), i * q
+                ids[row:row + n] = toks
+                slot[row:row + n] = s
+                rows[total:total + n] = np.arange(row, row + n)
+                total += n
         if entry.host is not entry.packed and not entry.copy_in_graph:
             # Eager on CUDA: from pageable memory the driver stages the bytes before returning, so
             # the host buffer may be rewritten at once, no event needed. (Graphs copy in the replay.)
