@@ -129,10 +129,18 @@ class PagedKVCache:
     def append_slots(self, seq_id: int, num_tokens: int) -> list[int]:
         """Reserve the next num_tokens positions of the sequence; return their flat slot ids."""
         seq = self._seq(seq_id)
-        seq.block_table.extend(self.allocator.allocate(self.num_new_blocks(seq_id, num_tokens)))
-        bs, start = self.block_size, seq.num_tokens
-        slots = [seq.block_table[t // bs] * bs + t % bs for t in range(start, start + num_tokens)]
-        seq.num_tokens = start + num_tokens
+        bs, start, table = self.block_size, seq.num_tokens, seq.block_table
+        end = start + num_tokens
+        need = -(-end // bs) - len(table)
+        if need > 0:
+            table.extend(self.allocator.allocate(need))
+        first = start // bs
+        if num_tokens and (end - 1) // bs == first:  # within one block: a verify step's usual case
+            base = table[first] * bs + start % bs
+            slots = list(range(base, base + num_tokens))
+        else:
+            slots = [table[t // bs] * bs + t % bs for t in range(start, end)]
+        seq.num_tokens = end
         return slots
 
     def truncate(self, seq_id: int, length: int) -> None:

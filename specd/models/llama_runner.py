@@ -215,15 +215,18 @@ class LlamaRunner:
 
     # compute ------------------------------------------------------------------------------------
 
-    def _check_batch(self, chunks: list[SequenceChunk]) -> None:
+    def _check_batch(self, chunks: list[SequenceChunk]) -> list[int]:
+        """Validate the batch against the caches; returns each chunk's start (tokens cached)."""
         check_chunks(chunks)
-        for c in chunks:
-            if self.kv_cache.num_tokens(c.seq_id) + len(c.token_ids) > self.session_len:
+        starts = [self.kv_cache.num_tokens(c.seq_id) for c in chunks]
+        for c, start in zip(chunks, starts):
+            if start + len(c.token_ids) > self.session_len:
                 raise ValueError(f"sequence {c.seq_id} would exceed session_len={self.session_len}")
         need = sum(self.kv_cache.num_new_blocks(c.seq_id, len(c.token_ids)) for c in chunks)
         if not self.kv_cache.allocator.can_allocate(need):
             raise CacheFullError(f"batch needs {need} new KV blocks, "
                                  f"{self.kv_cache.allocator.num_free_blocks} free")
+        return starts
 
     def forward(self, chunks: list[SequenceChunk], *, want_hidden: bool = False,
                 want_aux_hidden: bool = False) -> ForwardOutput:
@@ -233,8 +236,7 @@ class LlamaRunner:
 
     def _forward(self, chunks: list[SequenceChunk], want_hidden: bool, want_aux_hidden: bool
                  ) -> ForwardOutput:
-        self._check_batch(chunks)
-        starts = [self.kv_cache.num_tokens(c.seq_id) for c in chunks]
+        starts = self._check_batch(chunks)
         query_lens = [len(c.token_ids) for c in chunks]
         slots = [self.kv_cache.append_slots(c.seq_id, n) for c, n in zip(chunks, query_lens)]  # per chunk
         try:

@@ -40,6 +40,28 @@ def test_append_slots_crosses_block_boundaries():
     assert cache.num_new_blocks(7, 3) == 0 and cache.num_new_blocks(7, 4) == 1
 
 
+def test_slots_follow_the_block_table_through_appends_and_rollbacks():
+    """Every slot is block_table[t // bs] * bs + t % bs, whether an append stays in one block (the
+    fast path), crosses blocks, is empty, or follows a truncate."""
+    import random
+
+    rng = random.Random(0)
+    cache = make_cache(num_blocks=40, block_size=4)
+    cache.add_sequence(1)
+    for _ in range(200):
+        if rng.random() < 0.3 and cache.num_tokens(1):
+            cache.truncate(1, rng.randrange(cache.num_tokens(1) + 1))
+            continue
+        n = rng.choice([0, 1, 3, 4, 5, 9])
+        if cache.num_tokens(1) + n > 40 * 4:
+            cache.truncate(1, 0)
+        start = cache.num_tokens(1)
+        slots = cache.append_slots(1, n)
+        table = cache.block_table(1)
+        assert slots == [table[t // 4] * 4 + t % 4 for t in range(start, start + n)]
+        assert len(table) == -(-(start + n) // 4) and cache.num_tokens(1) == start + n
+
+
 def test_truncate_frees_whole_blocks_without_copying():
     cache = make_cache()
     cache.add_sequence(0)
