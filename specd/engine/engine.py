@@ -258,12 +258,14 @@ class SpecEngine:
         positions = torch.tensor([s.num_tokens for s in batch]).to(device, non_blocking=True)
         history = ([s.prompt_token_ids + s.output_token_ids for s in batch]
                    if any(s.params.repetition_penalty != 1.0 for s in batch) else None)
-        suppress = [(s.params.min_new_tokens - s.num_output_tokens, sorted(self.stop.stop_token_ids(s)))
-                    for s in batch]
+        suppress = None  # rows that may not stop yet (min_new_tokens), built only when some exist
+        if any(s.params.min_new_tokens > s.num_output_tokens for s in batch):
+            suppress = [(s.params.min_new_tokens - s.num_output_tokens, sorted(self.stop.stop_token_ids(s)))
+                        for s in batch]
         masks = self.constraints.masks(batch, host_drafts)
         all_greedy = all(s.params.is_greedy for s in batch)
         target_probs = verify_target_probs(out, num_drafts, st, history, host_drafts,
-                                           suppress if any(n > 0 for n, _ in suppress) else None, masks,
+                                           suppress, masks,
                                            all_greedy=all_greedy)
         result = rejection_sample(target_probs, draft_ids, draft_probs, num_drafts_t, st.seeds, positions,
                                   one_hot_target=all_greedy)

@@ -26,19 +26,24 @@ class StopChecker:
 
     def append(self, seq: Sequence, token_ids: list[int]) -> int:
         """Append tokens until one finishes the sequence; returns how many were appended."""
-        stop_ids = self.stop_token_ids(seq)
+        # stop_token_ids(seq) without building a set per call: this runs for every sequence of
+        # every step (a batch of 64 spent ~0.4 ms a step here in Python).
+        params, output = seq.params, seq.output_token_ids
+        eos = () if params.ignore_eos else self.eos_token_ids
+        stops = params.stop_token_ids
+        max_output = min(params.max_new_tokens, self.max_model_len - len(seq.prompt_token_ids))
         for n, token in enumerate(token_ids, start=1):
-            seq.output_token_ids.append(token)
+            output.append(token)
             # Under a grammar a stop token is sampled only once the output is complete (min_new_tokens
             # suppresses it while the grammar allows anything else): it ends the sequence.
-            if token in stop_ids and (seq.num_output_tokens >= seq.params.min_new_tokens
-                                      or seq.grammar is not None):
+            if (token in eos or token in stops) and (len(output) >= params.min_new_tokens
+                                                     or seq.grammar is not None):
                 seq.finish("stop")
                 return n
-            if seq.params.stop_words and self._hit_stop_word(seq):
+            if params.stop_words and self._hit_stop_word(seq):
                 seq.finish("stop")
                 return n
-            if seq.num_output_tokens >= seq.params.max_new_tokens or seq.num_tokens >= self.max_model_len:
+            if len(output) >= max_output:  # max_new_tokens, or the context is full
                 seq.finish("length")
                 return n
         return len(token_ids)

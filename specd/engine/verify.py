@@ -84,9 +84,13 @@ def verify_target_probs(out: ForwardOutput, num_drafts: list[int], st: SamplingT
     """
     batch, max_k = len(num_drafts), max(num_drafts, default=0)
     device = out.logits.device
-    rows = torch.cat([torch.arange(out.offsets[i], out.offsets[i] + k + 1) for i, k in enumerate(num_drafts)])
-    logits = out.logits[rows.to(device, non_blocking=True)]  # [sum(k_i + 1), V]
-    num_rows = int(rows.numel())
+    num_rows = sum(num_drafts) + batch
+    if out.offsets[-1] == num_rows:  # each chunk is just its k_i + 1 rows (the engine's verify batch)
+        logits = out.logits  # no gather: a [T, V] device copy saved (131 MB at batch 64 and 8B)
+    else:
+        rows = torch.tensor([r for i, k in enumerate(num_drafts)
+                             for r in range(out.offsets[i], out.offsets[i] + k + 1)], dtype=torch.long)
+        logits = out.logits[rows.to(device, non_blocking=True)]  # [sum(k_i + 1), V]
     counts = torch.tensor([k + 1 for k in num_drafts])
     if prev_token_ids is not None:
         row_st = st.repeat_interleave(counts, output_size=num_rows)
@@ -115,6 +119,8 @@ def verify_target_probs(out: ForwardOutput, num_drafts: list[int], st: SamplingT
         probs = greedy_probs(logits)  # [sum(k_i + 1), V]
     else:
         probs = processed_probs(logits, st.repeat_interleave(counts, output_size=num_rows))
+    if all(k == max_k for k in num_drafts):  # nothing to pad: the rows are [B, K + 1] already
+        return probs.reshape(batch, max_k + 1, -1)
     # Pad to [B, K + 1] with one gather: padding rows repeat the request's last row (never read,
     # kept valid).
     starts = torch.cumsum(counts, 0) - counts  # [B]

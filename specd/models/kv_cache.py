@@ -124,7 +124,10 @@ class PagedKVCache:
         return max(0, self._blocks_for(seq.num_tokens + num_tokens) - len(seq.block_table))
 
     def can_append(self, seq_id: int, num_tokens: int) -> bool:
-        return self.allocator.can_allocate(self.num_new_blocks(seq_id, num_tokens))
+        # num_new_blocks inlined: asked for every sequence two or three times a step.
+        seq = self._seq(seq_id)
+        need = -(-(seq.num_tokens + num_tokens) // self.block_size) - len(seq.block_table)
+        return self.allocator.can_allocate(need)
 
     def append_slots(self, seq_id: int, num_tokens: int) -> list[int]:
         """Reserve the next num_tokens positions of the sequence; return their flat slot ids."""
