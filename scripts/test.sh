@@ -15,6 +15,6 @@ if [ -n "$missing" ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1
   echo "installing Debian packages for the compose and deploy tests:$missing"
   (dpkg --configure -a && apt-get update -qq \
     && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $missing) >/dev/null 2>&1 \
-    || echo "could not install$missing; tests/test_compose.py and tests/deploy will fail or skip"
+    || echo "could not install$missing; tests/test_compose*.py and tests/deploy will fail or skip"
 fi
 exec .venv/bin/python -m pytest -q "$@"

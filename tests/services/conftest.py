@@ -1,5 +1,5 @@
 """Fixtures for service tests: a real Redis server on loopback, a client of it, the tiny target,
-an n-gram drafter service."""
+an n-gram drafter service, a grammar service (and `_allowed`, which reads its mask rows)."""
 
 from __future__ import annotations
 
@@ -53,3 +53,21 @@ def ngram_drafter(tiny_models):
     server = start_server(servicer, "127.0.0.1", 0, max_workers=4)
     yield server
     server.stop(0.5)
+
+
+@pytest.fixture(scope="module")
+def grammar_server(tiny_models):
+    """A real grammar service on loopback for the tiny Llama target (test_grammar_service*.py)."""
+    from services.grammar.server import load_grammar, start_server
+
+    server = start_server(load_grammar(tiny_models["target-llama"]), host="127.0.0.1")
+    yield server
+    server.stop(0)
+
+
+def _allowed(row: torch.Tensor, vocab_size: int) -> list[int]:
+    """Token ids a [W] int32 bitmask row allows."""
+    import torch
+
+    bits = (row.to(torch.int64).unsqueeze(-1) >> torch.arange(32)) & 1
+    return bits.flatten()[:vocab_size].nonzero().flatten().tolist()

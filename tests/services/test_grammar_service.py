@@ -1,23 +1,19 @@
-"""The grammar service and RemoteGrammarBackend over real gRPC on loopback.
+"""The grammar service and RemoteGrammarBackend over real gRPC on loopback: the masks.
 
 For the same opens, commits and drafts over several steps and sequences, the remote backend's
-masks equal a LocalGrammarBackend's byte for byte. Also: Validate, a matcher rebuilt from replay
-tokens on a restarted service, malformed steps ending only their stream, deadlines, health and
-reflection, per-step timing and the `specd grammar` command.
+masks equal a LocalGrammarBackend's byte for byte. Also: budgets and seq ids crossing the service,
+Validate, a matcher rebuilt from replay tokens on a restarted service, health and reflection and
+per-step timing.
+
+Malformed steps, client errors and deadlines: test_grammar_service_errors.py; the `specd grammar`
+command: test_grammar_cli.py.
 """
 
 from __future__ import annotations
 
-import os
 import random
-import signal
-import socket
 import statistics
-import subprocess
-import sys
-import threading
 import time
-from pathlib import Path
 
 import grpc
 import pytest
@@ -25,14 +21,13 @@ import torch
 
 from services.grammar.server import load_grammar, start_server
 from specd.grammar.backend import GrammarSpec, GrammarStep, MaskResult
-from specd.grammar.errors import GrammarCompileError, GrammarNotOpenError
+from specd.grammar.errors import GrammarCompileError
 from specd.grammar.local import LocalGrammarBackend
-from specd.grammar.remote import (GrammarRejectedError, GrammarUnavailableError, RemoteGrammarBackend,
-                                  spec_to_pb)
+from specd.grammar.remote import GrammarRejectedError, RemoteGrammarBackend
 from specd.v1 import grammar_pb2, grammar_pb2_grpc
+from tests.conftest import JSONSCHEMABENCH as SCHEMAS
+from tests.services.conftest import _allowed
 
-ROOT = Path(__file__).resolve().parents[2]
-from tests.conftest import JSONSCHEMABENCH as SCHEMAS  # noqa: E402
 K = 3
 
 
@@ -41,19 +36,6 @@ def _specs() -> list[GrammarSpec]:
     files = sorted((SCHEMAS / "Glaiveai2K").glob("*.json"))[:4] + sorted((SCHEMAS / "Github_easy").glob("*.json"))[:2]
     return [GrammarSpec("json_schema", f.read_text()) for f in files] + [
         GrammarSpec("json_object"), GrammarSpec("regex", r"(yes|no)-[0-9]{2,6}")]
-
-
-@pytest.fixture(scope="module")
-def grammar_server(tiny_models):
-    server = start_server(load_grammar(tiny_models["target-llama"]), host="127.0.0.1")
-    yield server
-    server.stop(0)
-
-
-def _allowed(row: torch.Tensor, vocab_size: int) -> list[int]:
-    """Token ids a [W] int32 bitmask row allows."""
-    bits = (row.to(torch.int64).unsqueeze(-1) >> torch.arange(32)) & 1
-    return bits.flatten()[:vocab_size].nonzero().flatten().tolist()
 
 
 class Driver:
@@ -254,80 +236,6 @@ def test_rebuilt_matcher_equals_long_lived(grammar_server, tiny_models):
         restarted.stop(0)
 
 
-def _raw_steps(address: str, *messages) -> list:
-    with grpc.insecure_channel(address) as channel:
-        return list(grammar_pb2_grpc.GrammarStub(channel).Steps(iter(messages), timeout=10))
-
-
-def _open(seq_id: int, spec: GrammarSpec, replay=()) -> grammar_pb2.OpenMatcher:
-    return grammar_pb2.OpenMatcher(seq_id=seq_id, spec=spec_to_pb(spec), replay_token_ids=list(replay))
-
-
-@pytest.mark.parametrize("case,code,text", [
-    ("unknown_seq_masks", "INVALID_ARGUMENT", "unknown seq id 7"),
-    ("unknown_seq_commit", "INVALID_ARGUMENT", "unknown seq id 7"),
-    ("rejected_commit", "FAILED_PRECONDITION", "not allowed"),
-    ("rejected_replay", "FAILED_PRECONDITION", "not allowed"),
-    ("bad_grammar", "INVALID_ARGUMENT", "invalid regex"),
-    ("duplicate_open", "FAILED_PRECONDITION", "already open"),
-    ("token_out_of_vocab", "INVALID_ARGUMENT", "outside [0, 512)"),
-    ("negative_budget", "INVALID_ARGUMENT", "remaining_tokens -2"),
-])
-def test_malformed_step_ends_only_its_stream(grammar_server, case, code, text):
-    spec = GrammarSpec("regex", "(yes|no)-[0-9]{2,6}")
-    digit = 19  # "0": never allowed first by this regex
-    first = grammar_pb2.GrammarStepRequest(step_id=0, open=[_open(1, spec)],
-                                           masks=[grammar_pb2.MaskRequest(seq_id=1, draft_token_ids=[5])])
-    bad = {
-        "unknown_seq_masks": grammar_pb2.GrammarStepRequest(masks=[grammar_pb2.MaskRequest(seq_id=7)]),
-        "unknown_seq_commit": grammar_pb2.GrammarStepRequest(commit=[grammar_pb2.CommitTokens(seq_id=7, token_ids=[5])]),
-        "rejected_commit": grammar_pb2.GrammarStepRequest(commit=[grammar_pb2.CommitTokens(seq_id=1, token_ids=[digit])]),
-        "rejected_replay": grammar_pb2.GrammarStepRequest(open=[_open(2, spec, [digit])]),
-        "bad_grammar": grammar_pb2.GrammarStepRequest(open=[_open(2, GrammarSpec("regex", "(unclosed"))]),
-        "duplicate_open": grammar_pb2.GrammarStepRequest(open=[_open(1, spec)]),
-        "token_out_of_vocab": grammar_pb2.GrammarStepRequest(masks=[grammar_pb2.MaskRequest(seq_id=1, draft_token_ids=[512])]),
-        "negative_budget": grammar_pb2.GrammarStepRequest(masks=[grammar_pb2.MaskRequest(seq_id=1, remaining_tokens=-2)]),
-    }[case]
-    bad.step_id = 1
-    with pytest.raises(grpc.RpcError) as info:
-        _raw_steps(grammar_server.address, first, bad)
-    assert info.value.code().name == code and text in info.value.details()
-    answers = _raw_steps(grammar_server.address, first)  # the server keeps serving
-    assert [a.step_id for a in answers] == [0] and answers[0].masks[0].num_valid_drafts == 0
-
-
-def test_client_errors_and_recovery(grammar_server):
-    spec = GrammarSpec("regex", "(yes|no)-[0-9]{2,6}")
-    with RemoteGrammarBackend(grammar_server.address) as remote:
-        remote.open(0, spec)
-        remote.open(1, spec)
-        with pytest.raises(GrammarNotOpenError):
-            remote.step(GrammarStep(drafts={5: []}))
-        y = remote.step(GrammarStep(drafts={0: [], 1: []}))[0].bitmask[0]
-        first = _allowed(y, 512)
-        with pytest.raises(GrammarRejectedError) as info:
-            remote.step(GrammarStep(commits={0: [19]}, drafts={0: []}))
-        assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION and info.value.lost_seq_ids == [0, 1]
-        assert len(remote) == 0
-        remote.open(0, spec, replay_token_ids=[first[0]])  # recovery: a fresh stream
-        assert remote.step(GrammarStep(drafts={0: []}))[0].bitmask.shape == (1, 16)
-
-
-def test_unreachable_and_deadline_raise_unavailable():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        s.listen()  # accepts TCP but never speaks HTTP/2: every call hits the deadline
-        address = f"127.0.0.1:{s.getsockname()[1]}"
-        with RemoteGrammarBackend(address, deadline_s=0.5, recover_timeout_s=0) as remote:
-            remote.open(0, GrammarSpec("json_object"))
-            t0 = time.monotonic()
-            with pytest.raises(GrammarUnavailableError, match="within") as info:
-                remote.step(GrammarStep(drafts={0: []}))
-            assert time.monotonic() - t0 < 3 and info.value.lost_seq_ids == [0]
-            with pytest.raises(GrammarUnavailableError, match="Validate"):
-                remote.validate(GrammarSpec("json_object"))
-
-
 def test_health_and_reflection(grammar_server):
     from grpc_health.v1 import health_pb2, health_pb2_grpc
     from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
@@ -367,52 +275,3 @@ def test_step_timing_8_sequences_k3(grammar_server):
     rpc_ms, mask_ms = statistics.median(rpc) * 1e3, statistics.median(mask) * 1e3
     print(f"\ngrammar step, 8 sequences x k={K}: median rpc {rpc_ms:.2f} ms, of which matchers {mask_ms:.2f} ms")
     assert rpc_ms < 100
-
-
-def test_cli_help_parses(capsys):
-    from specd.cli import build_parser
-
-    with pytest.raises(SystemExit) as done:
-        build_parser().parse_args(["grammar", "--help"])
-    assert done.value.code == 0 and "--cache-entries" in capsys.readouterr().out
-    args = build_parser().parse_args(["grammar", "m"])
-    assert (args.model, args.host, args.port, args.cache_entries, args.max_workers, args.log_level) == (
-        "m", "0.0.0.0", 50081, 256, 32, "info")
-    with pytest.raises(SystemExit):
-        build_parser().parse_args(["grammar", "m", "--cache-entries", "0"])
-    light = subprocess.run([sys.executable, "-c", "import sys, services.grammar.cli; "
-                            "print(sorted({'torch', 'grpc', 'xgrammar'} & set(sys.modules)))"],
-                           cwd=ROOT, capture_output=True, text=True, check=True)
-    assert light.stdout.strip() == "[]"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def test_grammar_process_serves_and_stops_on_sigterm(tiny_models):
-    port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "specd.cli", "grammar", str(tiny_models["target-llama"]),
-                             "--host", "127.0.0.1", "--port", str(port), "--cache-entries", "8"],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    log: list[str] = []
-    reader = threading.Thread(target=lambda: log.extend(proc.stdout), daemon=True)
-    reader.start()
-    try:
-        with RemoteGrammarBackend(f"127.0.0.1:{port}", deadline_s=60) as remote:
-            remote.validate(GrammarSpec("json_object"))
-            remote.open(0, GrammarSpec("regex", "ab"))
-            out = remote.step(GrammarStep(drafts={0: [69]}))  # id 69 is "b", not the "a" the regex wants
-            assert out[0].num_valid_drafts == 0 and out[0].bitmask.shape == (1, 16)
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=20) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    reader.join(5)
-    text = "".join(log)
-    assert "event=grammar_serving" in text and "event=stream_open" in text
-    assert "event=stream_close" in text and "event=grammar_stopped" in text
