@@ -4,10 +4,11 @@ The reader XREADs every active result stream in one call (BLOCK ~50 ms) and disp
 per-request asyncio queues. The XREAD runs on a connection of its own, so that a request which
 subscribes (or is cancelled) while a read blocks can cut that read short with CLIENT UNBLOCK from
 the pool, and joins the next read at once: without it a new request's first tokens waited up to a
-block for a read that did not name its stream, whenever the active streams were quiet (a long
-prefill, requests queued behind a full batch). Positions make delivery exactly-once: tokens below what a request has
-already received are dropped, so duplicate deltas (a verifier that resumed a request, a retried
-write) never reach the client. Cancelling a request (client gone) sets its cancel key, which the
+block (50-100 ms: Redis times blocked reads out on its 10 Hz cron) for a read that did not name its
+stream, whenever the active streams were quiet (a long prefill, requests queued behind a full
+batch). Positions make delivery exactly-once: tokens below what a request has already received
+are dropped, so duplicate deltas (a verifier that resumed a request, a retried write) never reach
+the client. Cancelling a request (client gone) sets its cancel key, which the
 verifier running it looks up every step (services/verifier/cancel.py).
 """
 
@@ -36,8 +37,9 @@ class _Subscription:
 class ResultReader:
     """XREADs all active result streams in one call per iteration and dispatches their entries.
 
-    New requests join on the next iteration, which they start (CLIENT UNBLOCK). After a request's final (or error) entry its result
-    key is deleted; keys of abandoned requests are deleted too and would otherwise expire (TTL).
+    New requests join on the next iteration, which they start (CLIENT UNBLOCK). After a request's
+    final (or error) entry its result key is deleted; keys of abandoned requests are deleted too and
+    would otherwise expire (TTL).
     """
 
     def __init__(self, client, *, prefix: str = RESULT_PREFIX, block_ms: int = 50,
