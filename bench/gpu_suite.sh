@@ -75,6 +75,12 @@ then
 fi
 cat "$OUT/preflight.log"
 
+# This VM's host speed (seconds): the engine's Python per step with the forward stubbed, on the
+# CPU, the figure to read the e2e phases against (bench/engine_host.py; BENCHMARKS.md has this
+# machine's).
+"$PY" bench/engine_host.py --batches 1,64,128 --steps 100 > "$OUT/engine_host.md" 2>&1 \
+  || echo "gpu_suite: bench/engine_host.py failed (see $OUT/engine_host.md); going on" >&2
+
 # Work files (the synthetic 8B checkpoint, ~16 GB) go to local disk, not into the results.
 WORK="${BENCH_WORK_DIR:-/tmp/specd-bench-work}"
 # Output goes to the log file, not through a pipe: a pipe stays open while any leftover child
