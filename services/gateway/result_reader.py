@@ -19,6 +19,8 @@ import logging
 import time
 from dataclasses import dataclass
 
+import redis.exceptions
+
 from services.gateway.errors import REDIS_ERRORS
 from specd.transport.redis_streams import (CANCEL_PREFIX, RESULT_PREFIX, RESULT_TTL_SECONDS, ResultEntry,
                                            cancel_key, result_key)
@@ -108,6 +110,8 @@ class ResultReader:
                 await asyncio.sleep(0.002)
         except REDIS_ERRORS:
             pass  # the read ends by its timeout, as it would have without us
+        except redis.exceptions.ResponseError as e:
+            self._give_up_cutting(e)
         finally:
             self._unblocking = None
 
@@ -168,10 +172,8 @@ class ResultReader:
             start = self._rotation % len(keys)
             keys = (keys[start:] + keys[:start])[:self.max_keys_per_call]
             self._rotation += self.max_keys_per_call
-        if self._reader_id is None:
-            await self._reader.initialize()
-            self._reader.connection.register_connect_callback(self._on_reader_connect)
-            self._reader_id = await self._reader.client_id()
+        if self.cut_reads_short and self._reader_id is None:
+            await self._learn_reader_id()
         self._read_gen += 1
         self._reading = True
         try:
@@ -186,6 +188,19 @@ class ResultReader:
                     break
                 sub.last_id = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
                 self._dispatch(sub, ResultEntry.from_fields(fields))
+
+    async def _learn_reader_id(self) -> None:
+        await self._reader.initialize()
+        self._reader.connection.register_connect_callback(self._on_reader_connect)
+        try:
+            self._reader_id = await self._reader.client_id()
+        except redis.exceptions.ResponseError as e:  # an ACL (or a managed Redis) refusing CLIENT
+            self._give_up_cutting(e)
+
+    def _give_up_cutting(self, error: Exception) -> None:
+        logger.warning("result reader: Redis refused a CLIENT command (%s); new requests join the next "
+                       "read instead of cutting the one in flight short (up to %d ms later)", error, self.block_ms)
+        self.cut_reads_short = False
 
     def _on_reader_connect(self, connection) -> None:
         """redis-py reconnected the read connection (inside a command's retry, say): its old id may

@@ -110,3 +110,28 @@ def test_stop_returns_the_read_connection_to_the_pool(redis_url):
 
     running, after = asyncio.run(main())
     assert running >= 1 and after == 0
+
+
+def test_a_redis_that_refuses_client_commands_still_serves_every_request(redis_url, client):
+    """An ACL (as some managed Redis services have) may deny CLIENT ID / UNBLOCK: the reader then
+    joins new streams on the next read, as before, instead of failing every read."""
+    client.acl_setuser("no-client-cmds", enabled=True, passwords=["+pw"], keys=["*"], channels=["*"],
+                       commands=["+@all", "-client"])
+    limited_url = redis_url.replace("redis://", "redis://no-client-cmds:pw@")
+
+    async def main():
+        limited = redis.asyncio.Redis.from_url(limited_url)
+        reader = ResultReader(limited, block_ms=200)
+        reader.subscribe("quiet")
+        reader.start()
+        try:
+            await asyncio.sleep(0.3)
+            assert not reader.cut_reads_short  # it asked for its id once, was refused, and went on
+            waits = [await _first_entry_s(limited, reader, f"limited-{i}") for i in range(2)]
+        finally:
+            await reader.stop()
+            await limited.aclose()
+        return waits
+
+    waits = asyncio.run(main())
+    assert max(waits) < 2.0, waits  # served, within a block or so (no cut), never stuck
