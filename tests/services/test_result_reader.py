@@ -8,6 +8,7 @@ loaded CI machine; the gateway's is 50 ms.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 import redis.asyncio
@@ -22,13 +23,20 @@ def _delta(pos: int, tokens: list[int]) -> dict:
     return ResultEntry(kind="delta", pos=pos, tokens=tokens).to_fields()
 
 
-async def _blocking_reader(url: str) -> tuple[redis.asyncio.Redis, ResultReader]:
+@contextlib.asynccontextmanager
+async def blocking_reader(url: str, block_ms: int = BLOCK_MS):
+    """A started reader whose XREAD blocks on a stream nobody writes, and a client of its Redis;
+    both stopped on exit."""
     client = redis.asyncio.Redis.from_url(url)
-    reader = ResultReader(client, block_ms=BLOCK_MS)
+    reader = ResultReader(client, block_ms=block_ms)
     reader.subscribe("quiet")  # a stream with nothing to read: the XREAD blocks
     reader.start()
-    await asyncio.sleep(0.2)
-    return client, reader
+    try:
+        await asyncio.sleep(0.2)
+        yield client, reader
+    finally:
+        await reader.stop()
+        await client.aclose()
 
 
 async def _first_entry_s(client, reader: ResultReader, request_id: str) -> float:
@@ -43,13 +51,8 @@ async def _first_entry_s(client, reader: ResultReader, request_id: str) -> float
 
 def test_a_new_request_joins_a_blocked_read_at_once(redis_url):
     async def main():
-        client, reader = await _blocking_reader(redis_url)
-        try:
-            waits = [await _first_entry_s(client, reader, f"joiner-{i}") for i in range(3)]
-        finally:
-            await reader.stop()
-            await client.aclose()
-        return waits
+        async with blocking_reader(redis_url) as (client, reader):
+            return [await _first_entry_s(client, reader, f"joiner-{i}") for i in range(3)]
 
     waits = asyncio.run(main())
     assert max(waits) < 0.3 * BLOCK_MS / 1000, waits  # without the unblock: ~BLOCK_MS each
@@ -60,17 +63,12 @@ def test_the_reader_finds_its_connection_again_after_it_is_killed(redis_url):
     unblock nobody (or another client)."""
 
     async def main():
-        client, reader = await _blocking_reader(redis_url)
-        try:
+        async with blocking_reader(redis_url) as (client, reader):
             old_id = reader._reader_id
             await client.client_kill_filter(_id=old_id)  # the blocked XREAD fails; the reader retries
             await asyncio.sleep(0.5)
             wait = await _first_entry_s(client, reader, "after-kill")
-            new_id = reader._reader_id
-        finally:
-            await reader.stop()
-            await client.aclose()
-        return old_id, new_id, wait
+            return old_id, reader._reader_id, wait
 
     old_id, new_id, wait = asyncio.run(main())
     assert new_id is not None and new_id != old_id
@@ -79,8 +77,7 @@ def test_the_reader_finds_its_connection_again_after_it_is_killed(redis_url):
 
 def test_a_cancel_reaches_redis_without_waiting_for_the_read(redis_url):
     async def main():
-        client, reader = await _blocking_reader(redis_url)
-        try:
+        async with blocking_reader(redis_url) as (client, reader):
             reader.subscribe("to-cancel")
             await asyncio.sleep(0.2)  # the read that names it blocks now
             t0 = time.monotonic()
@@ -89,24 +86,17 @@ def test_a_cancel_reaches_redis_without_waiting_for_the_read(redis_url):
                 assert time.monotonic() - t0 < 2 * BLOCK_MS / 1000, "the cancel key was never set"
                 await asyncio.sleep(0.005)
             return time.monotonic() - t0
-        finally:
-            await reader.stop()
-            await client.aclose()
 
     assert asyncio.run(main()) < 0.3 * BLOCK_MS / 1000
 
 
 def test_stop_returns_the_read_connection_to_the_pool(redis_url):
     async def main():
-        client, reader = await _blocking_reader(redis_url)
-        pool = client.connection_pool
-        try:
+        async with blocking_reader(redis_url) as (client, reader):
+            pool = client.connection_pool
             in_use_while_running = len(list(pool._get_in_use_connections()))
-        finally:
-            await reader.stop()
-        in_use_after = len(list(pool._get_in_use_connections()))
-        await client.aclose()
-        return in_use_while_running, in_use_after
+            await reader.stop()  # stopping twice (again on exit) is harmless
+            return in_use_while_running, len(list(pool._get_in_use_connections()))
 
     running, after = asyncio.run(main())
     assert running >= 1 and after == 0
@@ -120,18 +110,9 @@ def test_a_redis_that_refuses_client_commands_still_serves_every_request(redis_u
     limited_url = redis_url.replace("redis://", "redis://no-client-cmds:pw@")
 
     async def main():
-        limited = redis.asyncio.Redis.from_url(limited_url)
-        reader = ResultReader(limited, block_ms=200)
-        reader.subscribe("quiet")
-        reader.start()
-        try:
-            await asyncio.sleep(0.3)
+        async with blocking_reader(limited_url, block_ms=200) as (limited, reader):
             assert not reader.cut_reads_short  # it asked for its id once, was refused, and went on
-            waits = [await _first_entry_s(limited, reader, f"limited-{i}") for i in range(2)]
-        finally:
-            await reader.stop()
-            await limited.aclose()
-        return waits
+            return [await _first_entry_s(limited, reader, f"limited-{i}") for i in range(2)]
 
     waits = asyncio.run(main())
     assert max(waits) < 2.0, waits  # served, within a block or so (no cut), never stuck
