@@ -81,6 +81,11 @@ class Drafting:
         self._carried: dict[int, DraftProposal] = {}  # seq id -> the next step's drafts, checked
         self.num_carried = 0  # sequence-steps drafted from carried drafts (tests, logs)
 
+    @property
+    def in_flight(self) -> bool:
+        """Whether requests sent ahead wait to be collected."""
+        return self._sent is not None
+
     def request(self, seq: Sequence) -> DraftRequest:
         """What the drafter has not seen of seq (taken from it), and the k it may draft (plus
         `carry` past it, within what the proposer serves)."""

@@ -32,6 +32,7 @@ from specd.sampling import SamplingTensors, apply_repetition_penalty, processed_
 from specd.sampling_params import SamplingParams
 
 DRAFT_AHEAD_ENV = "SPECD_DRAFT_AHEAD"  # "0": drafts are asked for inside each step
+STAGE_VERIFY_ENV = "SPECD_STAGE_VERIFY"  # "0": no verify batch staged while drafts are out (A/B)
 
 
 class SpecEngine:
@@ -63,6 +64,13 @@ class SpecEngine:
         if draft_carry is None:
             draft_carry = default_carry(proposer, self.num_speculative_tokens)
         self._batch_sampling = BatchSamplingTensors()
+        # k per running sequence, planned together for the cache as it is (_plan_drafts); None
+        # once the cache changed (a commit, admission, preemption, abort).
+        self._ks: dict[int, int] | None = None
+        # The next verify batch, staged in the runner while its drafts are out (_stage_next_verify).
+        self._stage = (getattr(runner, "stage", None) if os.environ.get(STAGE_VERIFY_ENV, "1") != "0"
+                       else None)
+        self._staged = False
         self.drafting = Drafting(proposer, lambda seq: self._num_drafts(seq), ahead=draft_ahead,
                                  carry=draft_carry if proposer is not None else 0)
         # Called in step() with the sequences its prefill just started (their first token sampled),
@@ -143,7 +151,8 @@ class SpecEngine:
         if self.on_admitted is not None and len(self.running) > num_running:
             self.on_admitted(self.running[num_running:])
         t1 = time.perf_counter()
-        self._preempt_if_full()
+        if not self._holds_staged_batch():  # (a staged batch has every sequence's room reserved)
+            self._preempt_if_full()
         self._resync_drafts()
         batch = [s for s in self.running if not s.is_finished]
         proposals = self.draft(batch, prefetched)
@@ -152,6 +161,7 @@ class SpecEngine:
         t3 = time.perf_counter()
         finished += self.commit(batch, proposals, verdict)
         self.drafting.send_ahead([s for s in self.running if not s.is_finished])
+        self._stage_next_verify()
         t4 = time.perf_counter()
         timings = self.stats.timings
         timings.admit += t1 - t_collect
@@ -163,14 +173,21 @@ class SpecEngine:
 
     def admit(self) -> list[Sequence]:
         """Prefill waiting sequences while the batch and the cache have room; sample their first token."""
+        if not self.waiting or len(self.running) >= self.max_batch_size:
+            return []
         admitted: list[Sequence] = []
         budget = self.max_prefill_tokens
+        # The cache's room planned together: the running sequences' next token first (an
+        # admission never forces a preemption), then each admitted prompt and its first drafts.
+        plan = self.runner.plan_appends()
+        for s in self.running:
+            plan.take(s.seq_id, 1)
         while self.waiting and len(self.running) + len(admitted) < self.max_batch_size:
             seq = self.waiting[0]
             if admitted and seq.num_tokens > budget:
                 break
             self.runner.add_sequence(seq.seq_id)
-            if not self.runner.can_append(seq.seq_id, seq.num_tokens + self.num_speculative_tokens):
+            if not plan.take(seq.seq_id, seq.num_tokens + self.num_speculative_tokens):
                 self.runner.free(seq.seq_id)
                 if not self.running and not admitted:
                     raise RuntimeError("the KV cache cannot hold a single request; raise num_gpu_blocks")
@@ -180,6 +197,7 @@ class SpecEngine:
             admitted.append(seq)
         if not admitted:
             return []
+        self._ks = None
         # A preempted sequence comes back with its output: re-prefill all but its last token, which
         # is still waiting to be verified; its next token is not sampled again.
         out = self.runner.forward([SequenceChunk(s.seq_id, self._prefill_tokens(s)) for s in admitted],
@@ -247,6 +265,7 @@ class SpecEngine:
         # no device-to-host sync before the forward. The step's only sync is commit's.
         host_drafts = [p.token_ids.tolist() for p in proposals]
         chunks = [SequenceChunk(s.seq_id, [s.last_token_id] + host_drafts[i]) for i, s in enumerate(batch)]
+        self._staged = False  # the forward takes the staged batch, or undoes it
         # The forward first: everything sampling needs is built while the device runs it. Its
         # host-to-device copies are asynchronous (non_blocking, staged by the driver), so they
         # queue behind the forward instead of waiting for it, and they leave the critical path.
@@ -276,6 +295,7 @@ class SpecEngine:
         if not batch:
             return []
         out, result = verdict
+        self._ks = None  # the caches change below
         # The step's one device-to-host transfer: accepted counts and emitted tokens together.
         t0 = time.perf_counter()
         host = torch.cat([result.num_accepted[:, None], result.output_token_ids], dim=1).tolist()
@@ -317,8 +337,8 @@ class SpecEngine:
         (recompute); their tokens are kept, so nothing already emitted changes.
         """
         while True:
-            stuck = [s for s in self.running if not self.runner.can_append(s.seq_id, 1)]
-            if not stuck:
+            plan = self.runner.plan_appends()  # every sequence's next token, together
+            if all(plan.take(s.seq_id, 1) for s in self.running):
                 return
             if len(self.running) == 1:
                 raise RuntimeError("the KV cache cannot hold a single request; raise num_gpu_blocks")
@@ -351,6 +371,8 @@ class SpecEngine:
 
     def _preempt(self, victim: Sequence) -> None:
         """Free a running sequence's cache and queue it first for a re-prefill (tokens kept)."""
+        self._ks = None
+        self.stats.num_preemptions += 1
         self.runner.free(victim.seq_id)
         self.constraints.close(victim)
         if self.proposer is not None:
@@ -359,13 +381,49 @@ class SpecEngine:
         victim.undrafted_token_ids, victim.undrafted_hidden = [], []
         self.waiting.appendleft(victim)
 
+    def _stage_next_verify(self) -> None:
+        """While the next step's drafts are out, stage its verify batch in the runner (slots,
+        static buffers: all but the draft ids; LlamaRunner.stage), so that the step's launch is
+        the ids and the replay. Only where the engine would wait for drafters anyway, and only
+        when no admission is due (a prefill undoes it). Exact: the k staged are the planned ones
+        the next step uses (_ks, unchanged unless the cache changes, which undoes the stage), and
+        the runner undoes the stage on any other call, so nothing sees it; a step whose drafts
+        come back shorter refills its buffers or runs as before."""
+        self._staged = False
+        if self._stage is None or not self.drafting.in_flight or self.waiting or not self.running:
+            return
+        chunks = [SequenceChunk(s.seq_id, [s.last_token_id] * (1 + self._num_drafts(s))) for s in self.running]
+        self._staged = self._stage(chunks, want_aux_hidden=self._hidden_kind == "aux")
+
+    def _holds_staged_batch(self) -> bool:
+        """Whether the batch staged for this step is still in the runner (an admission, abort or
+        preemption since undid it)."""
+        self._staged = self._staged and self.runner.staged
+        return self._staged
+
     def _num_drafts(self, seq: Sequence) -> int:
-        """k for this sequence: never past max_new_tokens or the context (the bonus token counts)."""
-        room = min(seq.params.max_new_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens)
-        k = max(0, min(self.num_speculative_tokens, room - 1))
-        while k > 0 and not self.runner.can_append(seq.seq_id, k + 1):
-            k -= 1
-        return k
+        """k for this sequence, as planned for the whole batch (_plan_drafts)."""
+        ks = self._ks
+        if ks is None or seq.seq_id not in ks:
+            ks = self._ks = self._plan_drafts()
+        return ks.get(seq.seq_id, 0)
+
+    def _plan_drafts(self) -> dict[int, int]:
+        """k per running sequence: never past max_new_tokens or the context (the bonus token
+        counts), and the batch's k + 1 tokens each within the cache's free blocks together (each
+        sequence's next token first, then drafts in batch order)."""
+        batch = [s for s in self.running if not s.is_finished]
+        plan = self.runner.plan_appends()
+        for s in batch:
+            plan.take(s.seq_id, 1)
+        ks = {}
+        for seq in batch:
+            room = min(seq.params.max_new_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens)
+            k = max(0, min(self.num_speculative_tokens, room - 1))
+            while k > 0 and not plan.take(seq.seq_id, k + 1):
+                k -= 1
+            ks[seq.seq_id] = k
+        return ks
 
     def _append(self, seq: Sequence, tokens: list[int]) -> int:
         n = self.stop.append(seq, tokens)
@@ -390,6 +448,7 @@ class SpecEngine:
         return logits
 
     def _release(self, seq: Sequence) -> None:
+        self._ks = None
         self.runner.free(seq.seq_id)
         self.constraints.close(seq)
         if self.proposer is not None:

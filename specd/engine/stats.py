@@ -23,4 +23,5 @@ class EngineStats:
 
     num_steps: int = 0
     num_output_tokens: int = 0
+    num_preemptions: int = 0  # sequences whose cache was freed for room (re-prefilled later)
     timings: StepTimings = field(default_factory=StepTimings)

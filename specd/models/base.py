@@ -12,6 +12,8 @@ from typing import Protocol
 
 import torch
 
+from specd.models.append_plan import AppendPlan
+
 
 @dataclass
 class ModelInfo:
@@ -59,7 +61,10 @@ class TargetRunner(Protocol):
         """Open an empty cache for a sequence."""
 
     def can_append(self, seq_id: int, num_tokens: int) -> bool:
-        """Whether the cache has room to append num_tokens to the sequence."""
+        """Whether the cache has room to append num_tokens to the sequence (alone)."""
+
+    def plan_appends(self) -> AppendPlan:
+        """The cache's room, for planning a whole batch's appends together (append_plan.py)."""
 
     def forward(self, chunks: list[SequenceChunk], *, want_hidden: bool = False,
                 want_aux_hidden: bool = False) -> ForwardOutput:

@@ -135,6 +135,16 @@ class _Entry:
                 p[3 * bq + b:end].reshape(b, self.width), p[end:])
 
 
+@dataclass(frozen=True)
+class PreparedBatch:
+    """A batch written into an entry's buffers and not yet launched (StaticForward.prepare)."""
+
+    entry: _Entry
+    aux_layer_ids: tuple[int, ...]
+    total: int  # T, real tokens
+    chunk_lens: tuple[int, ...]
+
+
 class StaticForward:
     """Fixed-shape forwards of a LlamaForCausalLM over a PagedKVCache (see the module doc)."""
 
@@ -229,24 +239,37 @@ class StaticForward:
             pos[:num_seqs * q].reshape(num_seqs, q)[:] += ctx[:num_seqs, None]
             pad = self.kv_cache.scratch_block
             tables[:num_seqs] = [t + [pad] * (entry.width - len(t)) for t in block_tables]
-        if sum(map(len, token_ids)) == num_seqs * q:  # a verify / decode batch: every chunk full
-            total = num_seqs * q
-            ids[:total] = [t for toks in token_ids for t in toks]
+        total = self._write_token_ids(entry, token_ids)
+        if total == num_seqs * q:  # a verify / decode batch: every chunk full
             slot[:total] = [x for s in slots for x in s]
             rows[:total] = entry.row_numbers[:total]
         else:  # prefill-like: chunks of different lengths padded to Q rows each
-            total = 0
-            for i, (toks, s) in enumerate(zip(token_ids, slots)):
-                n, row = len(toks), i * q
-                ids[row:row + n] = toks
+            done = 0
+            for i, s in enumerate(slots):
+                n, row = len(s), i * q
                 slot[row:row + n] = s
-                rows[total:total + n] = np.arange(row, row + n)
-                total += n
+                rows[done:done + n] = np.arange(row, row + n)
+                done += n
+        self._copy_if_eager(entry)
+        return total
+
+    def _write_token_ids(self, entry: _Entry, token_ids: list[list[int]]) -> int:
+        """The chunks' token ids into the host buffer (chunk i's at rows i * Q .. when they are
+        not all Q long); returns T, the number of real tokens."""
+        ids, q = entry.host_views[0], entry.qlen
+        total = sum(map(len, token_ids))
+        if total == len(token_ids) * q:
+            ids[:total] = [t for toks in token_ids for t in toks]
+        else:
+            for i, toks in enumerate(token_ids):
+                ids[i * q:i * q + len(toks)] = toks
+        return total
+
+    def _copy_if_eager(self, entry: _Entry) -> None:
         if entry.host is not entry.packed and not entry.copy_in_graph:
             # Eager on CUDA: from pageable memory the driver stages the bytes before returning, so
             # the host buffer may be rewritten at once, no event needed. (Graphs copy in the replay.)
             entry.packed.copy_(entry.host, non_blocking=True)
-        return total
 
     def _copy_inputs(self, entry: _Entry) -> None:
         """The fill's copy as captured: pinned host -> device, then the event that frees the host side."""
@@ -357,6 +380,15 @@ class StaticForward:
         [T, n_aux * H] or None), T = all new tokens in chunk order: fresh tensors, not views of
         the static outputs. layout: what layout() said for this batch, if the caller asked already.
         """
+        return self.run(self.prepare(token_ids, ctx_lens, slots, block_tables, aux_layer_ids, layout),
+                        want_hidden)
+
+    def prepare(self, token_ids: list[list[int]], ctx_lens: list[int], slots: list[list[int]],
+                block_tables: list[list[int]], aux_layer_ids: tuple[int, ...] = (),
+                layout: tuple[int, int, int] | None = None) -> PreparedBatch:
+        """forward's host work before the launch: the batch written into its layout's buffers
+        (captured first where the layout is new). Nothing reads them until `run`; until then
+        `rewrite_token_ids` may replace the token ids (the same chunk lengths)."""
         layout = layout or self.layout([len(t) for t in token_ids], ctx_lens)
         if layout is None:
             raise ValueError("StaticForward.forward: the batch is outside its buckets (see applies)")
@@ -366,18 +398,32 @@ class StaticForward:
             self._prepare_prefill_layouts(aux_layer_ids)
         entry = self._entry(batch, qlen, width, aux_layer_ids)
         total = self._fill(entry, token_ids, ctx_lens, slots, block_tables)
+        return PreparedBatch(entry, aux_layer_ids, total, tuple(map(len, token_ids)))
+
+    def rewrite_token_ids(self, prepared: PreparedBatch, token_ids: list[list[int]]) -> None:
+        """Replace a prepared batch's token ids (chunk lengths as prepared): a verify step staged
+        before its drafts arrived (LlamaRunner.stage)."""
+        if tuple(map(len, token_ids)) != prepared.chunk_lens:
+            raise ValueError(f"rewrite_token_ids: chunk lengths {[len(t) for t in token_ids]}, "
+                             f"prepared {list(prepared.chunk_lens)}")
+        self._write_token_ids(prepared.entry, token_ids)
+        self._copy_if_eager(prepared.entry)
+
+    def run(self, prepared: PreparedBatch, want_hidden: bool = True
+            ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """Launch a prepared batch; its outputs as forward returns them."""
+        entry = prepared.entry
         if entry.graphs:
             for graph in entry.graphs:  # the head's launch first: the device starts on it
                 graph.replay()
         else:
             with torch.no_grad():
-                self._body(entry, aux_layer_ids)
+                self._body(entry, prepared.aux_layer_ids)
         self.num_static_forwards += 1
-        index = entry.real_rows[:total]  # on the device already: the fill's copy carried it
+        index = entry.real_rows[:prepared.total]  # on the device already: the fill's copy carried it
         # index_select copies: the static outputs are overwritten by the next replay, while the
         # engine keeps hidden rows across steps (drafter features). Each gather is a launch on
         # the step's critical path: only the wanted ones.
         aux = entry.aux.index_select(0, index) if entry.aux is not None else None
         hidden = entry.hidden.index_select(0, index) if want_hidden else None
         return entry.logits.index_select(0, index), hidden, aux
-

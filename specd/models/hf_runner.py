@@ -22,6 +22,7 @@ import torch
 
 from specd.messages import PytorchEngineConfig
 from specd.models.base import check_chunks, ForwardOutput, ModelInfo, SequenceChunk
+from specd.models.append_plan import AppendPlan
 from specd.models.llama_runner import default_aux_layer_ids, select_device, select_dtype
 
 
@@ -96,6 +97,10 @@ class HFRunner:
 
     def can_append(self, seq_id: int, num_tokens: int) -> bool:
         return len(self._seq(seq_id).tokens) + num_tokens <= self.session_len
+
+    def plan_appends(self) -> AppendPlan:
+        """transformers' caches grow as needed: only the session length bounds an append."""
+        return AppendPlan(0, lambda s: len(self._seq(s).tokens), lambda s, n: 0, self.session_len)
 
     def free(self, seq_id: int) -> None:
         self._seqs.pop(seq_id, None)

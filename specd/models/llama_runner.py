@@ -21,6 +21,7 @@ through specd's Triton kernels where they apply (fused_forward.py; not together 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -28,7 +29,8 @@ import torch
 from specd.messages import PytorchEngineConfig
 from specd.models.attention import AttentionMetadata
 from specd.models.base import check_chunks, ForwardOutput, ModelInfo, SequenceChunk
-from specd.models.cuda_graphs import DEFAULT_MAX_PREFILL_ROWS, StaticForward
+from specd.models.append_plan import AppendPlan
+from specd.models.cuda_graphs import DEFAULT_MAX_PREFILL_ROWS, PreparedBatch, StaticForward
 from specd.models.hf_config import LlamaArchConfig
 from specd.models.kernels.l2_prefetch import PrefetchPlan, l2_prefetch_scope, resolve_plan
 from specd.models.kernels.pdl import pdl_launches, resolve_pdl_mode
@@ -155,6 +157,8 @@ class LlamaRunner:
         if use_static_path is None:
             use_static_path = self.device.type == "cuda" and not engine_config.eager_mode
         self.static: StaticForward | None = None
+        self._staged: _StagedBatch | None = None  # stage(): a verify batch waiting for its drafts
+        self.num_staged_forwards = 0  # forwards that took a staged batch (tests, bench)
         if compile_mode is None:
             compile_mode = os.environ.get(COMPILE_ENV, "0")
         self.compile_mode = None if compile_mode in ("", "0", "off") else compile_mode
@@ -189,24 +193,113 @@ class LlamaRunner:
         self.aux_layer_ids = default_aux_layer_ids(self.config.num_hidden_layers)
 
     # cache lifecycle ----------------------------------------------------------------------------
+    # Each of these first undoes a staged batch (stage): the caches are then as the last forward
+    # left them, whatever was staged.
 
     def add_sequence(self, seq_id: int) -> None:
+        self.unstage()
         self.kv_cache.add_sequence(seq_id)
 
     def can_append(self, seq_id: int, num_tokens: int) -> bool:
+        if self._staged is not None:  # (inline: asked for every sequence two or three times a step)
+            self.unstage()
         within_session = self.kv_cache.num_tokens(seq_id) + num_tokens <= self.session_len
         return within_session and self.kv_cache.can_append(seq_id, num_tokens)
 
+    def plan_appends(self) -> AppendPlan:
+        """The free blocks, for planning a step's appends together (append_plan.py)."""
+        self.unstage()
+        kv = self.kv_cache
+        return AppendPlan(kv.allocator.num_free_blocks, kv.num_tokens, kv.num_new_blocks, self.session_len)
+
     def truncate(self, seq_id: int, length: int) -> None:
+        self.unstage()
         self.kv_cache.truncate(seq_id, length)
 
     def free(self, seq_id: int) -> None:
+        self.unstage()
         self.kv_cache.free(seq_id)
 
     def num_cached(self, seq_id: int) -> int:
+        self.unstage()
         return self.kv_cache.num_tokens(seq_id)
 
+    # staging ------------------------------------------------------------------------------------
+
+    @property
+    def staged(self) -> bool:
+        """Whether a staged batch waits for its forward."""
+        return self._staged is not None
+
+    def stage(self, chunks: list[SequenceChunk], *, want_aux_hidden: bool = False) -> bool:
+        """Do a verify batch's host work before its draft tokens exist: its slots reserved, the
+        static path's buffers filled, token ids past the known ones placeholders. Why: the engine
+        stages while the drafters work (it would only wait), and the step's launch is then the
+        token ids and the replay (SpecEngine._stage_next_verify).
+
+        The next forward of the same sequences with the same chunk lengths (and aux flag) takes
+        it; any other forward, and every other cache call, undoes it first, so a staged batch is
+        never seen. False, with nothing staged, where the batch would not take the static path
+        or does not fit the cache now."""
+        self.unstage()
+        if self.static is None:
+            return False
+        try:
+            starts = self._check_batch(chunks)
+        except (ValueError, CacheFullError):
+            return False
+        query_lens = [len(c.token_ids) for c in chunks]
+        layout = self.static.layout(query_lens, starts)
+        if layout is None:
+            return False
+        slots = [self.kv_cache.append_slots(c.seq_id, n) for c, n in zip(chunks, query_lens)]
+        try:
+            prepared = self._prepare_static(chunks, starts, slots, layout, want_aux_hidden)
+        except BaseException:
+            for c, s in zip(chunks, starts):
+                self.kv_cache.truncate(c.seq_id, s)
+            raise
+        self._staged = _StagedBatch(tuple(c.seq_id for c in chunks), starts, slots, layout, want_aux_hidden,
+                                    prepared)
+        return True
+
+    def unstage(self) -> None:
+        """Undo a staged batch (its slots back), if one waits."""
+        staged, self._staged = self._staged, None
+        if staged is not None:  # last staged first: the free list gets back its very order
+            for seq_id, start in reversed(list(zip(staged.seq_ids, staged.starts))):
+                self.kv_cache.truncate(seq_id, start)
+
+    def _take_staged(self, chunks: list[SequenceChunk], want_aux_hidden: bool) -> _StagedBatch | None:
+        """The staged batch, ready to run, if this forward is the one it was staged for: the
+        same sequences in the same order, each chunk as long as staged or shorter (drafters may
+        return fewer drafts) within the same layout. Its token ids are written; chunks that came
+        back shorter give their extra slots back and the buffers are filled again. Else the stage
+        is undone and None."""
+        staged = self._staged
+        if staged is None:
+            return None
+        lens = tuple(len(c.token_ids) for c in chunks)
+        ours = (staged.want_aux_hidden == want_aux_hidden and len(chunks) == len(staged.seq_ids)
+                and all(c.seq_id == s for c, s in zip(chunks, staged.seq_ids)))
+        if ours and lens == staged.prepared.chunk_lens:
+            self._staged = None
+            self.static.rewrite_token_ids(staged.prepared, [c.token_ids for c in chunks])
+            return staged
+        if (ours and all(0 < n <= m for n, m in zip(lens, staged.prepared.chunk_lens))
+                and self.static.layout(list(lens), staged.starts) == staged.layout):
+            self._staged = None
+            for seq_id, start, n, m in zip(staged.seq_ids, staged.starts, lens, staged.prepared.chunk_lens):
+                if n < m:
+                    self.kv_cache.truncate(seq_id, start + n)
+            slots = [s[:n] for s, n in zip(staged.slots, lens)]
+            return replace(staged, prepared=self._prepare_static(chunks, staged.starts, slots, staged.layout,
+                                                                 want_aux_hidden))
+        self.unstage()
+        return None
+
     def set_aux_hidden_layers(self, layer_ids: list[int]) -> None:
+        self.unstage()
         num_layers = self.config.num_hidden_layers
         bad = [i for i in layer_ids if not 0 <= i < num_layers]
         if bad or not layer_ids:
@@ -236,6 +329,18 @@ class LlamaRunner:
 
     def _forward(self, chunks: list[SequenceChunk], want_hidden: bool, want_aux_hidden: bool
                  ) -> ForwardOutput:
+        held = self._staged
+        if held is not None:
+            try:
+                staged = self._take_staged(chunks, want_aux_hidden)
+                if staged is not None:  # staged for this batch: the host work is done
+                    self.num_staged_forwards += 1
+                    return self._static_run(staged.prepared, chunks, want_hidden)
+            except BaseException:  # leave the caches as they were before the stage
+                self._staged = None
+                for seq_id, start in zip(held.seq_ids, held.starts):
+                    self.kv_cache.truncate(seq_id, start)
+                raise
         starts = self._check_batch(chunks)
         query_lens = [len(c.token_ids) for c in chunks]
         slots = [self.kv_cache.append_slots(c.seq_id, n) for c, n in zip(chunks, query_lens)]  # per chunk
@@ -268,10 +373,19 @@ class LlamaRunner:
     def _static_forward(self, chunks: list[SequenceChunk], starts: list[int], slots: list[list[int]],
                         layout: tuple[int, int, int], want_hidden: bool, want_aux_hidden: bool) -> ForwardOutput:
         """The verify / decode batch through the static buffers (slots already reserved)."""
-        logits, hidden, aux = self.static.forward(
+        prepared = self._prepare_static(chunks, starts, slots, layout, want_aux_hidden)
+        return self._static_run(prepared, chunks, want_hidden)
+
+    def _prepare_static(self, chunks: list[SequenceChunk], starts: list[int], slots: list[list[int]],
+                        layout: tuple[int, int, int], want_aux_hidden: bool) -> PreparedBatch:
+        return self.static.prepare(
             [c.token_ids for c in chunks], starts, slots,
             [self.kv_cache.block_table_view(c.seq_id) for c in chunks],
-            tuple(self.aux_layer_ids) if want_aux_hidden else (), want_hidden=want_hidden, layout=layout)
+            tuple(self.aux_layer_ids) if want_aux_hidden else (), layout=layout)
+
+    def _static_run(self, prepared: PreparedBatch, chunks: list[SequenceChunk], want_hidden: bool
+                    ) -> ForwardOutput:
+        logits, hidden, aux = self.static.run(prepared, want_hidden=want_hidden)
         return ForwardOutput(logits=logits, offsets=_offsets([len(c.token_ids) for c in chunks]),
                              hidden_states=hidden if want_hidden else None, aux_hidden_states=aux)
 
@@ -292,3 +406,15 @@ def _offsets(query_lens: list[int]) -> list[int]:
     for n in query_lens:
         offsets.append(offsets[-1] + n)
     return offsets
+
+
+@dataclass(frozen=True)
+class _StagedBatch:
+    """A verify batch staged before its drafts (LlamaRunner.stage): its slots reserved."""
+
+    seq_ids: tuple[int, ...]
+    starts: list[int]  # tokens cached before it: where unstage truncates back to
+    slots: list[list[int]]  # reserved for each chunk as staged
+    layout: tuple[int, int, int]
+    want_aux_hidden: bool
+    prepared: PreparedBatch

@@ -1,0 +1,68 @@
+"""A KV cache too small for the batch: admissions, preemptions and draft budgets plan the batch's
+appends together (specd/models/append_plan.py).
+
+Before, each sequence was checked alone: eight prompts that each fit the free blocks were
+admitted together and their prefill failed with CacheFullError, as did a verify step whose
+sequences each had room for their k + 1 tokens but not all of them at once; the engine raised,
+which fails every request of the verifier. Now every step fits, preempted sequences come back,
+and the output is still the target's own greedy output, token for token.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from specd.engine.builder import build_engine
+from specd.messages import PytorchEngineConfig, SpeculativeConfig
+from specd.models.append_plan import AppendPlan
+from tests.engine.test_greedy_lossless import make_requests
+
+BLOCK = 8
+
+
+def config(num_blocks: int = 0) -> PytorchEngineConfig:
+    return PytorchEngineConfig(max_batch_size=8, block_size=BLOCK, session_len=256, num_gpu_blocks=num_blocks)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 3])
+@pytest.mark.parametrize("num_blocks", [10, 12])
+def test_small_cache_keeps_the_targets_output(tiny_models, seed, num_blocks):
+    target = tiny_models["target-llama"]
+    prompts, params = make_requests(512, seed=seed)
+    want = [s.output_token_ids for s in build_engine(target, config()).generate(prompts, params)]
+    for spec in (None, SpeculativeConfig(method="ngram", num_speculative_tokens=3)):
+        engine = build_engine(target, config(num_blocks), spec)
+        done = engine.generate(prompts, params)
+        assert [s.output_token_ids for s in done] == want
+        assert engine.stats.num_preemptions > 0  # the cache was short: sequences had to wait
+        kv = engine.runner.kv_cache
+        assert kv.allocator.num_free_blocks == kv.num_blocks
+
+
+def plan_over(cached: dict[int, int], free_blocks: int, session_len: int | None = None) -> AppendPlan:
+    """A plan over sequences holding `cached` tokens each, blocks of BLOCK tokens, none spare."""
+    def new_blocks(seq_id: int, n: int) -> int:
+        have = -(-cached[seq_id] // BLOCK)
+        return max(0, -(-(cached[seq_id] + n) // BLOCK) - have)
+    return AppendPlan(free_blocks, cached.__getitem__, new_blocks, session_len)
+
+
+def test_two_sequences_that_fit_alone_do_not_fit_together():
+    plan = plan_over({0: 8, 1: 16}, free_blocks=1)  # both at a block's end: any token needs a block
+    assert plan.take(0, 1)
+    assert not plan.take(1, 1) and plan.free_blocks == 0
+    assert plan_over({0: 8, 1: 16}, free_blocks=1).take(1, 1)  # alone it fits
+
+
+def test_claims_are_per_sequence_totals():
+    plan = plan_over({0: 6}, free_blocks=2)
+    assert plan.take(0, 1) and plan.free_blocks == 2  # within its last block
+    assert plan.take(0, 4) and plan.free_blocks == 1  # 6 + 4 = 10 tokens: one new block
+    assert plan.take(0, 3) and plan.free_blocks == 1  # less than claimed: nothing more
+    assert plan.take(0, 18) and plan.free_blocks == 0  # 24 tokens: the second block
+    assert not plan.take(0, 19) and plan.free_blocks == 0  # a third: none left, nothing claimed
+
+
+def test_session_length_bounds_a_claim():
+    plan = plan_over({0: 250}, free_blocks=10, session_len=256)
+    assert plan.take(0, 6) and not plan.take(0, 7)

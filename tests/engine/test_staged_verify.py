@@ -1,0 +1,222 @@
+"""The verify batch staged while drafts are out (SpecEngine._stage_next_verify, LlamaRunner.stage).
+
+The engine stages the next step's verify batch (slots, the static path's buffers) right after it
+sends that step's draft requests ahead; the step's forward then writes only the draft ids. The
+runner undoes a stage on any other call. What must hold: nothing observable changes. Outputs,
+greedy and sampled, and every sequence's drafted / accepted counts equal those of the same
+engine with staging off, under admissions, aborts, preemption (a cache too small for the batch)
+and drafts shorter than staged (n-gram lookups that find nothing); and the stage is actually
+taken, most steps. The runner is the static path's CPU twin (what CUDA graphs replay on the GPU).
+"""
+
+from __future__ import annotations
+
+import os
+from unittest import mock
+
+import pytest
+import torch
+
+from specd.engine.builder import build_engine
+from specd.engine.engine import STAGE_VERIFY_ENV, SpecEngine
+from specd.messages import PytorchEngineConfig, SpeculativeConfig
+from specd.models.base import SequenceChunk
+from specd.models.llama_runner import LlamaRunner
+from specd.proposers.base import DraftProposal
+from specd.sampling_params import SamplingParams
+from tests.engine.test_draft_ahead import AsyncNgram
+from tests.engine.test_greedy_lossless import make_requests
+
+K = 3
+CONFIG = PytorchEngineConfig(max_batch_size=8, block_size=8, session_len=256)
+
+
+@pytest.fixture(scope="module")
+def target(tiny_models):
+    return tiny_models["target-llama"]
+
+
+class FullDrafts(AsyncNgram):
+    """n-gram drafts padded to the k asked with a fixed token (any proposal is lossless): every
+    chunk as long as staged, as the replay drafter and the model drafters answer."""
+
+    def propose_async(self, requests):
+        answered = super().propose_async(requests)
+        answered._proposals = [DraftProposal(torch.cat([p.token_ids, torch.full(
+            (r.num_draft_tokens - p.token_ids.numel(),), 4, dtype=torch.long)]))
+            for r, p in zip(requests, answered._proposals)]
+        return answered
+
+
+def static_engine(target, stage: bool, config: PytorchEngineConfig = CONFIG, method: str = "ngram",
+                  draft=None, wrapper=AsyncNgram, carry: int | None = None) -> SpecEngine:
+    """An engine over the static-path runner whose proposer answers "asynchronously" (drafts
+    sent ahead, as the remote drafters do), staging on or off."""
+    spec = SpeculativeConfig(method=method, num_speculative_tokens=K, model=str(draft) if draft else "")
+    plain = build_engine(target, config, spec)
+    runner = LlamaRunner(str(target), config, use_static_path=True, compile_mode="0")
+    if plain.runner.aux_layer_ids != runner.aux_layer_ids:
+        runner.set_aux_hidden_layers(plain.runner.aux_layer_ids)
+    with mock.patch.dict(os.environ, {STAGE_VERIFY_ENV: "1" if stage else "0"}):
+        return SpecEngine(runner, wrapper(plain.proposer), K, max_batch_size=config.max_batch_size,
+                          max_model_len=config.session_len, draft_carry=carry)
+
+
+def outcome(seqs) -> list[tuple]:
+    return [(s.output_token_ids, s.finish_reason, s.stats.num_draft_tokens, s.stats.num_accepted_tokens)
+            for s in seqs]
+
+
+def sampled(params: list[SamplingParams]) -> list[SamplingParams]:
+    return [SamplingParams(**{**p.__dict__, "temperature": 0.8, "top_p": 0.9, "seed": 100 + i})
+            for i, p in enumerate(params)]
+
+
+@pytest.mark.parametrize("kind", ["greedy", "sampled"])
+def test_staging_changes_nothing(target, kind):
+    """Plain n-gram drafts: often fewer than staged (no match), then some steps run unstaged."""
+    prompts, params = make_requests(512, seed=5)
+    if kind == "sampled":
+        params = sampled(params)
+    off = static_engine(target, stage=False)
+    want = outcome(off.generate(prompts, params))
+    on = static_engine(target, stage=True)
+    got = outcome(on.generate(prompts, params))
+    assert got == want
+    if kind == "greedy":
+        target_only = build_engine(target, CONFIG).generate(prompts, params)
+        assert [g[0] for g in got] == [s.output_token_ids for s in target_only]
+    assert off.runner.num_staged_forwards == 0 and on.runner.num_staged_forwards > 0
+    assert not on.runner.staged
+    assert on.runner.kv_cache.allocator.num_free_blocks == on.runner.kv_cache.num_blocks
+
+
+@pytest.mark.parametrize("kind", ["greedy", "sampled"])
+def test_full_drafts_stage_every_step_but_the_first(target, kind):
+    prompts, params = make_requests(512, seed=6)
+    if kind == "sampled":
+        params = sampled(params)
+    off = static_engine(target, stage=False, wrapper=FullDrafts, carry=0)
+    want = outcome(off.generate(prompts, params))
+    on = static_engine(target, stage=True, wrapper=FullDrafts, carry=0)
+    assert outcome(on.generate(prompts, params)) == want
+    # The first step's drafts were asked in the step (its sequences were just admitted).
+    assert on.runner.num_staged_forwards == on.stats.num_steps - 1 > 5
+
+
+def test_admissions_and_aborts_between_steps(target):
+    """Requests arriving and aborted while a batch is staged: the stage is undone first, and
+    the outcome is the unstaged engine's."""
+    prompts, params = make_requests(512, seed=9)
+
+    def run(stage: bool):
+        engine = static_engine(target, stage=stage)
+        seqs = [engine.add_request(p, sp) for p, sp in zip(prompts[:3], params[:3])]
+        late = list(zip(prompts[3:], params[3:]))
+        step = 0
+        while engine.has_unfinished():
+            engine.step()
+            step += 1
+            if step % 2 == 0 and late:
+                seqs.append(engine.add_request(*late.pop()))
+            if step == 5:
+                engine.abort(seqs[1])
+        return engine, outcome(seqs)
+
+    off, want = run(stage=False)
+    on, got = run(stage=True)
+    assert got == want and got[1][1] == "abort"
+    assert on.runner.num_staged_forwards > 0
+    assert on.runner.kv_cache.allocator.num_free_blocks == on.runner.kv_cache.num_blocks
+
+
+def test_preemption_under_a_small_cache(target):
+    """A cache too small for the batch: steps preempt and re-admit; staged or not, the same."""
+    config = PytorchEngineConfig(max_batch_size=8, block_size=8, session_len=256, num_gpu_blocks=12)
+    prompts, params = make_requests(512, seed=2)
+    off = static_engine(target, stage=False, config=config)
+    want = outcome(off.generate(prompts, params))
+    on = static_engine(target, stage=True, config=config)
+    assert outcome(on.generate(prompts, params)) == want
+    assert on.runner.num_staged_forwards > 0 and on.stats.num_preemptions > 0
+
+
+def test_aux_hidden_proposer(tiny_models):
+    """EAGLE-3 (the target's aux hidden rows feed the drafter): staged with the aux layers."""
+    target, draft = tiny_models["target-llama"], tiny_models["draft-eagle3"]
+    prompts, params = make_requests(512, seed=4)
+    off = static_engine(target, stage=False, method="eagle3", draft=draft)
+    want = outcome(off.generate(prompts, params))
+    on = static_engine(target, stage=True, method="eagle3", draft=draft)
+    assert outcome(on.generate(prompts, params)) == want
+    assert on.runner.num_staged_forwards > 0
+
+
+# ---- the runner's contract ------------------------------------------------------------------
+
+@pytest.fixture()
+def runner(target):
+    r = LlamaRunner(str(target), CONFIG, use_static_path=True, compile_mode="0")
+    for seq_id, prompt in ((0, [5, 6, 7, 8, 9]), (1, [11, 12, 13])):
+        r.add_sequence(seq_id)
+        r.forward([SequenceChunk(seq_id, prompt)])
+    return r
+
+
+def cache_state(r: LlamaRunner):
+    kv = r.kv_cache
+    return [(kv.num_tokens(s), kv.block_table(s)) for s in (0, 1)], list(kv.allocator._free)
+
+
+def test_a_staged_forward_equals_the_plain_one(runner):
+    chunks = [SequenceChunk(0, [21, 22, 23, 24]), SequenceChunk(1, [31, 32])]
+    before = cache_state(runner)
+    plain = runner.forward(chunks).logits
+    after_plain = cache_state(runner)
+    for c in chunks:
+        runner.truncate(c.seq_id, before[0][c.seq_id][0])
+    assert runner.stage([SequenceChunk(0, [21, 0, 0, 0]), SequenceChunk(1, [31, 0])])
+    assert runner.staged
+    staged = runner.forward(chunks).logits
+    assert runner.num_staged_forwards == 1 and not runner.staged
+    torch.testing.assert_close(staged, plain, rtol=0, atol=0)
+    assert cache_state(runner) == after_plain
+
+
+@pytest.mark.parametrize("other_call", [
+    lambda r: r.can_append(0, 1),
+    lambda r: r.num_cached(1),
+    lambda r: r.truncate(0, 5),
+    lambda r: r.add_sequence(7),
+    lambda r: r.free(1),
+    lambda r: r.forward([SequenceChunk(0, [21, 22])]),  # another batch: lengths differ
+    lambda r: r.forward([SequenceChunk(1, [31, 32]), SequenceChunk(0, [21, 22, 23, 24])]),  # order
+    lambda r: r.forward([SequenceChunk(0, [21, 22, 23, 24]), SequenceChunk(1, [31, 32])],
+                        want_aux_hidden=True),
+])
+def test_any_other_call_undoes_the_stage_first(runner, other_call):
+    before = cache_state(runner)
+    assert runner.stage([SequenceChunk(0, [21, 0, 0, 0]), SequenceChunk(1, [31, 0])])
+    assert cache_state(runner) != before  # the slots are reserved while staged
+    other_call(runner)
+    assert not runner.staged and runner.num_staged_forwards == 0
+
+
+def test_unstage_restores_the_cache_exactly(runner):
+    before = cache_state(runner)
+    assert runner.stage([SequenceChunk(0, [21] * 4), SequenceChunk(1, [31] * 6)])  # seq 1 takes a block
+    runner.unstage()
+    assert cache_state(runner) == before  # block tables and the free list's order
+
+
+def test_no_stage_where_the_static_path_does_not_apply(target):
+    eager = LlamaRunner(str(target), CONFIG, use_static_path=False)
+    eager.add_sequence(0)
+    eager.forward([SequenceChunk(0, [5, 6, 7])])
+    assert not eager.stage([SequenceChunk(0, [8, 0, 0, 0])]) and not eager.staged
+    small = PytorchEngineConfig(max_batch_size=8, block_size=8, session_len=256, num_gpu_blocks=2)
+    full = LlamaRunner(str(target), small, use_static_path=True, compile_mode="0")
+    full.add_sequence(0)
+    full.forward([SequenceChunk(0, [5] * 16)])  # both blocks filled
+    assert not full.stage([SequenceChunk(0, [8, 0, 0, 0])]) and not full.staged  # no room: nothing staged
+    assert full.num_cached(0) == 16
