@@ -385,12 +385,13 @@ class SpecEngine:
         """While the next step's drafts are out, stage its verify batch in the runner (slots,
         static buffers: all but the draft ids; LlamaRunner.stage), so that the step's launch is
         the ids and the replay. Only where the engine would wait for drafters anyway, and only
-        when no admission is due (a prefill undoes it). Exact: the k staged are the planned ones
+        when no admission is due (a full batch admits nothing; a prefill undoes the stage). Exact: the k staged are the planned ones
         the next step uses (_ks, unchanged unless the cache changes, which undoes the stage), and
         the runner undoes the stage on any other call, so nothing sees it; a step whose drafts
         come back shorter refills its buffers or runs as before."""
         self._staged = False
-        if self._stage is None or not self.drafting.in_flight or self.waiting or not self.running:
+        admission_due = self.waiting and len(self.running) < self.max_batch_size
+        if self._stage is None or not self.drafting.in_flight or admission_due or not self.running:
             return
         chunks = [SequenceChunk(s.seq_id, [s.last_token_id] * (1 + self._num_drafts(s))) for s in self.running]
         self._staged = self._stage(chunks, want_aux_hidden=self._hidden_kind == "aux")

@@ -104,6 +104,23 @@ def test_full_drafts_stage_every_step_but_the_first(target, kind):
     assert on.runner.num_staged_forwards == on.stats.num_steps - 1 > 5
 
 
+def test_a_full_batch_with_requests_queued_still_stages(target):
+    """Requests waiting while the batch is full: no admission is due, so the stage stays."""
+    config = PytorchEngineConfig(max_batch_size=4, block_size=8, session_len=256)
+    prompts, params = make_requests(512, seed=7)
+    off = static_engine(target, stage=False, config=config, wrapper=FullDrafts, carry=0)
+    want = outcome(off.generate(prompts, params))
+    on = static_engine(target, stage=True, config=config, wrapper=FullDrafts, carry=0)
+    staged_while_queued = 0
+    seqs = [on.add_request(p, sp) for p, sp in zip(prompts, params)]
+    while on.has_unfinished():
+        queued, before = len(on.waiting), on.runner.num_staged_forwards
+        on.step()
+        staged_while_queued += queued > 0 and on.runner.num_staged_forwards > before
+    assert outcome(seqs) == want
+    assert staged_while_queued > 3
+
+
 def test_admissions_and_aborts_between_steps(target):
     """Requests arriving and aborted while a batch is staged: the stage is undone first, and
     the outcome is the unstaged engine's."""
