@@ -37,10 +37,10 @@ def grammars() -> list[GrammarSpec]:
     return specs
 
 
-def constrained_engine(target, spec, draft_masking=True):
+def constrained_engine(target, spec, draft_masking=True, num_gpu_blocks: int = 0):
     cache = GrammarCompilerCache.from_model_dir(target)
-    engine = build_engine(target, PytorchEngineConfig(max_batch_size=8, block_size=16), spec,
-                          grammar_backend=LocalGrammarBackend(cache))
+    engine = build_engine(target, PytorchEngineConfig(max_batch_size=8, block_size=16, num_gpu_blocks=num_gpu_blocks),
+                          spec, grammar_backend=LocalGrammarBackend(cache))
     if draft_masking and engine.proposer is not None:
         engine.proposer.draft_constraints = DraftConstraints(cache)
     return engine
