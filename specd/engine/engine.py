@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import logging
 import os
 import time
 from collections import deque
@@ -32,6 +33,8 @@ from specd.sampling import SamplingTensors, apply_repetition_penalty, processed_
 from specd.sampling_params import SamplingParams
 
 DRAFT_AHEAD_ENV = "SPECD_DRAFT_AHEAD"  # "0": drafts are asked for inside each step
+log = logging.getLogger("specd.engine")
+
 STAGE_VERIFY_ENV = "SPECD_STAGE_VERIFY"  # "0": no verify batch staged while drafts are out (A/B)
 
 
@@ -50,6 +53,14 @@ class SpecEngine:
         self.proposer = proposer
         self.num_speculative_tokens = num_speculative_tokens if proposer is not None else 0
         self.max_batch_size = max_batch_size
+        capacity = getattr(runner, "max_cached_tokens", None)
+        if capacity is not None and capacity < max_model_len:
+            # A sequence must fit the cache alone, or one long request would stop the engine: the
+            # cache's size is the context length then (requests past it get a clear error).
+            log.warning("the KV cache holds %d tokens, fewer than the context length %d: serving a "
+                        "context of %d (raise num_gpu_blocks / cache_max_entry_count or lower session_len)",
+                        capacity, max_model_len, capacity)
+            max_model_len = capacity
         self.max_model_len = max_model_len
         self.max_prefill_tokens = max_prefill_tokens
         self.stop = StopChecker(runner.info.eos_token_ids, max_model_len, tokenizer)
@@ -187,7 +198,10 @@ class SpecEngine:
             if admitted and seq.num_tokens > budget:
                 break
             self.runner.add_sequence(seq.seq_id)
-            if not plan.take(seq.seq_id, seq.num_tokens + self.num_speculative_tokens):
+            # Its prompt and first drafts; a sequence never caches more than the context length
+            # less one (the last token is sampled, not cached), so a prompt near it still fits.
+            need = min(seq.num_tokens + self.num_speculative_tokens, self.max_model_len - 1)
+            if not plan.take(seq.seq_id, need):
                 self.runner.free(seq.seq_id)
                 if not self.running and not admitted:
                     raise RuntimeError("the KV cache cannot hold a single request; raise num_gpu_blocks")

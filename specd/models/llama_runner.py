@@ -206,6 +206,11 @@ class LlamaRunner:
         within_session = self.kv_cache.num_tokens(seq_id) + num_tokens <= self.session_len
         return within_session and self.kv_cache.can_append(seq_id, num_tokens)
 
+    @property
+    def max_cached_tokens(self) -> int:
+        """Tokens the whole cache holds: the longest sequence it can ever serve."""
+        return self.kv_cache.num_blocks * self.block_size
+
     def plan_appends(self) -> AppendPlan:
         """The free blocks, for planning a step's appends together (append_plan.py)."""
         self.unstage()

@@ -5,7 +5,9 @@ Before, each sequence was checked alone: eight prompts that each fit the free bl
 admitted together and their prefill failed with CacheFullError, as did a verify step whose
 sequences each had room for their k + 1 tokens but not all of them at once; the engine raised,
 which fails every request of the verifier. Now every step fits, preempted sequences come back,
-and the output is still the target's own greedy output, token for token.
+and the output is still the target's own greedy output, token for token. Two neighbours of the
+same failure: a prompt within k tokens of the context length, and a cache smaller than one
+context (the engine then serves the cache's length).
 """
 
 from __future__ import annotations
@@ -13,8 +15,9 @@ from __future__ import annotations
 import pytest
 
 from specd.engine.builder import build_engine
-from specd.messages import PytorchEngineConfig, SpeculativeConfig
+from specd.messages import ConfigError, PytorchEngineConfig, SpeculativeConfig
 from specd.models.append_plan import AppendPlan
+from specd.sampling_params import SamplingParams
 from tests.engine.test_greedy_lossless import make_requests
 
 BLOCK = 8
@@ -66,3 +69,30 @@ def test_claims_are_per_sequence_totals():
 def test_session_length_bounds_a_claim():
     plan = plan_over({0: 250}, free_blocks=10, session_len=256)
     assert plan.take(0, 6) and not plan.take(0, 7)
+
+
+@pytest.mark.parametrize("prompt_len", [250, 254, 255])
+def test_a_prompt_near_the_context_length_finishes(tiny_models, prompt_len):
+    """Admission claimed the prompt and k drafts past it: past the context length for a prompt
+    within k of it, so the engine found no room even in an empty cache and raised (in the
+    verifier: every request failed). A sequence never caches more than the context less one."""
+    engine = build_engine(tiny_models["target-llama"], config(),
+                          SpeculativeConfig(method="ngram", num_speculative_tokens=3))
+    (seq,) = engine.generate([[5 + i % 50 for i in range(prompt_len)]], [SamplingParams(max_new_tokens=20)])
+    assert seq.finish_reason == "length" and len(seq.output_token_ids) == 256 - prompt_len
+
+
+def test_a_cache_shorter_than_the_context_serves_its_own_length(tiny_models):
+    """48 tokens of cache under a 256-token context: the engine serves a 48-token context, so a
+    request past it is refused with a clear error and one within it stops at it ("length"),
+    where before a request that outgrew the cache stopped the engine."""
+    engine = build_engine(tiny_models["target-llama"], config(6),  # 6 blocks of 8 tokens
+                          SpeculativeConfig(method="ngram", num_speculative_tokens=3))
+    assert engine.max_model_len == 48
+    with pytest.raises(ConfigError, match="context length 48"):
+        engine.add_request(list(range(5, 65)), SamplingParams(max_new_tokens=4))
+    prompts, params = make_requests(512, seed=0)
+    short = [(p[:20], SamplingParams(**{**sp.__dict__, "max_new_tokens": 100})) for p, sp in zip(prompts, params)]
+    done = engine.generate([p for p, _ in short], [sp for _, sp in short])
+    assert all(len(s.prompt_token_ids) + len(s.output_token_ids) <= 48 for s in done)
+    assert any(s.finish_reason == "length" and len(s.prompt_token_ids) + len(s.output_token_ids) == 48 for s in done)
