@@ -1,9 +1,16 @@
 """Result writes: a step's deltas, finals and errors leave in one pipelined Redis round trip.
 
 The worker queues entries while it walks the batch (no I/O), then `flush` sends them all: the
-XADDs to the result streams, one EXPIRE per touched stream (every write refreshes the TTL, as the
-contract in specd/transport/redis_streams.py says), and last the XACK + XDEL of the finished
-requests' entries, so a request leaves the queue (XLEN) only after its final entry is written.
+XADDs to the result streams, the EXPIREs that keep their TTL (below), and last the XACK + XDEL of
+the finished requests' entries, so a request leaves the queue (XLEN) only after its final entry is
+written.
+
+TTL: a stream's first write, its last (final or error) and any write a tenth of the TTL or more
+after the stream's last EXPIRE carry one, so a stream lives at least 0.9 TTL past any write and a
+full TTL past its last (specd/transport/redis_streams.py). Not one per stream per step: at batch
+64 those were half the pipeline's commands. A stream that expired during a stall longer than that
+and is written again gets its EXPIRE in the same round trip (its last one is a TTL old), and an
+EXPIRE counts only once its flush went through, so a failed flush sends it again.
 
 A flush that fails (Redis unreachable) keeps its queue and sends it again, in order, with the next
 step's entries: positions make deltas idempotent, so a partly applied pipeline sent twice is
@@ -52,7 +59,7 @@ class Flush:
     """One round trip: the results taken out of the emitter's queue, and the riders' commands."""
 
     entries: list[tuple[str, dict[str, str]]]  # (result key, fields) in write order
-    keys: dict[str, None]  # touched result streams, insertion-ordered
+    keys: dict[str, bool]  # touched result streams, insertion-ordered -> whether their last entry is here
     finished_entry_ids: list  # request-stream entries to XACK + XDEL, after the entries
     deleted_keys: list[str]  # result streams of cancelled requests
     riders: list  # PipelineRider, answered by ResultEmitter.complete
@@ -61,6 +68,8 @@ class Flush:
     rider_counts: list[int] = field(default_factory=list)  # commands per rider, in order
     replies: list | None = None  # set by execute
     seconds: float = 0.0  # the round trip, measured by execute
+    expired_keys: list[str] = field(default_factory=list)  # streams whose TTL this flush refreshes
+    prepared_at: float = 0.0  # time.monotonic() of prepare
 
     def execute(self) -> None:
         """The round trip (any thread: it touches only this Flush). Raises what redis-py raises."""
@@ -86,7 +95,10 @@ class ResultEmitter:
         self.result_prefix = result_prefix
         self.ttl_seconds = ttl_seconds
         self._entries: list[tuple[str, dict[str, str]]] = []  # (result key, fields) in write order
-        self._keys: dict[str, None] = {}  # touched result streams, insertion-ordered
+        self._keys: dict[str, bool] = {}  # touched result streams, insertion-ordered -> last entry queued
+        self.refresh_seconds = ttl_seconds / 10  # a stream's TTL is refreshed by its first write past this
+        self._refreshed: dict[str, float] = {}  # result key -> monotonic time its last EXPIRE went through
+        self._last_prune = time.monotonic()
         self._finished_entry_ids: list[bytes | str] = []  # request-stream entries to XACK + XDEL
         self._deleted_keys: list[str] = []  # result streams of cancelled requests
         self.num_flushes = 0
@@ -109,7 +121,7 @@ class ResultEmitter:
         fields = {"kind": "delta", "pos": str(pos), "tokens": _tokens(token_ids)}
         if spec_stats is not None:
             fields["spec_stats"] = _stats(spec_stats)
-        self._add(request_id, fields)
+        self._add(request_id, fields, last=False)
 
     def final(self, request_id: str, pos: int, token_ids: list[int], finish_reason: str | None,
               spec_stats: SpecStats | None, prompt_tokens: int) -> None:
@@ -117,12 +129,12 @@ class ResultEmitter:
         self._add(request_id, {"kind": "final", "pos": str(pos), "tokens": _tokens(token_ids),
                                "finish_reason": finish_reason or "",
                                "spec_stats": _JSON.encode(asdict(spec_stats or SpecStats())),
-                               "prompt_tokens": str(prompt_tokens)})
+                               "prompt_tokens": str(prompt_tokens)}, last=True)
 
     def error(self, request_id: str, code: int, message: str, pos: int = 0) -> None:
         """A request that ends without a final: code is HTTP-like (400 bad request, 504 deadline...)."""
         self._add(request_id, {"kind": "error", "pos": str(pos), "tokens": "[]", "code": str(code),
-                               "message": message})
+                               "message": message}, last=True)
 
     def finish_entry(self, entry_id: bytes | str) -> None:
         """XACK + XDEL this request-stream entry after the results queued before it."""
@@ -132,10 +144,10 @@ class ResultEmitter:
         """Delete a request's result stream (cancelled: nobody reads it) after the writes queued."""
         self._deleted_keys.append(result_key(request_id, self.result_prefix))
 
-    def _add(self, request_id: str, fields: dict[str, str]) -> None:
+    def _add(self, request_id: str, fields: dict[str, str], last: bool) -> None:
         key = result_key(request_id, self.result_prefix)
         self._entries.append((key, fields))
-        self._keys[key] = None
+        self._keys[key] = last or self._keys.get(key, False)
 
     # ---- the round trip ---------------------------------------------------------------------
     def flush(self, riders: list[PipelineRider] = ()) -> int:
@@ -168,7 +180,11 @@ class ResultEmitter:
         pipe = self.client.pipeline(transaction=False)
         for key, fields in flush.entries:
             pipe.xadd(key, fields)
-        for key in flush.keys:
+        now = flush.prepared_at = time.monotonic()
+        stale = now - self.refresh_seconds
+        refreshed = self._refreshed
+        flush.expired_keys = [key for key, last in flush.keys.items() if last or refreshed.get(key, stale) <= stale]
+        for key in flush.expired_keys:
             pipe.expire(key, self.ttl_seconds)
         if flush.deleted_keys:
             pipe.delete(*flush.deleted_keys)
@@ -187,6 +203,7 @@ class ResultEmitter:
         """A flush that went through: count it, keep refused writes in `last_errors`, answer the
         riders; returns the number of result entries sent."""
         sent = len(flush.entries)
+        self._note_refreshed(flush)
         self.num_flushes += 1
         self.num_entries_sent += sent
         self.last_flush_seconds = flush.seconds
@@ -197,10 +214,26 @@ class ResultEmitter:
             start += n
         return sent
 
+    def _note_refreshed(self, flush: Flush) -> None:
+        """The TTLs the flush refreshed (a stream whose last entry went out is forgotten), and
+        now and then the streams not written for a TTL (a request another verifier took over)."""
+        refreshed = self._refreshed
+        for key in flush.expired_keys:
+            if flush.keys[key]:
+                refreshed.pop(key, None)
+            else:
+                refreshed[key] = flush.prepared_at
+        for key in flush.deleted_keys:
+            refreshed.pop(key, None)
+        if flush.prepared_at - self._last_prune > self.ttl_seconds:
+            self._last_prune = flush.prepared_at
+            cutoff = flush.prepared_at - self.ttl_seconds
+            self._refreshed = {k: t for k, t in refreshed.items() if t > cutoff}
+
     def requeue(self, flush: Flush) -> None:
         """A flush that failed: its results go back in front of those queued since, in order."""
         self._entries = flush.entries + self._entries
-        self._keys = {**flush.keys, **self._keys}
+        self._keys = {**flush.keys, **{k: last or flush.keys.get(k, False) for k, last in self._keys.items()}}
         self._finished_entry_ids = flush.finished_entry_ids + self._finished_entry_ids
         self._deleted_keys = flush.deleted_keys + self._deleted_keys
 

@@ -11,7 +11,9 @@ Result stream (one per request, `specd:results:<id>`), written by the verifier, 
                 counting where the dead one stopped)
     kind=final  pos, tokens (possibly empty), finish_reason, spec_stats (JSON), prompt_tokens
     kind=error  code (HTTP-like status), message
-    Every write refreshes a TTL so abandoned results expire. Positions make deltas idempotent: a
+    A TTL makes abandoned results expire: set with a stream's first write and its last, and
+    refreshed by any write a tenth of the TTL after the last refresh, so a stream outlives any
+    write by at least 0.9 TTL (services/verifier/emitter.py). Positions make deltas idempotent: a
     reader drops tokens below the position it already has (exactly-once across verifier restarts).
     The result stream is also the resume point: a verifier that reclaims the entry of a dead one
     replays it (specd/transport/resume.py) and continues from the tokens already written.
