@@ -1,17 +1,23 @@
 """Drafter death with real gRPC servers: the engine keeps decoding target-only for the requests of a
 drafter that went away (greedy output unchanged), resyncs them on the surviving drafter, and puts
-a restarted drafter back on the ring; a drafter past the step deadline costs one deadline."""
+a restarted drafter back on the ring; a drafter past the step deadline costs one deadline. The
+death is also met on the static path's CPU twin with the next verify batch staged while the
+drafts are out (SpecEngine._stage_next_verify): a staged batch waits on the drafter that dies."""
 
 from __future__ import annotations
 
+import os
 import time
+from unittest import mock
 
 import pytest
 
 from services.drafter.server import load_drafter, start_server
 from services.drafter.servicer import DrafterServicer
 from specd.engine.builder import build_engine
+from specd.engine.engine import STAGE_VERIFY_ENV, SpecEngine
 from specd.messages import PytorchEngineConfig, SpeculativeConfig
+from specd.models.llama_runner import LlamaRunner
 from specd.proposers.remote import RemoteProposer
 from specd.sampling_params import SamplingParams
 from specd.transport.embedded_redis import free_port
@@ -31,6 +37,16 @@ def serve(tiny_models, method, port=0):
     return start_server(servicer, "127.0.0.1", port, max_workers=8)
 
 
+def staged_engine(tiny_models, proposer) -> SpecEngine:
+    """The engine over the static path's CPU twin, staging its verify batches."""
+    runner = LlamaRunner(str(tiny_models["target-llama"]), ENGINE_CONFIG, use_static_path=True, compile_mode="0")
+    if proposer.aux_layer_ids:
+        runner.set_aux_hidden_layers(list(proposer.aux_layer_ids))
+    with mock.patch.dict(os.environ, {STAGE_VERIFY_ENV: "1"}):
+        return SpecEngine(runner, proposer, 3, max_batch_size=ENGINE_CONFIG.max_batch_size,
+                          max_model_len=runner.info.max_position_embeddings)
+
+
 def drafted(seqs) -> int:
     return sum(s.stats.num_draft_tokens for s in seqs)
 
@@ -44,18 +60,21 @@ def step_until(engine, done, max_steps: int) -> int:
     raise AssertionError(f"not done after {max_steps} steps")
 
 
+@pytest.mark.parametrize("staged", [False, True], ids=["default", "staged"])
 @pytest.mark.parametrize("method", ["ngram", "eagle3"])
-def test_killed_drafter_falls_back_then_resyncs_on_the_survivor(tiny_models, method):
+def test_killed_drafter_falls_back_then_resyncs_on_the_survivor(tiny_models, method, staged):
     servers = [serve(tiny_models, method), serve(tiny_models, method)]
     prompts, params = make_requests(8)
     want = target_greedy(tiny_models, "target-llama", prompts, params)
     try:
         with RemoteProposer([s.address for s in servers], deadline_s=2.0) as remote:
-            engine = build_engine(tiny_models["target-llama"], ENGINE_CONFIG, spec(tiny_models, method),
-                                  proposer=remote)
+            engine = (staged_engine(tiny_models, remote) if staged else
+                      build_engine(tiny_models["target-llama"], ENGINE_CONFIG, spec(tiny_models, method),
+                                   proposer=remote))
             seqs = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
             for _ in range(3):
                 engine.step()
+            assert engine.runner.staged == staged  # (a staged batch waits on the victim's drafts)
             # The victim is the drafter holding more of the running batch: the ring places sequences
             # by the servers' (random) ports, so either may hold them, and rarely one holds them all.
             running = [s for s in seqs if not s.is_finished]
@@ -78,6 +97,10 @@ def test_killed_drafter_falls_back_then_resyncs_on_the_survivor(tiny_models, met
             # Resynced on the survivor with their whole history: speculation resumed.
             assert survivor.servicer.num_sequences_opened >= opened_before + len(on_victim)
             assert drafted(on_victim) > before
+            if staged:
+                assert engine.runner.num_staged_forwards > 0 and not engine.runner.staged
+                kv = engine.runner.kv_cache
+                assert kv.allocator.num_free_blocks == kv.num_blocks
     finally:
         for s in servers:
             s.stop(0)
