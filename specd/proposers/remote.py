@@ -251,9 +251,14 @@ class RemoteProposer(DrafterMembership):
             # One tensor per answer, split into views: a tensor per sequence cost ~3 us each (a
             # batch of 64 spent 0.2 ms of the step's critical path on them here).
             ids = torch.tensor([t for s in seqs for t in s.token_ids], dtype=torch.long)
-            for i, seq, token_ids in zip(indices, seqs, ids.split([len(s.token_ids) for s in seqs])):
-                probs = tensor_from_pb(seq.probs) if seq.HasField("probs") else None
-                out[i] = DraftProposal(token_ids, probs)
+            proposals = [DraftProposal(token_ids, tensor_from_pb(seq.probs) if seq.HasField("probs") else None)
+                         for seq, token_ids in zip(seqs, ids.split([len(s.token_ids) for s in seqs]))]
+            fault = self._malformed(ids, proposals, [requests[i].num_draft_tokens for i in indices])
+            if fault is not None:  # a drafter's bug or a version skew must not reach the forward
+                self._lose(self._drafters[address], DrafterError(address, f"answered malformed drafts: {fault}"))
+                continue
+            for i, proposal in zip(indices, proposals):
+                out[i] = proposal
         out = [p if p is not None else DraftProposal(torch.empty(0, dtype=torch.long)) for p in out]
         self.last_draft_seconds = max((r.draft_time_us for r in responses.values()), default=0) / 1e6
         done = time.perf_counter()
@@ -268,6 +273,20 @@ class RemoteProposer(DrafterMembership):
                 handle=handle, waited=done - collect_at)
             self.num_round_trips += 1
         return out
+
+    def _malformed(self, ids: torch.Tensor, proposals: list[DraftProposal], asked: list[int]) -> str | None:
+        """What is wrong with an answer's drafts, or None: more drafts than asked (the engine
+        would fail the step), ids outside the vocabulary (the embedding would read past its
+        table: on CUDA a device assert, the process lost), q rows not [n, vocab]."""
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size):
+            return f"token ids outside [0, {self.vocab_size})"
+        for p, k in zip(proposals, asked):
+            n = p.token_ids.numel()
+            if n > k:
+                return f"{n} drafts where {k} were asked"
+            if p.probs is not None and tuple(p.probs.shape) != (n, self.vocab_size):
+                return f"draft probabilities of shape {tuple(p.probs.shape)} for {n} drafts"
+        return None
 
     # ---- beyond the protocol ----------------------------------------------------------------
     def take_resync(self) -> list[int]:

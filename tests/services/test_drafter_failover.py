@@ -11,6 +11,7 @@ import time
 from unittest import mock
 
 import pytest
+import torch
 
 from services.drafter.server import load_drafter, start_server
 from services.drafter.servicer import DrafterServicer
@@ -18,6 +19,7 @@ from specd.engine.builder import build_engine
 from specd.engine.engine import STAGE_VERIFY_ENV, SpecEngine
 from specd.messages import PytorchEngineConfig, SpeculativeConfig
 from specd.models.llama_runner import LlamaRunner
+from specd.proposers.base import DraftProposal
 from specd.proposers.remote import RemoteProposer
 from specd.sampling_params import SamplingParams
 from specd.transport.embedded_redis import free_port
@@ -162,3 +164,36 @@ def test_slow_drafter_costs_one_deadline_then_decoding_goes_on(tiny_models):
     assert 1 <= remote.num_failovers <= 1 + remote.num_reconnects
     assert elapsed < alone + 0.3 * remote.num_failovers + 2.0
     assert [s.output_token_ids for s in seqs] == [r.output_token_ids for r in reference]
+
+
+class MalformedProposer(SlowProposer):
+    """A drafter's bug or version skew: answers drafts the verifier must not verify."""
+
+    def __init__(self, fault: str) -> None:
+        super().__init__(0.0)
+        self.fault = fault
+
+    def propose(self, requests):
+        if self.fault == "out of vocabulary":
+            return [DraftProposal(torch.full((r.num_draft_tokens,), 10_000, dtype=torch.long)) for r in requests]
+        if self.fault == "too many":
+            return [DraftProposal(torch.full((r.num_draft_tokens + 2,), 7, dtype=torch.long)) for r in requests]
+        return [DraftProposal(torch.full((r.num_draft_tokens,), 7, dtype=torch.long),
+                              torch.full((r.num_draft_tokens, 3), 1 / 3)) for r in requests]  # q rows of 3
+
+
+@pytest.mark.parametrize("fault", ["out of vocabulary", "too many", "q rows"])
+def test_malformed_drafts_are_a_lost_drafter_not_a_failed_step(tiny_models, fault):
+    """Before, drafts past the vocabulary reached the embedding (on CUDA a device assert, the
+    verifier lost) and too many drafts failed the engine's step (every request failed)."""
+    server = start_server(DrafterServicer(MalformedProposer(fault), vocab_size=512), "127.0.0.1", 0)
+    prompts, params = make_requests(4)
+    try:
+        with RemoteProposer([server.address], deadline_s=2.0) as remote:
+            engine = build_engine(tiny_models["target-llama"], ENGINE_CONFIG,
+                                  SpeculativeConfig(method="ngram", num_speculative_tokens=3), proposer=remote)
+            seqs = engine.generate(prompts, params)
+            assert remote.num_failovers >= 1
+    finally:
+        server.stop(0)
+    assert [s.output_token_ids for s in seqs] == target_greedy(tiny_models, "target-llama", prompts, params)
