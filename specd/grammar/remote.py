@@ -26,6 +26,7 @@ import threading
 import time
 
 import grpc
+import torch
 
 from specd.grammar.backend import GrammarSpec, GrammarStep, MaskResult
 from specd.grammar.errors import GrammarCompileError, GrammarNotOpenError  # compiler.py's, without xgrammar
@@ -146,6 +147,7 @@ class RemoteGrammarBackend:
         self._pending_open: set[int] = set()  # opened since the last step
         self._pending_close: list[int] = []
         self.num_recoveries = 0  # streams replaced after a failure (tests, logs)
+        self._mask_width: int | None = None  # W of the first bitmask: the vocabulary's, every one after
         self.last_rpc_seconds = 0.0
         self.last_mask_seconds = 0.0
         self.last_handle_seconds = 0.0  # the service's whole handling time, compiles included
@@ -288,13 +290,34 @@ class RemoteGrammarBackend:
             raise GrammarServiceError(self.address, "answered for other sequences than asked")
         terminated = set(response.terminated)
         try:
-            return {m.seq_id: MaskResult(bitmask=tensor_from_pb(m.bitmask, copy=True),  # [n + 1, W] int32
-                                         num_valid_drafts=m.num_valid_drafts,
-                                         terminated=m.seq_id in terminated,
-                                         num_closing_rows=m.num_closing_rows)
-                    for m in response.masks}
+            results = {m.seq_id: MaskResult(bitmask=tensor_from_pb(m.bitmask, copy=True),  # [n + 1, W] int32
+                                            num_valid_drafts=m.num_valid_drafts,
+                                            terminated=m.seq_id in terminated,
+                                            num_closing_rows=m.num_closing_rows)
+                       for m in response.masks}
         except TensorCodecError as err:
             raise GrammarServiceError(self.address, f"bad bitmask: {err}") from None
+        for seq_id, r in results.items():
+            fault = self._malformed(r, len(step.drafts[seq_id]))
+            if fault is not None:  # a version skew or a bug: as a failed replica, never applied
+                raise GrammarServiceError(self.address, f"seq {seq_id}: {fault}")
+        return results
+
+    def _malformed(self, r: MaskResult, num_drafts: int) -> str | None:
+        """What breaks MaskResult's contract, or None. Rows past num_valid_drafts + 1 would mask
+        the next request's logits rows; another width would fail the step's bitmask kernel."""
+        b = r.bitmask
+        if b.dim() != 2 or b.dtype != torch.int32:
+            return f"bitmask of shape {tuple(b.shape)} and {b.dtype}, not [rows, W] int32"
+        if not 0 <= r.num_valid_drafts <= num_drafts or b.shape[0] != r.num_valid_drafts + 1:
+            return f"{b.shape[0]} bitmask rows, {r.num_valid_drafts} valid drafts of {num_drafts}"
+        if not 0 <= r.num_closing_rows <= b.shape[0]:
+            return f"{r.num_closing_rows} closing rows of {b.shape[0]}"
+        if self._mask_width is None:
+            self._mask_width = b.shape[1]
+        if b.shape[1] != self._mask_width:
+            return f"bitmask width {b.shape[1]}, not {self._mask_width} as before"
+        return None
 
     def _drop_stream(self) -> None:
         if self._stream is not None:

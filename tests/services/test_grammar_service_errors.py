@@ -1,6 +1,7 @@
 """The grammar service's errors over real gRPC on loopback: a malformed step ends only its stream
 (the server keeps serving), a rejected commit or an unknown sequence raises on the client and a fresh
-stream recovers, and an unreachable service or a missed deadline raises GrammarUnavailableError.
+stream recovers, and an unreachable service or a missed deadline raises GrammarUnavailableError;
+masks that break their contract count as a failed replica.
 """
 
 from __future__ import annotations
@@ -10,11 +11,13 @@ import time
 
 import grpc
 import pytest
+import torch
 
 from specd.grammar.backend import GrammarSpec, GrammarStep
 from specd.grammar.errors import GrammarNotOpenError
-from specd.grammar.remote import (GrammarRejectedError, GrammarUnavailableError, RemoteGrammarBackend,
-                                  spec_to_pb)
+from specd.grammar.remote import (GrammarRejectedError, GrammarServiceError, GrammarUnavailableError,
+                                  RemoteGrammarBackend, spec_to_pb)
+from specd.transport.tensor_codec import tensor_to_pb
 from specd.v1 import grammar_pb2, grammar_pb2_grpc
 from tests.services.conftest import _allowed
 
@@ -91,3 +94,27 @@ def test_unreachable_and_deadline_raise_unavailable():
             assert time.monotonic() - t0 < 3 and info.value.lost_seq_ids == [0]
             with pytest.raises(GrammarUnavailableError, match="Validate"):
                 remote.validate(GrammarSpec("json_object"))
+
+
+def _answer(rows: int, width: int, num_valid: int, closing: int = 0, dtype=torch.int32):
+    response = grammar_pb2.GrammarStepResponse()
+    response.masks.add(seq_id=1, num_valid_drafts=num_valid, num_closing_rows=closing,
+                       bitmask=tensor_to_pb(torch.zeros(rows, width, dtype=dtype)))
+    return response
+
+
+@pytest.mark.parametrize("answer, fault", [
+    (lambda: _answer(4, 16, 2), "4 bitmask rows, 2 valid drafts"),  # a row would mask the next request's
+    (lambda: _answer(5, 16, 4), "4 valid drafts of 3"),
+    (lambda: _answer(3, 16, 2, closing=4), "4 closing rows of 3"),
+    (lambda: _answer(3, 16, 2, dtype=torch.int64), r"not \[rows, W\] int32"),
+    (lambda: _answer(3, 9, 2), "bitmask width 9, not 16"),
+])
+def test_a_malformed_mask_answer_is_a_failed_replica(answer, fault):
+    """Masks that break MaskResult's contract are never applied: the step treats the replica as
+    failed (a fresh stream, the next replica), as for a lost connection."""
+    backend = RemoteGrammarBackend("127.0.0.1:1")
+    step = GrammarStep(commits={}, drafts={1: [7, 8, 9]}, budgets={})
+    assert backend._results(_answer(3, 16, 2), step)[1].num_valid_drafts == 2  # width 16 from now on
+    with pytest.raises(GrammarServiceError, match=fault):
+        backend._results(answer(), step)
