@@ -30,7 +30,7 @@ from specd.models.llama import LlamaForCausalLM
 from specd.models.llama_runner import LlamaRunner
 from specd.models.merged_linear import checkpoint_tensors
 
-from bench.step_timing import _median_ms, time_specd
+from bench.step_timing import _median_ms, time_specd, time_specd_staged
 from bench.step_variants import check_env_variants, check_step_outputs, time_env_variants, time_l2_prefetch, \
     time_recaptured, time_without_pdl
 
@@ -58,6 +58,10 @@ class StepRow:
     l2_prefetch_ms: dict[str, float] = field(default_factory=dict)  # plan -> graphs ms under it (CUDA)
     env_variant_ms: dict[str, float] = field(default_factory=dict)  # "K=V,..." -> graphs ms under it
     specd_graphs_captures_ms: list[float] = field(default_factory=list)  # each capture's time; the median above
+    # The default graphs as the engine launches a verify step: the batch staged while the drafts
+    # were out (slots, buffers), timed from the token ids' write to the replay's end.
+    specd_staged_ms: float | None = None
+    env_variant_staged_ms: dict[str, float] = field(default_factory=dict)  # "K=V,..." -> staged ms under it
 
     @property
     def compiled_over_floor(self) -> float | None:
@@ -66,6 +70,10 @@ class StepRow:
     @property
     def graphs_over_floor(self) -> float:
         return self.specd_graphs_ms / self.floor_ms
+
+    @property
+    def staged_over_floor(self) -> float | None:
+        return None if self.specd_staged_ms is None else self.specd_staged_ms / self.floor_ms
 
     @property
     def transformers_over_graphs(self) -> float | None:
@@ -176,22 +184,25 @@ def run_step_bench(shape: str = "8b", batches=(1, 8, 32, 64, 128), qs=(1, 4), co
         for q in qs:
             each = time_recaptured(graphs, batch, q, context, warmup, iters, graph_captures)
             g = sorted(each)[len(each) // 2]
+            st = time_specd_staged(graphs, batch, q, context, warmup, iters)
             n = time_without_pdl(graphs, batch, q, context, warmup, iters) if dev.type == "cuda" else None
             pf = time_l2_prefetch(graphs, list(l2_plans), batch, q, context, warmup, iters) if dev.type == "cuda" else {}
-            ev = time_env_variants(graphs, list(env_variants), batch, q, context, warmup, iters)
+            ev, evs = time_env_variants(graphs, list(env_variants), batch, q, context, warmup, iters)
             c = time_specd(torch_ops, batch, q, context, warmup, iters)
             e = time_specd(eager, batch, q, context, warmup, iters)
             h = (time_transformers(hf, config, batch, q, context, dev, dtype, warmup, iters)
                  if hf is not None else None)
             rows.append(StepRow(batch, q, g, e, h, floor_ms, specd_torch_ops_ms=c, specd_no_pdl_ms=n,
-                                l2_prefetch_ms=pf, env_variant_ms=ev, specd_graphs_captures_ms=each))
+                                l2_prefetch_ms=pf, env_variant_ms=ev, specd_graphs_captures_ms=each,
+                                specd_staged_ms=st, env_variant_staged_ms=evs))
             print(format_row(rows[-1]), flush=True)
             if len(each) > 1:
                 print(f"  graphs, each capture: {', '.join(f'{ms:.3f}' for ms in each)} ms", flush=True)
             for plan, ms in pf.items():
                 print(f"  l2 prefetch {plan}: {ms:.3f} ms (graphs {g:.3f})", flush=True)
             for spec, ms in ev.items():
-                print(f"  env {spec}: {ms:.3f} ms (graphs {g:.3f})", flush=True)
+                print(f"  env {spec}: {ms:.3f} ms (graphs {g:.3f}), staged {evs[spec]:.3f} ms (graphs {st:.3f})",
+                      flush=True)
     prefill = [{"tokens": n, "graphs_ms": time_specd(graphs, 1, n, 0, warmup, iters),
                 "eager_ms": time_specd(eager, 1, n, 0, warmup, iters)}
                for n in prefill_lens if n <= context + max(qs)]  # within the runners' session_len
@@ -252,8 +263,8 @@ def sdpa_backend(config: LlamaArchConfig, dtype: torch.dtype, device: torch.devi
         return f"unknown ({type(e).__name__})"
 
 
-HEADER = ("| batch | q | specd graphs ms | specd graphs no-PDL ms | specd graphs+compile ms | specd graphs torch-ops ms "
-          "| specd eager ms | transformers ms | floor ms | graphs / floor | graphs+compile / floor | transformers / graphs "
+HEADER = ("| batch | q | specd graphs ms | specd graphs staged ms | specd graphs no-PDL ms | specd graphs+compile ms | specd graphs torch-ops ms "
+          "| specd eager ms | transformers ms | floor ms | graphs / floor | staged / floor | graphs+compile / floor | transformers / graphs "
           "| transformers / graphs+compile |")
 
 
@@ -264,11 +275,20 @@ def format_row(r: StepRow) -> str:
     def times(num, den, digits):
         return f"{num / den:.{digits}f}x" if num is not None and den is not None else "-"
 
-    return (f"| {r.batch} | {r.q} | {ms(r.specd_graphs_ms)} | {ms(r.specd_no_pdl_ms)} | {ms(r.specd_compiled_ms)} | "
-            f"{ms(r.specd_torch_ops_ms)} | {ms(r.specd_eager_ms)} | {ms(r.transformers_ms)} | {r.floor_ms:.2f} | "
-            f"{r.graphs_over_floor:.2f}x | {times(r.specd_compiled_ms, r.floor_ms, 2)} | "
+    return (f"| {r.batch} | {r.q} | {ms(r.specd_graphs_ms)} | {ms(r.specd_staged_ms)} | {ms(r.specd_no_pdl_ms)} | "
+            f"{ms(r.specd_compiled_ms)} | {ms(r.specd_torch_ops_ms)} | {ms(r.specd_eager_ms)} | "
+            f"{ms(r.transformers_ms)} | {r.floor_ms:.2f} | {r.graphs_over_floor:.2f}x | "
+            f"{times(r.specd_staged_ms, r.floor_ms, 2)} | {times(r.specd_compiled_ms, r.floor_ms, 2)} | "
             f"{times(r.transformers_ms, r.specd_graphs_ms, 1)} | "
             f"{times(r.transformers_ms, r.specd_compiled_ms, 1)} |")
+
+
+def _variant_staged(r: StepRow, spec: str) -> str:
+    """A kernel experiment's staged columns (ms, vs the default graphs staged, / floor)."""
+    ms = r.env_variant_staged_ms.get(spec)
+    if ms is None or r.specd_staged_ms is None:
+        return "- | - | -"
+    return f"{ms:.2f} | {ms / r.specd_staged_ms:.3f}x | {ms / r.floor_ms:.2f}x"
 
 
 def write_step_results(rows: list[StepRow], info: dict, out_dir: Path) -> str:
@@ -277,9 +297,10 @@ def write_step_results(rows: list[StepRow], info: dict, out_dir: Path) -> str:
              f"{info['bandwidth_tbs']} TB/s; compile mode {info.get('compile_mode') or 'off'}, "
              f"SDPA kernel {info.get('sdpa_backend')}", "", HEADER, "|" + "---|" * HEADER.count(" | ") + "---|"]
     lines += [format_row(r) for r in rows]
-    lines += ["", "outputs on the same cached keys and values (batch, q: PDL vs no-PDL max |diff|; kernels vs "
-              "PyTorch-ops relative error):"]
-    lines += [f"- {c['batch']}, {c['q']}: {c['pdl_vs_no_pdl_max_abs']:.3g}; {c['kernels_vs_torch_ops_rel_err']:.3g}"
+    lines += ["", "outputs on the same cached keys and values (batch, q: PDL vs no-PDL max |diff|; staged vs "
+              "unstaged max |diff|; kernels vs PyTorch-ops relative error):"]
+    lines += [f"- {c['batch']}, {c['q']}: {c['pdl_vs_no_pdl_max_abs']:.3g}; {c['staged_vs_unstaged_max_abs']:.3g}; "
+              f"{c['kernels_vs_torch_ops_rel_err']:.3g}"
               f"{'' if c.get('l2_prefetch_vs_none_max_abs') is None else '; L2 prefetch plans vs none max |diff| %.3g' % c['l2_prefetch_vs_none_max_abs']}"
               f"{'' if c['finite'] else ' (NOT FINITE)'}" for c in info.get("output_checks", [])]
     if info.get("prefill"):
@@ -292,9 +313,11 @@ def write_step_results(rows: list[StepRow], info: dict, out_dir: Path) -> str:
         checks = info.get("env_variant_checks", {})
         lines += ["", "kernel experiments (environment settings, graphs captured under each; logits vs the "
                   "default graphs at batch 1, q max):", "",
-                  "| batch | q | settings | ms | vs graphs | / floor | rel err |", "|---|---|---|---|---|---|---|"]
+                  "| batch | q | settings | ms | vs graphs | / floor | staged ms | vs graphs staged | staged / floor "
+                  "| rel err |", "|---|---|---|---|---|---|---|---|---|---|"]
         lines += [f"| {r.batch} | {r.q} | {spec} | {ms:.2f} | {ms / r.specd_graphs_ms:.3f}x | {ms / r.floor_ms:.2f}x | "
-                  f"{checks.get(spec, {}).get('rel_err', float('nan')):.2g} |" for r, spec, ms in variants]
+                  f"{_variant_staged(r, spec)} | {checks.get(spec, {}).get('rel_err', float('nan')):.2g} |"
+                  for r, spec, ms in variants]
     plans = [(r, plan, ms) for r in rows for plan, ms in r.l2_prefetch_ms.items()]
     if plans:
         lines += ["", "L2 prefetch plans (kernels/l2_prefetch.py), graphs with PDL as above:", "",
@@ -307,6 +330,7 @@ def write_step_results(rows: list[StepRow], info: dict, out_dir: Path) -> str:
     (out_dir / "step.json").write_text(json.dumps(
         {"info": info, "rows": [asdict(r) | {"graphs_over_floor": r.graphs_over_floor,
                                               "compiled_over_floor": r.compiled_over_floor,
+                                              "staged_over_floor": r.staged_over_floor,
                                               "transformers_over_graphs": r.transformers_over_graphs}
                                 for r in rows]}, indent=1))
     return table

@@ -27,46 +27,68 @@ def _sync(device: torch.device) -> None:
 MIN_CUDA_WARMUP_S = 0.5
 
 
-def _median_ms(fn, device: torch.device, warmup: int, iters: int) -> float:
+def _median_ms(fn, device: torch.device, warmup: int, iters: int, before=None, after=None) -> float:
+    """fn's median time over iters calls, synchronised. before() and after() run around each
+    call, untimed (before's device work finished before the clock starts)."""
     t_end = time.perf_counter() + (MIN_CUDA_WARMUP_S if device.type == "cuda" else 0.0)
     done = 0
     while done < warmup or time.perf_counter() < t_end:
+        if before is not None:
+            before()
         fn()
+        if after is not None:
+            after()
         done += 1
         if done % 16 == 0:
             _sync(device)  # keep the host from queueing seconds of work ahead of the clock
     _sync(device)
     times = []
     for _ in range(iters):
+        if before is not None:
+            before()
+            _sync(device)
         t0 = time.perf_counter()
         fn()
         _sync(device)
         times.append((time.perf_counter() - t0) * 1e3)
+        if after is not None:
+            after()
     times.sort()
     return times[len(times) // 2]
+
+
+def _step_chunks(runner: LlamaRunner, batch: int, q: int) -> list[SequenceChunk]:
+    vocab = runner.config.vocab_size
+    return [SequenceChunk(s, [(7 * s + j) % vocab for j in range(q)]) for s in range(batch)]
+
+
+@contextlib.contextmanager
+def _cached_sequences(runner: LlamaRunner, batch: int, context: int):
+    """Sequences 0..batch-1, each holding `context` cached tokens (slots reserved, values
+    irrelevant); freed on exit."""
+    ids = list(range(batch))
+    for s in ids:
+        runner.add_sequence(s)
+        runner.kv_cache.append_slots(s, context)
+    try:
+        yield ids
+    finally:
+        for s in ids:
+            runner.free(s)
 
 
 @contextlib.contextmanager
 def repeatable_step(runner: LlamaRunner, batch: int, q: int, context: int):
     """Yields step(): a forward of `batch` sequences holding `context` cached tokens, q new tokens
     each, rolled back after, so the same step repeats. The sequences are freed on exit."""
-    ids = list(range(batch))
-    for s in ids:
-        runner.add_sequence(s)
-        runner.kv_cache.append_slots(s, context)  # cached context: slots reserved, values irrelevant
-    vocab = runner.config.vocab_size
-    chunks = [SequenceChunk(s, [(7 * s + j) % vocab for j in range(q)]) for s in ids]
+    chunks = _step_chunks(runner, batch, q)
+    with _cached_sequences(runner, batch, context) as ids:
+        def step():
+            runner.forward(chunks)
+            for s in ids:
+                runner.truncate(s, context)
 
-    def step():
-        runner.forward(chunks)
-        for s in ids:
-            runner.truncate(s, context)
-
-    try:
         yield step
-    finally:
-        for s in ids:
-            runner.free(s)
 
 
 def time_specd(runner: LlamaRunner, batch: int, q: int, context: int, warmup: int, iters: int) -> float:
@@ -75,22 +97,40 @@ def time_specd(runner: LlamaRunner, batch: int, q: int, context: int, warmup: in
         return _median_ms(step, runner.device, warmup, iters)
 
 
-def step_logits(runner: LlamaRunner, batch: int, q: int, context: int) -> torch.Tensor:
-    """The logits [batch * q, V] of one step as time_specd runs it (rolled back after). The cached
-    keys and values are N(0, 1) draws seeded by the sequence, written through its block table:
-    what a sequence attends to must not depend on which physical blocks the allocator hands out
-    (a free list returns them in another order on the next call)."""
-    ids = list(range(batch))
-    for s in ids:
-        runner.add_sequence(s)
-        runner.kv_cache.append_slots(s, context)
-        _fill_sequence_cache(runner, s)
-    vocab = runner.config.vocab_size
-    try:
-        return runner.forward([SequenceChunk(s, [(7 * s + j) % vocab for j in range(q)]) for s in ids]).logits
-    finally:
+def time_specd_staged(runner: LlamaRunner, batch: int, q: int, context: int, warmup: int, iters: int) -> float:
+    """The same step as the engine launches it once its drafts are back: the batch staged before
+    the clock starts (LlamaRunner.stage: slots, buffers, placeholder ids; the engine does this
+    while the drafters work, SpecEngine._stage_next_verify), the timed part the token ids written,
+    the replay and the wait for it. Raises where the batch does not stage (no static path)."""
+    chunks = _step_chunks(runner, batch, q)
+    placeholders = [SequenceChunk(c.seq_id, [0] * len(c.token_ids)) for c in chunks]
+    with _cached_sequences(runner, batch, context) as ids:
+        def stage():
+            if not runner.stage(placeholders):
+                raise RuntimeError(f"batch {batch} q {q} does not stage on this runner")
+
+        def rollback():
+            for s in ids:
+                runner.truncate(s, context)
+
+        staged_before = runner.num_staged_forwards
+        ms = _median_ms(lambda: runner.forward(chunks), runner.device, warmup, iters, before=stage, after=rollback)
+        assert runner.num_staged_forwards - staged_before >= iters  # every timed forward took its stage
+        return ms
+
+
+def step_logits(runner: LlamaRunner, batch: int, q: int, context: int, staged: bool = False) -> torch.Tensor:
+    """The logits [batch * q, V] of one step as time_specd (staged: time_specd_staged) runs it.
+    The cached keys and values are N(0, 1) draws seeded by the sequence, written through its block
+    table: what a sequence attends to must not depend on which physical blocks the allocator hands
+    out (a free list returns them in another order on the next call)."""
+    chunks = _step_chunks(runner, batch, q)
+    with _cached_sequences(runner, batch, context) as ids:
         for s in ids:
-            runner.free(s)
+            _fill_sequence_cache(runner, s)
+        if staged and not runner.stage([SequenceChunk(c.seq_id, [0] * len(c.token_ids)) for c in chunks]):
+            raise RuntimeError(f"batch {batch} q {q} does not stage on this runner")
+        return runner.forward(chunks).logits
 
 
 def _fill_sequence_cache(runner: LlamaRunner, seq_id: int) -> None:

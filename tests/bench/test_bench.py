@@ -57,17 +57,21 @@ def test_small_suite_has_every_row(tmp_path, tiny_models):
         assert r["specd_graphs_ms"] > 0 and r["specd_eager_ms"] > 0 and r["transformers_ms"] > 0
         assert r["specd_compiled_ms"] > 0 and r["compiled_over_floor"] > 0  # the --compile column
         assert r["floor_ms"] > 0
+        assert r["specd_staged_ms"] > 0 and r["staged_over_floor"] > 0  # staged as the engine launches it
         each = r["specd_graphs_captures_ms"]  # timed twice, captured anew for the second
         assert len(each) == 2 and r["specd_graphs_ms"] == sorted(each)[1]
     assert step["info"]["compile_mode"] == "default" and step["info"]["compile_column_s"] > 0
     for r in step["rows"]:  # the kernel-experiment column, and its logits against the default
         assert r["env_variant_ms"]["SPECD_ATTN_PROGRAMS=8"] > 0
+        assert r["env_variant_staged_ms"]["SPECD_ATTN_PROGRAMS=8"] > 0
     assert step["info"]["env_variant_checks"]["SPECD_ATTN_PROGRAMS=8"]["rel_err"] == 0.0  # CPU: one body
+    assert step["info"]["env_variant_checks"]["SPECD_ATTN_PROGRAMS=8"]["staged_vs_unstaged_max_abs"] == 0.0
     prefill = step["info"]["prefill"]  # the static path's prefill against eager (128 > session: dropped)
     assert [p["tokens"] for p in prefill] == [32] and prefill[0]["graphs_ms"] > 0 and prefill[0]["eager_ms"] > 0
     checks = step["info"]["output_checks"]  # the timed paths compute the same logits
     assert [(c["batch"], c["q"]) for c in checks] == [(1, 4)]
     assert checks[0]["finite"] and checks[0]["pdl_vs_no_pdl_max_abs"] == 0.0
+    assert checks[0]["staged_vs_unstaged_max_abs"] == 0.0
     assert checks[0]["kernels_vs_torch_ops_rel_err"] < 1e-4  # float32 on CPU (no Triton there: one body)
     e2e = json.loads((out / "e2e.json").read_text())
     rows = {(r["method"], r["batch"]): r for r in e2e["rows"]}

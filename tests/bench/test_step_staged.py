@@ -1,0 +1,46 @@
+"""The step bench's staged column: the verify step timed as the engine launches it (the batch
+staged before its drafts exist, bench/step_timing.py), on the CPU static path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bench.step import arch_config, random_model
+from bench.step_timing import step_logits, time_specd, time_specd_staged
+from specd.messages import PytorchEngineConfig
+from specd.models.llama_runner import LlamaRunner
+
+
+def _runner(static: bool) -> LlamaRunner:
+    config = arch_config("small")
+    model = random_model(config, torch.float32, torch.device("cpu"))
+    engine = PytorchEngineConfig(block_size=8, max_batch_size=4, num_gpu_blocks=64, session_len=80,
+                                 device_type="cpu")
+    return LlamaRunner(".", engine, model=model, config=config, use_static_path=static, compile_mode="0")
+
+
+def test_staged_step_computes_the_unstaged_logits_and_every_timed_forward_takes_its_stage():
+    runner = _runner(static=True)
+    for batch, q in ((1, 4), (4, 4), (3, 1)):
+        plain = step_logits(runner, batch, q, context=40)
+        staged_before = runner.num_staged_forwards
+        staged = step_logits(runner, batch, q, context=40, staged=True)
+        assert runner.num_staged_forwards == staged_before + 1
+        assert torch.equal(staged, plain)  # the placeholders were overwritten by the real ids
+        assert staged.shape == (batch * q, runner.config.vocab_size)
+
+    free_before = runner.kv_cache.allocator.num_free_blocks
+    before = runner.num_staged_forwards
+    ms = time_specd_staged(runner, batch=2, q=4, context=40, warmup=2, iters=5)
+    assert ms > 0 and runner.num_staged_forwards - before == 2 + 5  # warm-up and timed, each staged
+    assert runner.kv_cache.allocator.num_free_blocks == free_before and not runner.staged  # all rolled back, freed
+    assert time_specd(runner, batch=2, q=4, context=40, warmup=1, iters=3) > 0  # the cache is usable after
+
+
+def test_a_runner_without_the_static_path_says_its_step_does_not_stage():
+    runner = _runner(static=False)
+    free_before = runner.kv_cache.allocator.num_free_blocks
+    with pytest.raises(RuntimeError, match="does not stage"):
+        time_specd_staged(runner, batch=1, q=4, context=16, warmup=1, iters=1)
+    assert runner.kv_cache.allocator.num_free_blocks == free_before  # its sequences freed all the same
