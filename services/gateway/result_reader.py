@@ -187,7 +187,7 @@ class ResultReader:
                 if sub is None:  # finished or abandoned while we read
                     break
                 sub.last_id = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
-                self._dispatch(sub, ResultEntry.from_fields(fields))
+                self._dispatch(sub, ResultEntry.from_fields(fields, delta_stats=False))  # finals' stats only
 
     async def _learn_reader_id(self) -> None:
         await self._reader.initialize()

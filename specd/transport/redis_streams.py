@@ -101,10 +101,12 @@ class ResultEntry:
         return {k: str(v) for k, v in fields.items()}
 
     @classmethod
-    def from_fields(cls, fields: dict[bytes | str, bytes | str]) -> "ResultEntry":
+    def from_fields(cls, fields: dict[bytes | str, bytes | str], *, delta_stats: bool = True) -> "ResultEntry":
+        """delta_stats=False leaves a delta's spec_stats unread (None): the gateway's reader, which
+        uses the final's only, skips half of a delta's decoding (BENCHMARKS.md, hiredis section)."""
         f = {_s(k): _s(v) for k, v in fields.items()}
         entry = cls(kind=f["kind"], pos=int(f.get("pos", 0)), tokens=json.loads(f.get("tokens", "[]")))
-        if entry.kind == "delta" and "spec_stats" in f:
+        if entry.kind == "delta" and delta_stats and "spec_stats" in f:
             entry.spec_stats = SpecStats(**json.loads(f["spec_stats"]))
         if entry.kind == "final":
             entry.finish_reason = f.get("finish_reason") or None
