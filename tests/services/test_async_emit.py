@@ -122,6 +122,10 @@ def read_streams(client, ids) -> dict[str, list[ResultEntry]]:
     return {rid: [ResultEntry.from_fields(f) for _, f in client.xrange(result_key(rid))] for rid in ids}
 
 
+def _text(v) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
 def check_write_order(executed: list[Executed], entries: dict[str, str]) -> None:
     """Pipelines never overlap; per request, positions never go back; a request's entry is XACKed
     and XDELed only after its final was written (earlier in the same pipeline, or before)."""
@@ -133,7 +137,7 @@ def check_write_order(executed: list[Executed], entries: dict[str, str]) -> None
         for args in ex.commands:
             name = args[0].upper()
             if name == "XADD":
-                fields = dict(zip(args[3::2], args[4::2]))
+                fields = {_text(k): _text(v) for k, v in zip(args[3::2], args[4::2])}  # the emitter sends bytes
                 rid = args[1][len("specd:results:"):]
                 assert int(fields["pos"]) >= last_pos.get(rid, 0), (rid, fields["pos"], last_pos.get(rid))
                 last_pos[rid] = int(fields["pos"])
