@@ -99,13 +99,16 @@ def _row(method: str, batch: int, wall: float, replies) -> E2ERow:
 
 
 def scrape_step_phases(port: int) -> dict[str, tuple[float, float]]:
-    """The verifier's specd:step_duration_seconds histogram: {phase: (sum seconds, count)}, and its
-    CUDA-graph capture counters as {"captures": (seconds, count)}."""
+    """The verifier's specd:step_duration_seconds histogram: {phase: (sum seconds, count)}, its
+    CUDA-graph capture counters as {"captures": (seconds, count)} and its admission forwards as
+    {"prefills": (static, eager)}."""
     import urllib.request
 
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    out: dict[str, list[float]] = {"captures": [0.0, 0.0]}
+    out: dict[str, list[float]] = {"captures": [0.0, 0.0], "prefills": [0.0, 0.0]}
     for line in text.splitlines():
+        if line.startswith('specd:prefill_forwards_total{path="'):  # [static, eager]
+            out["prefills"][line.startswith('specd:prefill_forwards_total{path="eager"')] = float(line.rsplit(" ", 1)[1])
         if line.startswith("specd:cuda_graph_capture_seconds_total "):
             out["captures"][0] = float(line.rsplit(" ", 1)[1])
         elif line.startswith("specd:cuda_graph_captures_total "):
@@ -129,6 +132,7 @@ def step_split_ms(before: dict, after: dict) -> dict[str, float]:
     CUDA graphs captured meanwhile (a capture inside a timed round stalls it: count and seconds)."""
     before, after = dict(before), dict(after)
     c0, c1 = before.pop("captures", (0.0, 0.0)), after.pop("captures", (0.0, 0.0))
+    p0, p1 = before.pop("prefills", (0.0, 0.0)), after.pop("prefills", (0.0, 0.0))
     phases = [p for p in after if not p.startswith(ROUND_TRIP)]
     steps = max((after[p][1] - before.get(p, (0, 0))[1] for p in phases), default=0)
     split = {p: round((after[p][0] - before.get(p, (0, 0))[0]) / steps * 1e3, 3) if steps else 0.0
@@ -137,7 +141,8 @@ def step_split_ms(before: dict, after: dict) -> dict[str, float]:
         if p.startswith(ROUND_TRIP):
             n = after[p][1] - before.get(p, (0, 0))[1]
             split[p] = round((after[p][0] - before.get(p, (0, 0))[0]) / n * 1e3, 3) if n else 0.0
-    return split | {"steps": int(steps), "captures": int(c1[1] - c0[1]), "capture_s": round(c1[0] - c0[0], 3)}
+    return split | {"steps": int(steps), "captures": int(c1[1] - c0[1]), "capture_s": round(c1[0] - c0[0], 3),
+                    "prefills": int(sum(p1) - sum(p0)), "eager_prefills": int(p1[1] - p0[1])}
 
 
 # A/B variants of a method, as suffixes of its name: "replay-sync" is replay with drafting ahead off,
@@ -229,13 +234,13 @@ def run_method(method: str, target: Path, draft: Path | None, batches: list[int]
 # The verifier's loop by phase (services/verifier/metrics.py): draft and verify are the engine's
 # verbs (host time: the forward runs on the device meanwhile; launch is verify's part before the
 # forward is queued, on the critical path), device_wait the commit's wait for the
-# device, commit the rest of the commit (and sending drafts ahead), emit the result writes, rest
-# admission (the stream read and the prefill of admitted requests) and deadlines.
-STEP_PHASES = ("draft", "verify", "launch", "device_wait", "commit", "emit", "rest")
+# device, commit the rest of the commit (and sending drafts ahead), emit the result writes, prefill
+# the admitted requests' forward and first tokens, rest the stream read, deadlines, the loop.
+STEP_PHASES = ("draft", "verify", "launch", "device_wait", "commit", "emit", "prefill", "rest")
 HEADER = ("| method | batch | output tokens | wall s | tokens/s (rounds) | TPOT ms | acceptance length "
           "(expected) | tokens/s vs off | verifier ms per step: draft / verify (of it: launch) / device wait / "
-          "commit / emit / rest (steps; graphs captured in each timed round, when any; remote drafters: a round "
-          "trip's queued / transit / drafter / waited ms) |")
+          "commit / emit / prefill / rest (steps; prefill forwards, of them eager; graphs captured in each "
+          "timed round, when any; remote drafters: a round trip's queued / transit / drafter / waited ms) |")
 
 
 def format_row(r: E2ERow) -> str:
@@ -244,6 +249,8 @@ def format_row(r: E2ERow) -> str:
     rounds = f" ({', '.join(f'{v:.0f}' for v in r.rounds_tokens_per_s)})" if r.rounds_tokens_per_s else ""
     captures = (f"; captures {', '.join(map(str, r.rounds_captures))}" if r.rounds_captures and any(r.rounds_captures)
                 else "")
+    prefills = (f"; prefills {r.step_ms['prefills']}, eager {r.step_ms.get('eager_prefills', 0)}"
+                if r.step_ms and r.step_ms.get("prefills") else "")
     round_trip = ""
     if r.step_ms and any(r.step_ms.get(ROUND_TRIP + p) for p in ROUND_TRIP_PARTS):
         round_trip = "; round trip " + " / ".join(f"{r.step_ms.get(ROUND_TRIP + p, 0):.2f}" for p in ROUND_TRIP_PARTS)
@@ -251,7 +258,7 @@ def format_row(r: E2ERow) -> str:
              " / ".join(f"{r.step_ms.get(p, 0):.2f}" + (f" ({r.step_ms['launch']:.2f})" if p == "verify"
                                                          and "launch" in r.step_ms else "")
                         for p in STEP_PHASES if p != "launch")
-             + f" ({r.step_ms.get('steps', 0)}{captures}{round_trip})")
+             + f" ({r.step_ms.get('steps', 0)}{prefills}{captures}{round_trip})")
     return (f"| {r.method} | {r.batch} | {r.output_tokens} | {r.wall_s:.2f} | {r.tokens_per_s:.1f}{rounds} | "
             f"{r.tpot_ms:.2f} | {r.acceptance_length:.2f}{expected} | {speedup} | {split} |")
 

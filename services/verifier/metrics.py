@@ -35,6 +35,9 @@ class StepRecord:
     launch_seconds: float = 0.0  # of verify: the host's work before the forward is queued
     device_wait_seconds: float = 0.0  # engine commit blocked on the device's results
     commit_seconds: float = 0.0  # engine commit verb (and sending drafts ahead), device wait excluded
+    prefill_seconds: float = 0.0  # of the engine's admit: the admitted requests' forward and first tokens
+    num_prefills: int = 0  # admission forwards in the step (0 or 1)
+    num_eager_prefills: int = 0  # of them, outside the runner's static path (CUDA graphs)
     engine_seconds: float = 0.0  # the whole engine step
     emit_seconds: float = 0.0  # the loop's emit verb: queueing, and waiting on Redis (below)
     emit_wait_seconds: float = 0.0  # of emit_seconds, blocked on result flushes: the round trip when
@@ -51,10 +54,10 @@ class StepRecord:
 
     @property
     def rest_seconds(self) -> float:
-        """other_seconds less the device wait, commit and emit: admission (the stream read, the
-        engine's prefill of what it admitted) and deadlines."""
+        """other_seconds less the device wait, commit, emit and prefill: the stream read of new
+        requests, deadlines, the loop itself."""
         return max(0.0, self.other_seconds - self.device_wait_seconds - self.commit_seconds
-                   - self.emit_seconds)
+                   - self.emit_seconds - self.prefill_seconds)
 
 
 def add_spec_difference(total: SpecStats, current: SpecStats, seen: SpecStats) -> None:
@@ -86,7 +89,8 @@ class VerifierMetrics:
                                       "Seconds per loop iteration, by phase: draft, verify (of it "
                                       "launch: until the forward is queued), other (everything "
                                       "else), and other split into device_wait (the commit's wait "
-                                      "for the device), commit, emit and rest",
+                                      "for the device), commit, emit, prefill (of admitted requests) "
+                                      "and rest",
                                       ["phase"], buckets=STEP_BUCKETS, registry=r)
         self.emit_seconds = Histogram("specd:emit_duration_seconds",
                                       "Seconds per step the loop spent writing results (queueing and "
@@ -114,11 +118,14 @@ class VerifierMetrics:
             "drafters, by part: queued (until gRPC's sender thread took the request), transit (to the "
             "answer's arrival, less handle), handle (the drafter's own time), waited (the engine "
             "blocked collecting it)", ["part"], buckets=STEP_BUCKETS, registry=r)
+        self.prefills = Counter("specd:prefill_forwards", "Admission forwards (each prefills the "
+                                "requests admitted together), by path: static (CUDA graphs) or eager",
+                                ["path"], registry=r)
         self._round_trips_seen = 0
         self._captures_seen = (0, 0.0)
         self._phases = {p: self.step_seconds.labels(phase=p)
                         for p in ("draft", "verify", "launch", "other", "device_wait", "commit", "emit",
-                                  "rest")}
+                                  "prefill", "rest")}
 
     def serve(self, port: int, addr: str = "0.0.0.0"):
         """Serve /metrics over HTTP (a daemon thread); returns (server, thread)."""
@@ -137,9 +144,13 @@ class VerifierMetrics:
             self._phases["device_wait"].observe(record.device_wait_seconds)
             self._phases["commit"].observe(record.commit_seconds)
             self._phases["emit"].observe(record.emit_seconds)
+            self._phases["prefill"].observe(record.prefill_seconds)
             self._phases["rest"].observe(record.rest_seconds)
             self.emit_seconds.observe(record.emit_seconds)
             self.emit_wait_seconds.observe(record.emit_wait_seconds)
+        if record.num_prefills:
+            self.prefills.labels(path="eager").inc(record.num_eager_prefills)
+            self.prefills.labels(path="static").inc(record.num_prefills - record.num_eager_prefills)
         if record.flush_seconds > 0:
             self.flush_seconds.observe(record.flush_seconds)
         self.spec.observe(record.spec)

@@ -179,6 +179,8 @@ class VerifierWorker(Admission, Emission):
         timings = self.engine.stats.timings
         draft0, verify0, tokens0 = timings.draft, timings.verify, self.engine.stats.num_output_tokens
         commit0, wait0, launch0 = timings.commit, timings.device_wait, timings.launch
+        stats = self.engine.stats
+        prefill0, prefills0, eager0 = timings.prefill, stats.num_prefills, stats.num_eager_prefills
         t0 = time.perf_counter()
         self._record = record
         try:
@@ -192,6 +194,9 @@ class VerifierWorker(Admission, Emission):
         record.launch_seconds = timings.launch - launch0
         record.device_wait_seconds = timings.device_wait - wait0
         record.commit_seconds = (timings.commit - commit0) - record.device_wait_seconds
+        record.prefill_seconds = timings.prefill - prefill0
+        record.num_prefills = stats.num_prefills - prefills0
+        record.num_eager_prefills = stats.num_eager_prefills - eager0
         record.num_new_tokens = self.engine.stats.num_output_tokens - tokens0
         proposer = self.engine.proposer  # remote drafters: where the round trip went
         if getattr(proposer, "num_round_trips", 0):

@@ -214,9 +214,14 @@ class SpecEngine:
         self._ks = None
         # A preempted sequence comes back with its output: re-prefill all but its last token, which
         # is still waiting to be verified; its next token is not sampled again.
-        out = self.runner.forward([SequenceChunk(s.seq_id, self._prefill_tokens(s)) for s in admitted],
-                                  want_hidden=self._hidden_kind == "final",
+        t_prefill = time.perf_counter()
+        chunks = [SequenceChunk(s.seq_id, self._prefill_tokens(s)) for s in admitted]
+        eager_before = getattr(self.runner, "num_eager_forwards", None)  # None: a runner without a static path
+        out = self.runner.forward(chunks, want_hidden=self._hidden_kind == "final",
                                   want_aux_hidden=self._hidden_kind == "aux")
+        self.stats.num_prefills += 1
+        self.stats.num_prefill_tokens += sum(len(c.token_ids) for c in chunks)
+        self.stats.num_eager_prefills += eager_before is None or self.runner.num_eager_forwards > eager_before
         last_rows = torch.tensor([out.offsets[i + 1] - 1 for i in range(len(admitted))], device=out.logits.device)
         st = SamplingTensors.from_params([s.params for s in admitted], out.logits.device)
         logits = out.logits[last_rows]
@@ -235,6 +240,7 @@ class SpecEngine:
             first = logits.float().argmax(dim=-1).tolist()
         else:
             first = sample_from_probs(processed_probs(logits, st), st.seeds, positions, SALT_SAMPLE).tolist()
+        self.stats.timings.prefill += time.perf_counter() - t_prefill
         finished = []
         for i, seq in enumerate(admitted):
             seq.status = SequenceStatus.RUNNING

@@ -15,6 +15,7 @@ class StepTimings:
     commit: float = 0.0  # device_wait included
     device_wait: float = 0.0  # of commit: blocked on the device's results (the step's one sync)
     launch: float = 0.0  # of verify: the host's work before the forward is queued on the device
+    prefill: float = 0.0  # of admit: the admitted requests' forward and first tokens (to their sync)
 
 
 @dataclass
@@ -24,4 +25,7 @@ class EngineStats:
     num_steps: int = 0
     num_output_tokens: int = 0
     num_preemptions: int = 0  # sequences whose cache was freed for room (re-prefilled later)
+    num_prefills: int = 0  # admission forwards (each prefills the sequences admitted together)
+    num_eager_prefills: int = 0  # of them, those outside the runner's static path (CUDA graphs)
+    num_prefill_tokens: int = 0
     timings: StepTimings = field(default_factory=StepTimings)

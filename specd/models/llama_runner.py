@@ -159,6 +159,7 @@ class LlamaRunner:
         self.static: StaticForward | None = None
         self._staged: _StagedBatch | None = None  # stage(): a verify batch waiting for its drafts
         self.num_staged_forwards = 0  # forwards that took a staged batch (tests, bench)
+        self.num_eager_forwards = 0  # forwards outside the static path (a long prefill; metrics)
         if compile_mode is None:
             compile_mode = os.environ.get(COMPILE_ENV, "0")
         self.compile_mode = None if compile_mode in ("", "0", "off") else compile_mode
@@ -353,6 +354,7 @@ class LlamaRunner:
             layout = self.static.layout(query_lens, starts) if self.static is not None else None
             if layout is not None:
                 return self._static_forward(chunks, starts, slots, layout, want_hidden, want_aux_hidden)
+            self.num_eager_forwards += 1
             meta = AttentionMetadata.build(
                 query_lens=query_lens,
                 seq_lens=[s + n for s, n in zip(starts, query_lens)],

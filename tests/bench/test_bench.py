@@ -87,7 +87,8 @@ def test_small_suite_has_every_row(tmp_path, tiny_models):
         assert r["rounds_captures"] == [0, 0, 0]  # no CUDA graphs on CPU, so none in a timed round
         assert r["step_ms"]["draft"] > 0 if method != "off" else r["step_ms"]["draft"] >= 0
         # the finer split adds up to "other" (each phase a mean over the same steps)
-        parts = sum(r["step_ms"][p] for p in ("device_wait", "commit", "emit", "rest"))
+        parts = sum(r["step_ms"][p] for p in ("device_wait", "commit", "emit", "prefill", "rest"))
+        assert r["step_ms"]["prefills"] >= 1  # each timed round admits its requests
         assert r["step_ms"]["device_wait"] > 0 and r["step_ms"]["commit"] > 0 and r["step_ms"]["emit"] > 0
         assert parts == pytest.approx(r["step_ms"]["other"], rel=0.02, abs=0.01)
     assert rows[("replay", 1)]["expected_acceptance_length"] == 3.0

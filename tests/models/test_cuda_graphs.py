@@ -181,13 +181,13 @@ def test_long_prefills_and_oversized_batches_fall_back_to_eager(checkpoint):
     for s in range(3):
         runner.add_sequence(s)
     runner.forward([SequenceChunk(s, tokens(5, s)) for s in range(3)])  # 3 > largest bucket 2
-    assert runner.static.num_static_forwards == 0
+    assert (runner.static.num_static_forwards, runner.num_eager_forwards) == (0, 1)
     runner.forward([SequenceChunk(s, tokens(33, 20 + s)) for s in range(2)])  # 2 x 64 rows > 64
-    assert runner.static.num_static_forwards == 0
+    assert (runner.static.num_static_forwards, runner.num_eager_forwards) == (0, 2)
     runner.forward([SequenceChunk(s, tokens(17, 30 + s)) for s in range(2)])  # 2 x 32 rows: static
-    assert runner.static.num_static_forwards == 1
+    assert (runner.static.num_static_forwards, runner.num_eager_forwards) == (1, 2)
     runner.forward([SequenceChunk(s, tokens(4, 40 + s)) for s in range(2)])
-    assert runner.static.num_static_forwards == 2
+    assert (runner.static.num_static_forwards, runner.num_eager_forwards) == (2, 2)
 
 
 def test_prefill_lengths_share_power_of_two_graphs(checkpoint):
@@ -234,6 +234,11 @@ def test_engine_greedy_output_is_the_same_on_the_static_path(tiny_models):
         seqs = engine.generate(prompts, [SamplingParams(max_new_tokens=20 + i, ignore_eos=True)
                                          for i in range(5)])
         results.append([s.output_token_ids for s in seqs])
+        stats = engine.stats  # five prompts of 14-18 tokens, admitted together: one prefill
+        assert (stats.num_prefills, stats.num_prefill_tokens) == (1, sum(len(p) for p in prompts))
+        assert stats.timings.prefill > 0
+        # static: batch bucket 8 x Q 32 = 256 rows, within max_prefill_rows: the static path
+        assert stats.num_eager_prefills == (0 if static else 1)
         if static:
             assert runner.static.num_static_forwards > 5
     assert results[0] == results[1]

@@ -50,10 +50,15 @@ def test_inprocess_speculative_greedy_equals_target(redis_url, client, target, t
     assert exposition("specd:spec_decode_num_draft_tokens_total") == total
     assert exposition("specd:request_success_total", {"finished_reason": "length"}) >= 1
     assert exposition("specd:step_duration_seconds_count", {"phase": "verify"}) > 0
-    # "other" is split into the commit's device wait, the commit, the result writes and the rest
+    # "other" is split into the commit's device wait, the commit, the result writes, the admitted
+    # requests' prefill and the rest
     split = sum(exposition("specd:step_duration_seconds_sum", {"phase": p})
-                for p in ("device_wait", "commit", "emit", "rest"))
+                for p in ("device_wait", "commit", "emit", "prefill", "rest"))
     assert exposition("specd:step_duration_seconds_sum", {"phase": "emit"}) > 0
+    assert exposition("specd:step_duration_seconds_sum", {"phase": "prefill"}) > 0
+    # every request was prefilled by some admission forward, each counted on its path
+    prefills = sum(exposition("specd:prefill_forwards_total", {"path": p}) or 0 for p in ("static", "eager"))
+    assert 1 <= prefills <= len(requests)
     assert split == pytest.approx(exposition("specd:step_duration_seconds_sum", {"phase": "other"}), rel=1e-6)
 
 

@@ -33,11 +33,27 @@ def test_capture_totals_become_counter_increments():
     assert _value(m, "specd:cuda_graph_capture_seconds_total") == 2.25
 
 
-def test_the_bench_splits_captures_out_of_the_phases():
-    before = {"verify": (1.0, 10.0), "rest": (0.5, 10.0), "captures": (1.0, 2.0)}
-    after = {"verify": (2.0, 20.0), "rest": (0.7, 20.0), "captures": (1.6, 3.0)}
+def test_the_bench_splits_captures_and_prefills_out_of_the_phases():
+    before = {"verify": (1.0, 10.0), "rest": (0.5, 10.0), "captures": (1.0, 2.0), "prefills": (3.0, 1.0)}
+    after = {"verify": (2.0, 20.0), "rest": (0.7, 20.0), "captures": (1.6, 3.0), "prefills": (5.0, 4.0)}
     split = step_split_ms(before, after)
-    assert split == {"verify": 100.0, "rest": 20.0, "steps": 10, "captures": 1, "capture_s": 0.6}
+    assert split == {"verify": 100.0, "rest": 20.0, "steps": 10, "captures": 1, "capture_s": 0.6,
+                     "prefills": 5, "eager_prefills": 3}
+
+
+def test_prefill_forwards_are_counted_by_path_and_timed_out_of_rest():
+    from services.verifier.metrics import StepRecord
+
+    m = VerifierMetrics()
+    record = StepRecord(draft_seconds=0.001, verify_seconds=0.002, engine_seconds=0.01, total_seconds=0.012,
+                        device_wait_seconds=0.001, commit_seconds=0.001, emit_seconds=0.001,
+                        prefill_seconds=0.004, num_prefills=1, num_eager_prefills=1)
+    m.observe_step(record)
+    m.observe_step(StepRecord(engine_seconds=0.01, total_seconds=0.01, prefill_seconds=0.002, num_prefills=1))
+    assert record.rest_seconds == pytest.approx(0.012 - 0.003 - 0.003 - 0.004)
+    assert _value(m, 'specd:prefill_forwards_total{path="eager"}') == 1
+    assert _value(m, 'specd:prefill_forwards_total{path="static"}') == 1
+    assert _value(m, 'specd:step_duration_seconds_sum{phase="prefill"}') == pytest.approx(0.006)
 
 
 def test_drafter_round_trips_are_observed_once_and_averaged_per_round_trip():
