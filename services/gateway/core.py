@@ -18,10 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-import redis.asyncio
 import redis.exceptions
-from redis.asyncio.retry import Retry
-from redis.backoff import ExponentialBackoff
 
 from specd.messages import ConfigError
 from specd.models.loader import load_tokenizer
@@ -31,6 +28,7 @@ from specd.transport.redis_streams import CONSUMER_GROUP, DEFAULT_REQUEST_STREAM
 from services.common.api_keys import ApiKeys
 from services.common.tls import PLAINTEXT, TLSConfig, channel_credentials
 from services.gateway.metrics import GatewayMetrics
+from services.gateway.redis_client import gateway_redis
 from services.gateway.errors import REDIS_ERRORS, GatewayError, redis_unavailable
 from services.gateway.request_stream import GenerationOutput, RequestStream, RequestTimings
 from services.gateway.result_reader import ResultReader
@@ -97,10 +95,7 @@ class Gateway:
         self.max_model_len = int(config.max_model_len or text_config.get("max_position_embeddings")
                                  or hf.get("max_position_embeddings") or 4096)
         self.vocab_size = int(text_config.get("vocab_size") or len(self.tokenizer))
-        # Fail fast when Redis is down: one short retry, then 503 (never a hang).
-        self.client = client or redis.asyncio.Redis.from_url(
-            config.redis_url, socket_connect_timeout=1.0, socket_timeout=10.0,
-            retry=Retry(ExponentialBackoff(cap=0.1, base=0.01), 1))
+        self.client = client or gateway_redis(config.redis_url)
         self.reader = ResultReader(self.client, prefix=config.result_prefix)
         self.metrics = GatewayMetrics(self.model_name)
         self._xadd_if_room = self.client.register_script(_XADD_IF_ROOM)
