@@ -158,7 +158,8 @@ VARIANTS = {"-fold": {"SPECD_NORM_FOLD": "1"}, "-head2": {"SPECD_GRAPH_HEAD_LAYE
             "-nostage": {"SPECD_STAGE_VERIFY": "0"},
             "-grpcsteps": {"SPECD_DRAFTER_FAST_PATH": "0"}, "-sync": {"SPECD_DRAFT_AHEAD": "0"}, "-nohandoff": {"SPECD_DRAFT_SEND_HANDOFF": "0"},
             "-nocarry": {"SPECD_DRAFT_CARRY": "0"}, "-ownread": {"SPECD_VERIFIER_RIDE_READS": "0"},
-            "-carry4": {"SPECD_DRAFT_CARRY": "4"}}  # one step's worth at the bench's k = 3
+            "-carry4": {"SPECD_DRAFT_CARRY": "4"},  # one step's worth at the bench's k = 3
+            "-flushlate": {"SPECD_VERIFIER_FLUSH_AFTER_LAUNCH": "1"}}
 
 
 def base_method(label: str) -> tuple[str, dict]:

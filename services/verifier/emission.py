@@ -61,7 +61,8 @@ class Emission:
         riders = self._riders()
         if self.config.async_emit and self.engine.has_unfinished():
             read = self.read_rider()  # the next admit's read, on this round trip (admission.py)
-            started = self.writer.start(riders + [read] if read is not None else riders)
+            started = self.writer.start(riders + [read] if read is not None else riders,
+                                        hold=self.config.flush_after_launch)  # released at the launch
             self._read_riding = started and read is not None  # answered by the next emit's wait
         else:
             self._collect(lambda: self.writer.flush(riders), record)

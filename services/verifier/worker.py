@@ -86,6 +86,8 @@ class VerifierWorker(Admission, Emission):
         self._record: StepRecord | None = None  # the step under way (emit_first_tokens adds to it)
         if config.async_emit and config.early_first_token:
             engine.on_admitted = self.emit_first_tokens
+        if config.async_emit and config.flush_after_launch:
+            engine.on_launched = self.writer.release
 
     # ---- lifecycle --------------------------------------------------------------------------
     def run(self) -> None:

@@ -89,6 +89,9 @@ class SpecEngine:
         # (a request's time to first token is its prefill, not its prefill and a whole step). It
         # may abort sequences (engine.abort) and add requests: the step's batch is taken after it.
         self.on_admitted: Callable[[list[Sequence]], None] | None = None
+        # Called right after a verify step's forward is queued (the verifier sends its held result
+        # flush then: services/verifier/writer.py).
+        self.on_launched: Callable[[], None] | None = None
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
@@ -292,6 +295,8 @@ class SpecEngine:
         out = self.runner.forward(chunks, want_hidden=self._hidden_kind == "final",
                                   want_aux_hidden=self._hidden_kind == "aux")
         self.stats.timings.launch += time.perf_counter() - t0
+        if self.on_launched is not None:
+            self.on_launched()
         draft_ids, draft_probs, num_drafts_t = pad_drafts(proposals, host_drafts, vocab, device)
         st = self._batch_sampling.get(batch, device)
         positions = torch.tensor([s.num_tokens for s in batch]).to(device, non_blocking=True)
