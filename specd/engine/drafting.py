@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from specd.engine.sequence import Sequence
+from specd.models.append_plan import AppendPlan
 from specd.proposers.base import DraftProposal, DraftRequest, Proposer
 
 CARRY_ENV = "SPECD_DRAFT_CARRY"  # drafts asked past k per request; "0": none carried
@@ -165,3 +166,20 @@ def _check(requests: list[DraftRequest], proposals: list[DraftProposal]) -> None
     for req, p in zip(requests, proposals):
         if p.token_ids.numel() > req.num_draft_tokens:
             raise RuntimeError(f"proposer returned {p.token_ids.numel()} drafts, asked for {req.num_draft_tokens}")
+
+
+def plan_draft_lengths(batch: list[Sequence], plan: AppendPlan, num_speculative_tokens: int,
+                       max_model_len: int) -> dict[int, int]:
+    """k per sequence of the batch: never past max_new_tokens or the context (the bonus token
+    counts), and the batch's k + 1 tokens each within the cache's free blocks together (plan: the
+    runner's fresh AppendPlan; each sequence's next token first, then drafts in batch order)."""
+    for s in batch:
+        plan.take(s.seq_id, 1)
+    ks = {}
+    for seq in batch:
+        room = min(seq.params.max_new_tokens - seq.num_output_tokens, max_model_len - seq.num_tokens)
+        k = max(0, min(num_speculative_tokens, room - 1))
+        while k > 0 and not plan.take(seq.seq_id, k + 1):
+            k -= 1
+        ks[seq.seq_id] = k
+    return ks

@@ -17,19 +17,19 @@ from collections.abc import Callable
 
 import torch
 
-from specd.engine.constraints import ConstraintTracker, keep_grammar_rows, mask_rows
-from specd.engine.drafting import Drafting, default_carry
+from specd.engine.constraints import ConstraintTracker
+from specd.engine.drafting import Drafting, default_carry, plan_draft_lengths
+from specd.engine.first_token import sample_first_tokens
+from specd.engine.request_checks import check_request
 from specd.engine.sequence import Sequence, SequenceStatus
 from specd.engine.stats import EngineStats
 from specd.engine.stop import StopChecker
 from specd.engine.verify import BatchSamplingTensors, pad_drafts, verify_target_probs
 from specd.grammar.backend import GrammarSpec
-from specd.messages import ConfigError, SpecStats
+from specd.messages import SpecStats
 from specd.models.base import SequenceChunk, TargetRunner
 from specd.proposers.base import DraftProposal, Proposer
-from specd.random import SALT_SAMPLE
 from specd.rejection import rejection_sample
-from specd.sampling import SamplingTensors, apply_repetition_penalty, processed_probs, sample_from_probs
 from specd.sampling_params import SamplingParams
 
 DRAFT_AHEAD_ENV = "SPECD_DRAFT_AHEAD"  # "0": drafts are asked for inside each step
@@ -75,7 +75,7 @@ class SpecEngine:
         if draft_carry is None:
             draft_carry = default_carry(proposer, self.num_speculative_tokens)
         self._batch_sampling = BatchSamplingTensors()
-        # k per running sequence, planned together for the cache as it is (_plan_drafts); None
+        # k per running sequence, planned together for the cache as it is (plan_draft_lengths); None
         # once the cache changed (a commit, admission, preemption, abort).
         self._ks: dict[int, int] | None = None
         # The next verify batch, staged in the runner while its drafts are out (_stage_next_verify).
@@ -103,22 +103,10 @@ class SpecEngine:
         token sampled at the same position (hence the same noise), its grammar matcher rebuilt
         by replaying the output; spec_stats carries on counting from the given figures.
         """
-        if not prompt_token_ids:
-            raise ConfigError("prompt: must contain at least one token")
-        if len(prompt_token_ids) >= self.max_model_len:
-            raise ConfigError(f"prompt: {len(prompt_token_ids)} tokens leave no room to generate "
-                              f"within the context length {self.max_model_len}")
-        vocab = self.runner.info.vocab_size
-        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
-            raise ConfigError(f"prompt: token ids must be in [0, {vocab})")
-        if grammar is not None and self.constraints.backend is None:
-            raise ConfigError("response_format: structured output needs a grammar backend")
+        check_request(prompt_token_ids, output_token_ids or [], params, vocab_size=self.runner.info.vocab_size,
+                      max_model_len=self.max_model_len,
+                      grammar_without_backend=grammar is not None and self.constraints.backend is None)
         output = list(output_token_ids or [])
-        if output:
-            if len(output) >= params.max_new_tokens or len(prompt_token_ids) + len(output) >= self.max_model_len:
-                raise ConfigError(f"output_token_ids: {len(output)} tokens already reach the request's limit")
-            if min(output) < 0 or max(output) >= vocab:
-                raise ConfigError(f"output_token_ids: token ids must be in [0, {vocab})")
         seq = Sequence(next(self._ids), list(prompt_token_ids), params, output_token_ids=output, grammar=grammar,
                        stats=copy.deepcopy(spec_stats) if spec_stats is not None else SpecStats())
         self.waiting.append(seq)
@@ -225,24 +213,7 @@ class SpecEngine:
         self.stats.num_prefills += 1
         self.stats.num_prefill_tokens += sum(len(c.token_ids) for c in chunks)
         self.stats.num_eager_prefills += eager_before is None or self.runner.num_eager_forwards > eager_before
-        last_rows = torch.tensor([out.offsets[i + 1] - 1 for i in range(len(admitted))], device=out.logits.device)
-        st = SamplingTensors.from_params([s.params for s in admitted], out.logits.device)
-        logits = out.logits[last_rows]
-        if any(s.params.repetition_penalty != 1.0 for s in admitted):
-            logits = apply_repetition_penalty(
-                logits, [torch.tensor(s.prompt_token_ids) for s in admitted], st.repetition_penalty)
-        for seq in admitted:
-            self.constraints.open(seq)
-        masks = self.constraints.masks(admitted, [[] for _ in admitted])
-        grammar_logits = mask_rows(logits, list(range(len(admitted))), masks)
-        logits = self._suppress_early_stop(grammar_logits, admitted)
-        if logits is not grammar_logits and any(m is not None for m in masks):
-            logits = keep_grammar_rows(grammar_logits, logits)  # a complete output stops anyway
-        positions = torch.tensor([s.num_tokens for s in admitted], device=out.logits.device)
-        if all(s.params.is_greedy for s in admitted):  # one-hot rows: their token, no noise drawn
-            first = logits.float().argmax(dim=-1).tolist()
-        else:
-            first = sample_from_probs(processed_probs(logits, st), st.seeds, positions, SALT_SAMPLE).tolist()
+        first = sample_first_tokens(out, admitted, self.constraints, self.stop)
         self.stats.timings.prefill += time.perf_counter() - t_prefill
         finished = []
         for i, seq in enumerate(admitted):
@@ -407,13 +378,12 @@ class SpecEngine:
         self.waiting.appendleft(victim)
 
     def _stage_next_verify(self) -> None:
-        """While the next step's drafts are out, stage its verify batch in the runner (slots,
-        static buffers: all but the draft ids; LlamaRunner.stage), so that the step's launch is
-        the ids and the replay. Only where the engine would wait for drafters anyway, and only
-        when no admission is due (a full batch admits nothing; a prefill undoes the stage). Exact: the k staged are the planned ones
-        the next step uses (_ks, unchanged unless the cache changes, which undoes the stage), and
-        the runner undoes the stage on any other call, so nothing sees it; a step whose drafts
-        come back shorter refills its buffers or runs as before."""
+        """While the next step's drafts are out, stage its verify batch in the runner (slots and
+        static buffers, all but the draft ids: LlamaRunner.stage), so that the step's launch is
+        the ids' write and the replay. Only where the engine waits for drafters anyway and no
+        admission is due (a prefill would undo the stage). Exact: the staged k are the planned ones
+        the next step uses (_ks, unchanged unless the cache changes, which undoes the stage); the
+        runner undoes the stage on any other call, and drafts that come back shorter refill it."""
         self._staged = False
         admission_due = self.waiting and len(self.running) < self.max_batch_size
         if self._stage is None or not self.drafting.in_flight or admission_due or not self.running:
@@ -428,28 +398,13 @@ class SpecEngine:
         return self._staged
 
     def _num_drafts(self, seq: Sequence) -> int:
-        """k for this sequence, as planned for the whole batch (_plan_drafts)."""
+        """k for this sequence, as planned for the whole batch (drafting.plan_draft_lengths)."""
         ks = self._ks
         if ks is None or seq.seq_id not in ks:
-            ks = self._ks = self._plan_drafts()
+            ks = self._ks = plan_draft_lengths(
+                [s for s in self.running if not s.is_finished], self.runner.plan_appends(),
+                self.num_speculative_tokens, self.max_model_len)
         return ks.get(seq.seq_id, 0)
-
-    def _plan_drafts(self) -> dict[int, int]:
-        """k per running sequence: never past max_new_tokens or the context (the bonus token
-        counts), and the batch's k + 1 tokens each within the cache's free blocks together (each
-        sequence's next token first, then drafts in batch order)."""
-        batch = [s for s in self.running if not s.is_finished]
-        plan = self.runner.plan_appends()
-        for s in batch:
-            plan.take(s.seq_id, 1)
-        ks = {}
-        for seq in batch:
-            room = min(seq.params.max_new_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens)
-            k = max(0, min(self.num_speculative_tokens, room - 1))
-            while k > 0 and not plan.take(seq.seq_id, k + 1):
-                k -= 1
-            ks[seq.seq_id] = k
-        return ks
 
     def _append(self, seq: Sequence, tokens: list[int]) -> int:
         n = self.stop.append(seq, tokens)
@@ -462,16 +417,6 @@ class SpecEngine:
             return None
         start = out.offsets[i]
         return source[start:start + count]
-
-    def _suppress_early_stop(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        """Mask EOS/stop tokens for sequences below min_new_tokens (first-token rows)."""
-        if all(s.params.min_new_tokens <= s.num_output_tokens for s in seqs):
-            return logits
-        logits = logits.clone()
-        for i, s in enumerate(seqs):
-            if s.params.min_new_tokens > s.num_output_tokens:
-                logits[i, sorted(self.stop.stop_token_ids(s))] = float("-inf")
-        return logits
 
     def _release(self, seq: Sequence) -> None:
         self._ks = None

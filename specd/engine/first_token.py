@@ -1,0 +1,55 @@
+"""The first token of sequences just prefilled: sampled from each prompt's last logits row.
+
+Sampled at the sequence's own position with its own seed, like every later token (specd/random.py),
+so a request's output does not depend on the batch it was admitted with. The grammar's mask and
+min_new_tokens' stop suppression apply as in a verify step; a grammar that allows only a stop
+token keeps it (keep_grammar_rows: a complete output stops anyway).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specd.engine.constraints import ConstraintTracker, keep_grammar_rows, mask_rows
+from specd.engine.sequence import Sequence
+from specd.engine.stop import StopChecker
+from specd.models.base import ForwardOutput
+from specd.random import SALT_SAMPLE
+from specd.sampling import SamplingTensors, apply_repetition_penalty, processed_probs, sample_from_probs
+
+
+def sample_first_tokens(out: ForwardOutput, seqs: list[Sequence], constraints: ConstraintTracker,
+                        stop: StopChecker) -> list[int]:
+    """out: the prefill forward over seqs' chunks, in order (out.offsets[i + 1] - 1 is sequence
+    i's last row). Opens each sequence's grammar matcher (constraints.open). Returns one token id
+    per sequence."""
+    device = out.logits.device
+    last_rows = torch.tensor([out.offsets[i + 1] - 1 for i in range(len(seqs))], device=device)
+    st = SamplingTensors.from_params([s.params for s in seqs], device)
+    logits = out.logits[last_rows]  # [len(seqs), vocab]
+    if any(s.params.repetition_penalty != 1.0 for s in seqs):
+        logits = apply_repetition_penalty(
+            logits, [torch.tensor(s.prompt_token_ids) for s in seqs], st.repetition_penalty)
+    for seq in seqs:
+        constraints.open(seq)
+    masks = constraints.masks(seqs, [[] for _ in seqs])
+    grammar_logits = mask_rows(logits, list(range(len(seqs))), masks)
+    logits = suppress_early_stop(grammar_logits, seqs, stop)
+    if logits is not grammar_logits and any(m is not None for m in masks):
+        logits = keep_grammar_rows(grammar_logits, logits)
+    if all(s.params.is_greedy for s in seqs):  # one-hot rows: their token, no noise drawn
+        return logits.float().argmax(dim=-1).tolist()
+    positions = torch.tensor([s.num_tokens for s in seqs], device=device)
+    return sample_from_probs(processed_probs(logits, st), st.seeds, positions, SALT_SAMPLE).tolist()
+
+
+def suppress_early_stop(logits: torch.Tensor, seqs: list[Sequence], stop: StopChecker) -> torch.Tensor:
+    """logits: [len(seqs), vocab], one row per sequence. EOS and stop tokens masked (-inf) in the
+    rows of sequences below min_new_tokens; the same tensor when no row needs it."""
+    if all(s.params.min_new_tokens <= s.num_output_tokens for s in seqs):
+        return logits
+    logits = logits.clone()
+    for i, s in enumerate(seqs):
+        if s.params.min_new_tokens > s.num_output_tokens:
+            logits[i, sorted(stop.stop_token_ids(s))] = float("-inf")
+    return logits
