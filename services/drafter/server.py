@@ -55,7 +55,7 @@ def load_drafter(model_path: str | Path, spec: SpeculativeConfig, target_path: s
     wins when set); for MTP and ngram pass the target. target_path: the target checkpoint
     (default: model_path). max_batch_size sizes draft_model's KV cache (all streams together).
     """
-    from specd.models.llama_runner import select_dtype
+    from specd.models.runner_setup import select_dtype
     from specd.models.model_path import resolve_model_path
     from specd.proposers.factory import build_proposer
 

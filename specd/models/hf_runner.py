@@ -23,7 +23,7 @@ import torch
 from specd.messages import PytorchEngineConfig
 from specd.models.base import check_chunks, ForwardOutput, ModelInfo, SequenceChunk
 from specd.models.append_plan import AppendPlan
-from specd.models.llama_runner import default_aux_layer_ids, select_device, select_dtype
+from specd.models.runner_setup import default_aux_layer_ids, select_device, select_dtype
 
 
 def _as_id_list(value: Any) -> list[int]:

@@ -37,54 +37,10 @@ from specd.models.kernels.pdl import pdl_launches, resolve_pdl_mode
 from specd.models.kv_cache import CacheFullError, PagedKVCache
 from specd.models.linear import gemm_backend, resolve_gemm_backend
 from specd.models.llama import EAGER_REGIONS, LlamaForCausalLM, load_llama
+from specd.models.runner_setup import default_aux_layer_ids, num_cache_blocks, select_device, select_dtype
 
 KERNELS_ENV = "SPECD_KERNELS"  # "auto" (default) | "off"
 COMPILE_ENV = "SPECD_COMPILE"  # "default" | "max-autotune-no-cudagraphs"; unset or "0": off
-CPU_KV_CACHE_BYTES = 4 << 30  # CPU has no "free GPU memory" to take a fraction of: cap at 4 GiB
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-def select_device(engine_config: PytorchEngineConfig) -> torch.device:
-    if engine_config.device_type == "cuda" or (
-            engine_config.device_type == "auto" and torch.cuda.is_available()):
-        return torch.device("cuda")
-    return torch.device("cpu")
-
-
-def select_dtype(engine_config: PytorchEngineConfig, device: torch.device) -> torch.dtype:
-    """"auto": bfloat16 on CUDA, float32 on CPU (CPU half-precision matmuls are slow and lossy)."""
-    if engine_config.dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return _DTYPES[engine_config.dtype]
-
-
-def default_aux_layer_ids(num_layers: int) -> list[int]:
-    """EAGLE-3's low / middle / high feature layers: (2, L // 2, L - 3), clamped for tiny models."""
-    return [min(max(i, 0), num_layers - 1) for i in (2, num_layers // 2, num_layers - 3)]
-
-
-def num_cache_blocks(engine_config: PytorchEngineConfig, config: LlamaArchConfig, session_len: int,
-                     dtype: torch.dtype, device: torch.device, num_kv_heads: int | None = None) -> int:
-    """Blocks to allocate: num_gpu_blocks when set, else what the engine can use (max_batch_size
-    full sessions), capped by what memory allows: cache_max_entry_count of the free GPU memory, or
-    CPU_KV_CACHE_BYTES. Never more than can be used: a drafter sharing the GPU with its verifier
-    (`specd serve api_server` on one GPU) would otherwise take 80% of the memory for a small
-    draft model's cache and leave the target too little for its activations."""
-    if engine_config.num_gpu_blocks > 0:
-        return engine_config.num_gpu_blocks
-    block_size = engine_config.block_size
-    per_block = PagedKVCache.bytes_per_block(config.num_hidden_layers, block_size,
-                                             num_kv_heads or config.num_key_value_heads,
-                                             config.head_dim, dtype)
-    blocks_per_seq = -(-session_len // block_size)
-    wanted = engine_config.max_batch_size * blocks_per_seq
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        budget = int(free * engine_config.cache_max_entry_count) // per_block
-        return max(1, min(budget, wanted))
-    # Never less than one full session, so a single request always fits.
-    return max(blocks_per_seq, min(wanted, CPU_KV_CACHE_BYTES // per_block))
-
 
 class LlamaRunner:
     """TargetRunner for LlamaForCausalLM / Qwen2 / Qwen3 / Mistral checkpoints."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from specd.messages import PytorchEngineConfig
-from specd.models import llama_runner
+from specd.models import runner_setup
 from specd.models.hf_config import LlamaArchConfig
 from specd.models.kv_cache import PagedKVCache
 
@@ -24,7 +24,7 @@ def test_a_gpu_cache_never_takes_more_than_max_batch_full_sessions(monkeypatch):
     per_block = PagedKVCache.bytes_per_block(2, 64, 2, 16, torch.bfloat16)
     small = PytorchEngineConfig(max_batch_size=8, block_size=64, session_len=1000)
     # 8 sessions of ceil(1000 / 64) = 16 blocks, not 80% of 100 GiB (a drafter's small cache)
-    assert llama_runner.num_cache_blocks(small, config, 1000, torch.bfloat16, cuda) == 8 * 16
+    assert runner_setup.num_cache_blocks(small, config, 1000, torch.bfloat16, cuda) == 8 * 16
     tight = PytorchEngineConfig(max_batch_size=8, block_size=64, session_len=1000, cache_max_entry_count=0.5)
     free = 10 * per_block  # the memory fraction binds: half of 10 blocks' worth
-    assert llama_runner.num_cache_blocks(tight, config, 1000, torch.bfloat16, cuda) == 5
+    assert runner_setup.num_cache_blocks(tight, config, 1000, torch.bfloat16, cuda) == 5
