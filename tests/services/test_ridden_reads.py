@@ -15,7 +15,7 @@ from services.verifier.worker import VerifierWorker, WorkerConfig
 from specd.engine.builder import build_engine
 from specd.messages import PytorchEngineConfig
 from tests.services.fault_helpers import ENGINE, delivered_tokens, read_like_the_gateway
-from tests.services.test_async_emit import NGRAM, SlowRedis, enqueue, read_streams, run_until_idle
+from tests.services.emit_helpers import NGRAM, SlowRedis, enqueue, read_streams, run_until_idle
 from tests.services.verifier_harness import assert_queue_empty, check_answers, make_requests, reference_tokens
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
