@@ -192,7 +192,7 @@ def run_method(method: str, target: Path, draft: Path | None, batches: list[int]
     """Per batch size: one warm-up round, then timed rounds until `rounds` of them captured no CUDA
     graph (at most 2 * rounds); the row is the median round of those (median_round)."""
     from services.launcher.supervisor import Stack, StackConfig
-    from specd.transport.embedded_redis import free_port
+    from specd.transport.ports import free_port
 
     label, (method, variant_env) = method, base_method(method)
     spec = None if method == "off" else method

@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from services.launcher.supervisor import Stack, StackConfig  # noqa: E402
-from specd.transport.embedded_redis import free_port  # noqa: E402
+from specd.transport.ports import free_port  # noqa: E402
 
 MODELS = ROOT / "models"
 DRAFTS = {"eagle3": "specd-py-eagle3", "deepseek_mtp": "specd-py-mtp", "draft_model": "specd-py-draft"}

@@ -26,7 +26,7 @@ from services.launcher.supervisor import Stack, StackConfig  # noqa: E402
 from specd.engine.builder import build_engine  # noqa: E402
 from specd.messages import PytorchEngineConfig, SpeculativeConfig  # noqa: E402
 from specd.sampling_params import SamplingParams  # noqa: E402
-from specd.transport.embedded_redis import free_port  # noqa: E402
+from specd.transport.ports import free_port  # noqa: E402
 
 DRAFTS = {"eagle3": "draft-eagle3", "draft_model": "draft-llama-small"}
 TARGETS = {"deepseek_mtp": "target-deepseek-mtp", "qwen3_5_mtp": "target-qwen3_5-mtp"}

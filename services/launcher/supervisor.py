@@ -69,7 +69,7 @@ class StackConfig:
 
 
 def _free_port() -> int:
-    from specd.transport.embedded_redis import free_port
+    from specd.transport.ports import free_port
 
     return free_port()
 

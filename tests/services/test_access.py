@@ -28,7 +28,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common.api_keys import API_KEYS_ENV, ApiKeys, keys_from_env, parse_keys
 from services.common.tls import TLSConfig, channel_credentials, open_channel
-from specd.transport.embedded_redis import free_port, redis_server_binary
+from specd.transport.embedded_redis import redis_server_binary
+from specd.transport.ports import free_port
 from specd.v1 import generate_pb2, generate_pb2_grpc
 
 REPO = Path(__file__).resolve().parents[2]

@@ -25,7 +25,8 @@ from specd.grammar.compiler import GrammarCompilerCache
 from specd.grammar.local import LocalGrammarBackend
 from specd.messages import PytorchEngineConfig
 from specd.sampling_params import SamplingParams
-from specd.transport.embedded_redis import free_port, start_embedded_redis
+from specd.transport.embedded_redis import start_embedded_redis
+from specd.transport.ports import free_port
 from specd.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 from tests.services.test_scale_out import grpc_healthy
 

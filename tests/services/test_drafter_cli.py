@@ -9,7 +9,7 @@ import pytest
 from specd.proposers.base import DraftRequest
 from specd.proposers.remote import RemoteProposer
 from specd.sampling_params import SamplingParams
-from specd.transport.embedded_redis import free_port
+from specd.transport.ports import free_port
 from tests.services.service_process import heavy_imports_of, serving
 
 

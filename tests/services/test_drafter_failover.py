@@ -22,7 +22,7 @@ from specd.models.llama_runner import LlamaRunner
 from specd.proposers.base import DraftProposal
 from specd.proposers.remote import RemoteProposer
 from specd.sampling_params import SamplingParams
-from specd.transport.embedded_redis import free_port
+from specd.transport.ports import free_port
 from tests.services.test_drafter import SlowProposer, make_requests, target_greedy
 
 ENGINE_CONFIG = PytorchEngineConfig(max_batch_size=8, block_size=8)

@@ -17,7 +17,7 @@ from specd.messages import PytorchEngineConfig
 from specd.proposers.drafter_discovery import DrafterDiscovery
 from specd.proposers.remote import RemoteProposer
 from specd.sampling_params import SamplingParams
-from specd.transport.embedded_redis import free_port
+from specd.transport.ports import free_port
 from tests.services.test_drafter import make_requests
 from tests.services.test_drafter_failover import drafted, serve, spec
 

@@ -18,7 +18,8 @@ from specd.engine.builder import build_engine
 from specd.messages import PytorchEngineConfig
 from specd.models.loader import load_tokenizer
 from specd.sampling_params import SamplingParams
-from specd.transport.embedded_redis import free_port, start_embedded_redis
+from specd.transport.embedded_redis import start_embedded_redis
+from specd.transport.ports import free_port
 from specd.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 
 METHODS = {

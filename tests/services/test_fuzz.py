@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from services.launcher.supervisor import Stack, StackConfig
-from specd.transport.embedded_redis import free_port
+from specd.transport.ports import free_port
 from specd.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 
 SESSION_LEN = 48  # short contexts: every request the fuzz gets accepted finishes quickly

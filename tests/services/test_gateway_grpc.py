@@ -20,7 +20,7 @@ import pytest
 import redis
 
 from services.gateway.core import GatewayConfig
-from specd.transport.embedded_redis import free_port
+from specd.transport.ports import free_port
 from specd.v1 import generate_pb2, generate_pb2_grpc
 # the fixtures by name (pytest finds them in this module; a fixture's own arguments too)
 from tests.services.gateway_harness import (  # noqa: F401

@@ -8,7 +8,7 @@ import pytest
 
 from specd.grammar.backend import GrammarSpec, GrammarStep
 from specd.grammar.remote import RemoteGrammarBackend
-from specd.transport.embedded_redis import free_port
+from specd.transport.ports import free_port
 from tests.services.service_process import heavy_imports_of, serving
 
 

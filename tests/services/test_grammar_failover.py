@@ -17,7 +17,7 @@ from specd.grammar.local import LocalGrammarBackend
 from specd.grammar.remote import RemoteGrammarBackend
 from specd.messages import PytorchEngineConfig, SpeculativeConfig
 from specd.sampling_params import SamplingParams
-from specd.transport.embedded_redis import free_port
+from specd.transport.ports import free_port
 
 ENGINE_CONFIG = PytorchEngineConfig(max_batch_size=8, block_size=16)
 NGRAM = SpeculativeConfig(method="ngram", num_speculative_tokens=3)

@@ -18,7 +18,7 @@ import pytest
 import redis
 
 from services.launcher.supervisor import Stack, StackConfig
-from specd.transport.embedded_redis import free_port
+from specd.transport.ports import free_port
 
 MAX_QUEUE_DEPTH = 8
 NUM_CLIENTS = 2 * MAX_QUEUE_DEPTH

@@ -19,7 +19,8 @@ import redis
 from specd.engine.builder import build_engine
 from specd.messages import PytorchEngineConfig
 from specd.sampling_params import SamplingParams
-from specd.transport.embedded_redis import free_port, start_embedded_redis
+from specd.transport.embedded_redis import start_embedded_redis
+from specd.transport.ports import free_port
 from specd.v1 import verifier_pb2, verifier_pb2_grpc
 
 NUM_REQUESTS = 64

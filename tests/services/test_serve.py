@@ -11,7 +11,7 @@ import urllib.request
 
 import openai
 
-from specd.transport.embedded_redis import free_port
+from specd.transport.ports import free_port
 
 
 def processes_mentioning(marker: str) -> list[str]:

@@ -23,7 +23,7 @@ from services.verifier.worker import VerifierWorker, WorkerConfig
 from specd.engine.builder import build_engine
 from specd.messages import PytorchEngineConfig, SpeculativeConfig
 from specd.sampling_params import SamplingParams
-from specd.transport.embedded_redis import free_port
+from specd.transport.ports import free_port
 from specd.transport.redis_streams import CONSUMER_GROUP, QueuedRequest, ResultEntry, result_key
 from specd.v1 import verifier_pb2, verifier_pb2_grpc
 
