@@ -12,7 +12,7 @@ and the replay is the step's one CUDA call before its kernels (each call costs 1
 on the H200 machine). An event recorded right after the copy node guards the buffer: a fill waits
 for it only when the host runs a whole step ahead of the device.
 
-With `SPECD_GRAPH_HEAD_LAYERS=N` (an experiment, not yet timed on the GPU; default 0: one graph)
+With `SPECD_GRAPH_HEAD_LAYERS=N` (graph_layout.py; an experiment, not yet timed on the GPU; default 0: one graph)
 the fused body is captured in two parts, a head (the input copy, the embedding and the first N
 layers) and the rest. Why: the replay call of the 8B step's ~265 nodes took 12-190 us of host time
 on the H200 VMs (BENCHMARKS.md), all of it before the first kernel runs. If that time grows with
@@ -49,13 +49,13 @@ import torch
 
 from specd.models.fused_forward import fused_forward
 from specd.models.graph_chain import GraphChain
+from specd.models.graph_layout import batch_buckets, graph_head_layers, width_bucket
 from specd.models.kv_cache import PagedKVCache
 from specd.models.llama import EAGER_REGIONS, LayerRegions
 from specd.models.static_attention import StaticAttentionMetadata
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 DEFAULT_MAX_QUERY_LEN = 16  # k + 1 up to 15 drafts; longer chunks are prefill-like (Q bucketed)
 # Prefill-like batches go static while B * Q (Q rounded up to a power of two) stays within this: at
 # 256 rows a 128K-vocab graph holds 131 MB of logits, and at most 10 (B, Q) prefill buckets exist.
@@ -68,41 +68,6 @@ GRAPH_DEBUG_ENV = "SPECD_GRAPH_DEBUG_DIR"
 # "fill": the graphs' input copy runs in the fill, from pageable memory, as a CUDA call of its own
 # (the A/B twin of the copy captured into the graph; read when a layout's buffers are made).
 GRAPH_INPUT_COPY_ENV = "SPECD_GRAPH_INPUT_COPY"
-# Layers in the head graph (see the module doc; 0: one graph). Read at capture.
-GRAPH_HEAD_LAYERS_ENV = "SPECD_GRAPH_HEAD_LAYERS"
-DEFAULT_GRAPH_HEAD_LAYERS = 0
-
-
-def graph_head_layers() -> int:
-    """SPECD_GRAPH_HEAD_LAYERS as an int >= 0 (default DEFAULT_GRAPH_HEAD_LAYERS)."""
-    raw = os.environ.get(GRAPH_HEAD_LAYERS_ENV, "")
-    try:
-        value = int(raw) if raw else DEFAULT_GRAPH_HEAD_LAYERS
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise ValueError(f"{GRAPH_HEAD_LAYERS_ENV}: expected a whole number of layers >= 0, got {raw!r}")
-    return value
-
-
-def batch_buckets(max_batch_size: int, buckets: tuple[int, ...] = DEFAULT_BATCH_BUCKETS) -> tuple[int, ...]:
-    """The buckets up to max_batch_size, with max_batch_size itself as the last."""
-    out = [b for b in buckets if b < max_batch_size]
-    return tuple(out + [max_batch_size])
-
-
-def width_bucket(num_blocks: int) -> int:
-    """Round a block-table width up to 4 steps per power of two (1..4, 5, 6, 7, 8, 10, 12, ...).
-
-    Contexts grow by a few tokens per step; coarse buckets keep the number of graphs small, while
-    4 steps per octave keep the gathered (and masked-out) keys within 25% of the needed ones.
-    """
-    if num_blocks <= 4:
-        return max(1, num_blocks)
-    step = 1 << (num_blocks.bit_length() - 3)
-    return -(-num_blocks // step) * step
-
-
 @dataclass
 class _Entry:
     """The static buffers (and, on CUDA, the graph) of one (B, Q, NB, aux) key."""

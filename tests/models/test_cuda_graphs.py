@@ -12,8 +12,8 @@ import torch
 
 from specd.messages import PytorchEngineConfig
 from specd.models.base import SequenceChunk
-from specd.models.cuda_graphs import (GRAPH_HEAD_LAYERS_ENV, GRAPH_INPUT_COPY_ENV, batch_buckets,
-                                      graph_head_layers, width_bucket)
+from specd.models.cuda_graphs import GRAPH_INPUT_COPY_ENV
+from specd.models.graph_layout import GRAPH_HEAD_LAYERS_ENV, batch_buckets, graph_head_layers, width_bucket
 from specd.models.llama_runner import LlamaRunner
 
 TOL = 1e-5
