@@ -297,6 +297,9 @@ class StaticForward:
         changed launch setting, e.g. kernels/pdl.py's, needs: a graph keeps its capture's)."""
         self._entries.clear()
         self._prefill_prepared.clear()
+        # The pool went with its last graph (torch frees a private pool whose graphs are all gone);
+        # capturing into its stale handle trips the allocator's use-count assert (run 46).
+        self._pool = None
 
     def _capture(self, entry: _Entry, aux_layer_ids: tuple[int, ...]) -> None:
         """Warm up on a side stream (lazy kernel and cuBLAS init must not be captured), then capture."""

@@ -115,6 +115,21 @@ def test_head_graph_cut_changes_no_bit(checkpoint, monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(outs["0"], outs["1"]))
 
 
+def test_graphs_dropped_then_captured_again_replay_the_same_bits(checkpoint):
+    """drop_graphs (what the step bench's recaptures and launch settings do) frees the graphs and
+    their memory pool; capturing again must take a new pool (a stale handle asserted in torch's
+    allocator, run 46) and replay the first capture's bits. On CPU: the static buffers made again."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    runner = make_runner(checkpoint("llama"), True, device_type=device, block_size=16, dtype="bfloat16")
+    first = script(runner)
+    for s in (0, 2, 3, 4):  # what script() leaves (it frees 1)
+        runner.free(s)
+    runner.static.drop_graphs()
+    again = script(runner)
+    assert runner.static._entries
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs: the fold's CPU twin is test_norm_fold's")
 def test_norm_fold_graphs_replay_the_same_bits_unsynchronised_and_stay_near_the_norm_kernels(checkpoint, monkeypatch):
     """SPECD_NORM_FOLD=1 (norm_fold.py) on CUDA: the graphs replayed back to back give the bits
