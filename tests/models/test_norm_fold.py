@@ -104,7 +104,7 @@ def test_fused_forward_with_the_norm_folded_equals_the_pytorch_body():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA: the programs race only on a GPU")
-def test_residual_product_is_race_free_at_the_8b_shapes_on_cuda():
+def test_residual_product_is_race_free_at_the_8b_shapes_on_cuda(monkeypatch):
     """At o_proj's and down_proj's 8B shapes (128+ column blocks, 2 splits, both programs of a block
     racing for the last arrival), 50 calls: the residual bit for bit the norm kernel's every time,
     the squares and r * w the same bits every time, the counters zero after each."""
@@ -113,6 +113,7 @@ def test_residual_product_is_race_free_at_the_8b_shapes_on_cuda():
     from specd.models.kernels.arrival_counters import arrival_counters
     from specd.models.linear import gemm_backend
 
+    monkeypatch.setenv(norm_fold.NORM_FOLD_ENV, "1")  # off by default: applies() says no without it
     g = torch.Generator(device="cuda").manual_seed(0)
     owner = type("Owner", (), {})()
     hidden = 4096
