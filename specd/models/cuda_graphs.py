@@ -42,7 +42,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -53,6 +52,7 @@ from specd.models.graph_layout import batch_buckets, graph_head_layers, width_bu
 from specd.models.kv_cache import PagedKVCache
 from specd.models.llama import EAGER_REGIONS, LayerRegions
 from specd.models.static_attention import StaticAttentionMetadata
+from specd.models.static_entry import PreparedBatch, StaticEntry
 
 logger = logging.getLogger(__name__)
 
@@ -68,46 +68,6 @@ GRAPH_DEBUG_ENV = "SPECD_GRAPH_DEBUG_DIR"
 # "fill": the graphs' input copy runs in the fill, from pageable memory, as a CUDA call of its own
 # (the A/B twin of the copy captured into the graph; read when a layout's buffers are made).
 GRAPH_INPUT_COPY_ENV = "SPECD_GRAPH_INPUT_COPY"
-@dataclass
-class _Entry:
-    """The static buffers (and, on CUDA, the graph) of one (B, Q, NB, aux) key."""
-
-    batch: int
-    qlen: int
-    width: int  # NB, blocks per slot
-    packed: torch.Tensor  # [4 * B * Q + B + B * NB] int64 on the device (views() says what)
-    host: torch.Tensor  # packed's host side (pinned under a graph, else pageable), packed itself on CPU
-    blank: np.ndarray  # the host buffer of an all-padding batch, the start of every fill
-    host_array: np.ndarray | None = None  # host as numpy, and its views(), made once
-    host_views: tuple = ()
-    row_numbers: np.ndarray | None = None  # 0 .. B * Q - 1: the gather rows of a batch of full chunks
-    real_rows: torch.Tensor | None = None  # views()[5], made once
-    hidden: torch.Tensor | None = None  # [B * Q, H] outputs of the last run / the capture
-    aux: torch.Tensor | None = None  # [B * Q, n_aux * H] or None
-    logits: torch.Tensor | None = None  # [B * Q, V] float32
-    graphs: "tuple[torch.cuda.CUDAGraph, ...]" = ()  # replayed in order (CUDA); empty: the body runs eagerly
-    copy_in_graph: bool = False  # the graph copies host -> packed itself (else the fill does)
-    copied: "torch.cuda.Event | None" = None  # recorded by the graph once its input copy is done
-
-    def views(self, p: torch.Tensor | np.ndarray | None = None) -> tuple:
-        """(input_ids [BQ], positions [BQ], slots [BQ], ctx_lens [B], block_tables [B, NB],
-        real_rows [BQ]) of the device buffer, or of p (the host side) with the same layout.
-        real_rows: the flat row of each real token, in chunk order (the outputs' gather index)."""
-        bq, b = self.batch * self.qlen, self.batch
-        p = self.packed if p is None else p
-        end = 3 * bq + b + b * self.width
-        return (p[:bq], p[bq:2 * bq], p[2 * bq:3 * bq], p[3 * bq:3 * bq + b],
-                p[3 * bq + b:end].reshape(b, self.width), p[end:])
-
-
-@dataclass(frozen=True)
-class PreparedBatch:
-    """A batch written into an entry's buffers and not yet launched (StaticForward.prepare)."""
-
-    entry: _Entry
-    aux_layer_ids: tuple[int, ...]
-    total: int  # T, real tokens
-    chunk_lens: tuple[int, ...]
 
 
 class StaticForward:
@@ -128,11 +88,12 @@ class StaticForward:
         self.use_cuda_graphs = use_cuda_graphs and self.device.type == "cuda"
         self.regions = regions
         self.fused = fused
-        self._entries: dict[tuple, _Entry] = {}
+        self._entries: dict[tuple, StaticEntry] = {}
         self._prefill_prepared: set[tuple[int, ...]] = set()  # aux-layer sets whose prefill layouts exist
         self._pool = None  # one memory pool shared by every graph (they never run concurrently)
         self.num_static_forwards = 0  # counters the tests and the bench read
         self.num_captures = 0
+        self.num_capture_failures = 0  # layouts left without a graph: it did not fit (_capture_failed)
         self.capture_seconds = 0.0  # warm-up + capture, all graphs: the loop stalls that long
 
     @property
@@ -166,28 +127,11 @@ class StaticForward:
         width = self._width(ctx_lens, qlen)
         return (batch, qlen, width) if width * self.block_size <= self.max_context else None
 
-    def _new_entry(self, batch: int, qlen: int, width: int) -> _Entry:
-        bq = batch * qlen
-        size = 4 * bq + batch + batch * width
-        packed = torch.zeros(size, dtype=torch.int64, device=self.device)
-        copy_in_graph = self.copy_in_graph
-        host = (packed if self.device.type == "cpu" else
-                torch.zeros(size, dtype=torch.int64, pin_memory=copy_in_graph))
-        # Padding rows: positions continue the sequence (ctx + i; ctx 0 here), slots are the
-        # scratch block's, block tables all scratch, gather rows 0.
-        blank = np.zeros(size, dtype=np.int64)
-        entry = _Entry(batch, qlen, width, packed, host, blank, copy_in_graph=copy_in_graph)
-        _, pos, slot, _, tables, _ = entry.views(blank)
-        pos[:] = np.tile(np.arange(qlen, dtype=np.int64), batch)
-        slot[:] = self.kv_cache.scratch_block * self.block_size + pos % self.block_size
-        tables[:] = self.kv_cache.scratch_block
-        entry.host_array = host.numpy()
-        entry.host_views = entry.views(entry.host_array)
-        entry.row_numbers = np.arange(bq, dtype=np.int64)
-        entry.real_rows = entry.views()[5]
-        return entry
+    def _new_entry(self, batch: int, qlen: int, width: int, copy_in_graph: bool | None = None) -> StaticEntry:
+        return StaticEntry.new(batch, qlen, width, self.device, self.kv_cache.scratch_block, self.block_size,
+                               self.copy_in_graph if copy_in_graph is None else copy_in_graph)
 
-    def _fill(self, entry: _Entry, token_ids: list[list[int]], ctx_lens: list[int],
+    def _fill(self, entry: StaticEntry, token_ids: list[list[int]], ctx_lens: list[int],
               slots: list[list[int]], block_tables: list[list[int]]) -> int:
         """Write one batch into the entry's buffers (one host-to-device copy on CUDA: the graph's
         own first node, else here; no device synchronisation); returns T, the number of real
@@ -218,7 +162,7 @@ class StaticForward:
         self._copy_if_eager(entry)
         return total
 
-    def _write_token_ids(self, entry: _Entry, token_ids: list[list[int]]) -> int:
+    def _write_token_ids(self, entry: StaticEntry, token_ids: list[list[int]]) -> int:
         """The chunks' token ids into the host buffer (chunk i's at rows i * Q .. when they are
         not all Q long); returns T, the number of real tokens."""
         ids, q = entry.host_views[0], entry.qlen
@@ -230,23 +174,23 @@ class StaticForward:
                 ids[i * q:i * q + len(toks)] = toks
         return total
 
-    def _copy_if_eager(self, entry: _Entry) -> None:
+    def _copy_if_eager(self, entry: StaticEntry) -> None:
         if entry.host is not entry.packed and not entry.copy_in_graph:
             # Eager on CUDA: from pageable memory the driver stages the bytes before returning, so
             # the host buffer may be rewritten at once, no event needed. (Graphs copy in the replay.)
             entry.packed.copy_(entry.host, non_blocking=True)
 
-    def _copy_inputs(self, entry: _Entry) -> None:
+    def _copy_inputs(self, entry: StaticEntry) -> None:
         """The fill's copy as captured: pinned host -> device, then the event that frees the host side."""
         entry.packed.copy_(entry.host, non_blocking=True)
         entry.copied.record()
 
-    def _padding_fill(self, entry: _Entry) -> None:
+    def _padding_fill(self, entry: StaticEntry) -> None:
         """Inputs of an all-padding batch: what warm-up and capture run on (writes scratch only)."""
         self._fill(entry, [], [], [], [])
 
     # ---- running -------------------------------------------------------------------------------
-    def _body(self, entry: _Entry, aux_layer_ids: tuple[int, ...], after_layer=None) -> None:
+    def _body(self, entry: StaticEntry, aux_layer_ids: tuple[int, ...], after_layer=None) -> None:
         """The forward over the entry's buffers; after_layer(i) (the fused body only) runs once
         layer i is launched: where the capture cuts the head graph off."""
         input_ids, positions, slots, ctx_lens, tables, _ = entry.views()
@@ -260,15 +204,32 @@ class StaticForward:
         entry.hidden, entry.aux = hidden, aux
         entry.logits = self.model.compute_logits(hidden)  # [B * Q, V] float32
 
-    def _entry(self, batch: int, qlen: int, width: int, aux_layer_ids: tuple[int, ...]) -> _Entry:
+    def _entry(self, batch: int, qlen: int, width: int, aux_layer_ids: tuple[int, ...]) -> StaticEntry:
         key = (batch, qlen, width, aux_layer_ids)
         entry = self._entries.get(key)
         if entry is None:
             entry = self._new_entry(batch, qlen, width)
             if self.use_cuda_graphs:
-                self._capture(entry, aux_layer_ids)
+                try:
+                    self._capture(entry, aux_layer_ids)
+                except torch.OutOfMemoryError:
+                    entry = self._capture_failed(batch, qlen, width)
             self._entries[key] = entry
         return entry
+
+    def _capture_failed(self, batch: int, qlen: int, width: int) -> StaticEntry:
+        """A layout whose graph did not fit in memory runs its body eagerly through the same
+        buffers from now on (captures happen mid-serving, as new layouts come: a step that fails
+        there fails every request the engine holds). Outside a capture the allocator can hand its
+        cached blocks back and retry, which a capture cannot; the eager body frees as it goes."""
+        self.num_capture_failures += 1
+        if not any(e.graphs for e in self._entries.values()):
+            self._pool = None  # the failed graph took its pool with it (see drop_graphs)
+        torch.cuda.empty_cache()
+        logger.warning("CUDA graph batch=%d q=%d blocks=%d did not fit in memory: this layout runs "
+                       "without a graph (slower); lower cache_max_entry_count to leave graphs room",
+                       batch, qlen, width)
+        return self._new_entry(batch, qlen, width, copy_in_graph=False)
 
     def prefill_layouts(self) -> list[tuple[int, int]]:
         """Every (B, Q) a prefill may take: Q a power of two past max_query_len, B * Q within
@@ -301,7 +262,7 @@ class StaticForward:
         # capturing into its stale handle trips the allocator's use-count assert (run 46).
         self._pool = None
 
-    def _capture(self, entry: _Entry, aux_layer_ids: tuple[int, ...]) -> None:
+    def _capture(self, entry: StaticEntry, aux_layer_ids: tuple[int, ...]) -> None:
         """Warm up on a side stream (lazy kernel and cuBLAS init must not be captured), then capture."""
         t0 = time.perf_counter()
         self._padding_fill(entry)

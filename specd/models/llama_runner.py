@@ -30,7 +30,7 @@ from specd.messages import PytorchEngineConfig
 from specd.models.attention import AttentionMetadata
 from specd.models.base import check_chunks, ForwardOutput, ModelInfo, SequenceChunk
 from specd.models.append_plan import AppendPlan
-from specd.models.cuda_graphs import DEFAULT_MAX_PREFILL_ROWS, PreparedBatch, StaticForward
+from specd.models.cuda_graphs import DEFAULT_MAX_PREFILL_ROWS, StaticForward
 from specd.models.hf_config import LlamaArchConfig
 from specd.models.kernels.l2_prefetch import PrefetchPlan, l2_prefetch_scope, resolve_plan
 from specd.models.kernels.pdl import pdl_launches, resolve_pdl_mode
@@ -38,6 +38,7 @@ from specd.models.kv_cache import CacheFullError, PagedKVCache
 from specd.models.linear import gemm_backend, resolve_gemm_backend
 from specd.models.llama import EAGER_REGIONS, LlamaForCausalLM, load_llama
 from specd.models.runner_setup import default_aux_layer_ids, num_cache_blocks, select_device, select_dtype
+from specd.models.static_entry import PreparedBatch
 
 KERNELS_ENV = "SPECD_KERNELS"  # "auto" (default) | "off"
 COMPILE_ENV = "SPECD_COMPILE"  # "default" | "max-autotune-no-cudagraphs"; unset or "0": off

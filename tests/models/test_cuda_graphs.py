@@ -171,6 +171,31 @@ def test_a_capture_can_take_memory_the_allocator_holds_cached():
     torch.cuda.empty_cache()
 
 
+def test_a_layout_whose_capture_runs_out_of_memory_runs_without_a_graph(checkpoint, monkeypatch, caplog):
+    """A capture's OOM (run 47: batch 128 on an H100) leaves that layout on its eager body, with a
+    warning, instead of failing the step and every request the engine holds; its outputs are the
+    eager runner's, and the layout is not tried again. On CPU the capture is made to raise (the
+    static buffers are the CPU twin; CUDA's own OOM is test_a_capture_can_take_memory_...)."""
+    path = checkpoint("llama")
+    eager, static = make_runner(path, False), make_runner(path, True)
+    attempts = []
+
+    def capture_out_of_memory(entry, aux_layer_ids):
+        attempts.append((entry.batch, entry.qlen, entry.width))
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 252.00 MiB.")
+
+    monkeypatch.setattr(static.static, "use_cuda_graphs", True)
+    monkeypatch.setattr(static.static, "_capture", capture_out_of_memory)
+    with caplog.at_level("WARNING", logger="specd.models.cuda_graphs"):
+        want, got = script(eager), script(static)
+    assert static.static.num_static_forwards == 6  # every forward still took the static buffers
+    assert max((a - b).abs().max().item() for a, b in zip(want, got)) < TOL
+    layouts = list(static.static._entries)
+    assert len(attempts) == len(set(attempts)) == len(layouts) == static.static.num_capture_failures
+    assert all(not e.graphs and not e.copy_in_graph for e in static.static._entries.values())
+    assert sum("did not fit in memory" in r.getMessage() for r in caplog.records) == len(attempts)
+
+
 def test_graph_head_layers_setting(monkeypatch):
     monkeypatch.delenv(GRAPH_HEAD_LAYERS_ENV, raising=False)
     assert graph_head_layers() == 0
