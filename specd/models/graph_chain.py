@@ -48,5 +48,10 @@ class GraphChain:
     def __exit__(self, *exc) -> None:
         try:
             self.graphs[-1].capture_end()
+        except Exception:
+            if exc[0] is None:
+                raise
+            # The body's error (an OOM: StaticForward leaves that layout eager) is the one to
+            # raise; ending the capture it broke may fail as well.
         finally:
             self._stream_ctx.__exit__(*exc)

@@ -196,6 +196,34 @@ def test_a_layout_whose_capture_runs_out_of_memory_runs_without_a_graph(checkpoi
     assert sum("did not fit in memory" in r.getMessage() for r in caplog.records) == len(attempts)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs: the CPU twin is the test above")
+def test_captures_out_of_memory_on_cuda_leave_those_layouts_eager_and_the_rest_captured(checkpoint, monkeypatch):
+    """Every other capture raises OOM inside the live capture (from its lm_head, as in run 47):
+    the capture ends, the layout runs eagerly, later layouts still capture (a new pool where the
+    failed graph took the only one), and the outputs stay those of a runner whose captures all
+    fit (bf16: the same kernels, launched from a graph or not)."""
+    path = checkpoint("llama")
+    bf16 = dict(device_type="cuda", block_size=16, dtype="bfloat16")
+    want = script(make_runner(path, True, **bf16))
+    runner = make_runner(path, True, **bf16)
+    model, attempts = runner.static.model, []
+    compute_logits = model.compute_logits
+
+    def out_of_memory_in_every_other_capture(hidden):
+        if torch.cuda.is_current_stream_capturing():
+            attempts.append(hidden.shape)
+            if len(attempts) % 2:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 252.00 MiB.")
+        return compute_logits(hidden)
+
+    monkeypatch.setattr(model, "compute_logits", out_of_memory_in_every_other_capture)
+    got = script(runner)
+    assert runner.static.num_capture_failures == (len(attempts) + 1) // 2 >= 2
+    assert runner.static.num_captures == len(attempts) // 2 >= 2
+    worst = max(((a.float() - b.float()).norm() / b.float().norm()).item() for a, b in zip(got, want))
+    assert worst < 1e-2, worst
+
+
 def test_graph_head_layers_setting(monkeypatch):
     monkeypatch.delenv(GRAPH_HEAD_LAYERS_ENV, raising=False)
     assert graph_head_layers() == 0
