@@ -113,6 +113,9 @@ class VerifierMetrics:
         self.graph_capture_seconds = Counter("specd:cuda_graph_capture_seconds",
                                              "Seconds the target runner spent capturing CUDA graphs",
                                              registry=r)
+        self.graph_capture_failures = Counter(
+            "specd:cuda_graph_capture_failures", "Layouts the target runner left without a CUDA graph: "
+            "its capture ran out of memory, the layout runs slower (lower cache_max_entry_count)", registry=r)
         self.drafter_round_trip = Histogram(
             "specd:drafter_round_trip_seconds", "Seconds of each draft round trip with the remote "
             "drafters, by part: queued (until gRPC's sender thread took the request), transit (to the "
@@ -122,7 +125,7 @@ class VerifierMetrics:
                                 "requests admitted together), by path: static (CUDA graphs) or eager",
                                 ["path"], registry=r)
         self._round_trips_seen = 0
-        self._captures_seen = (0, 0.0)
+        self._captures_seen = (0, 0.0, 0)
         self._phases = {p: self.step_seconds.labels(phase=p)
                         for p in ("draft", "verify", "launch", "other", "device_wait", "commit", "emit",
                                   "prefill", "rest")}
@@ -162,13 +165,16 @@ class VerifierMetrics:
                 self.drafter_round_trip.labels(part=part).observe(getattr(last, part))
         self._round_trips_seen = num_round_trips
 
-    def observe_captures(self, num_captures: int, capture_seconds: float) -> None:
-        """The runner's running totals (StaticForward.num_captures / capture_seconds)."""
-        count, seconds = self._captures_seen
+    def observe_captures(self, num_captures: int, capture_seconds: float, num_failures: int = 0) -> None:
+        """The runner's running totals (StaticForward.num_captures / capture_seconds /
+        num_capture_failures)."""
+        count, seconds, failures = self._captures_seen
         if num_captures > count:
             self.graph_captures.inc(num_captures - count)
             self.graph_capture_seconds.inc(max(0.0, capture_seconds - seconds))
-            self._captures_seen = (num_captures, capture_seconds)
+        if num_failures > failures:
+            self.graph_capture_failures.inc(num_failures - failures)
+        self._captures_seen = (max(count, num_captures), max(seconds, capture_seconds), max(failures, num_failures))
 
     def observe_admitted(self, num_prompt_tokens: int) -> None:
         self.prompt_tokens.inc(num_prompt_tokens)

@@ -205,7 +205,7 @@ class VerifierWorker(Admission, Emission):
             self.metrics.observe_round_trip(proposer.num_round_trips, proposer.last_round_trip)
         static = getattr(self.engine.runner, "static", None)  # the CUDA-graph path, where the runner has one
         if static is not None:
-            self.metrics.observe_captures(static.num_captures, static.capture_seconds)
+            self.metrics.observe_captures(static.num_captures, static.capture_seconds, static.num_capture_failures)
         return finished
 
     def _fail_all(self, message: str) -> None:

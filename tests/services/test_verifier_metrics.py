@@ -31,6 +31,11 @@ def test_capture_totals_become_counter_increments():
     m.observe_captures(4, 2.25)
     assert _value(m, "specd:cuda_graph_captures_total") == 4
     assert _value(m, "specd:cuda_graph_capture_seconds_total") == 2.25
+    assert _value(m, "specd:cuda_graph_capture_failures_total") == 0
+    m.observe_captures(4, 2.25, 1)  # a layout whose graph did not fit (StaticForward._capture_failed)
+    m.observe_captures(5, 2.75, 1)
+    assert _value(m, "specd:cuda_graph_capture_failures_total") == 1
+    assert _value(m, "specd:cuda_graph_captures_total") == 5
 
 
 def test_the_bench_splits_captures_and_prefills_out_of_the_phases():
