@@ -241,7 +241,8 @@ STEP_PHASES = ("draft", "verify", "launch", "device_wait", "commit", "emit", "pr
 HEADER = ("| method | batch | output tokens | wall s | tokens/s (rounds) | TPOT ms | acceptance length "
           "(expected) | tokens/s vs off | verifier ms per step: draft / verify (of it: launch) / device wait / "
           "commit / emit / prefill / rest (steps; prefill forwards, of them eager; graphs captured in each "
-          "timed round, when any; remote drafters: a round trip's queued / transit / drafter / waited ms) |")
+          "timed round, when any; remote drafters: a round trip's queued / transit / drafter / waited ms; the "
+          "device's clock from the verify step's start to its forward's end / to its sampling's end) |")
 
 
 def format_row(r: E2ERow) -> str:
@@ -255,11 +256,14 @@ def format_row(r: E2ERow) -> str:
     round_trip = ""
     if r.step_ms and any(r.step_ms.get(ROUND_TRIP + p) for p in ROUND_TRIP_PARTS):
         round_trip = "; round trip " + " / ".join(f"{r.step_ms.get(ROUND_TRIP + p, 0):.2f}" for p in ROUND_TRIP_PARTS)
+    device = ""
+    if r.step_ms and r.step_ms.get("device_step"):
+        device = f"; device clock: forward {r.step_ms['device_forward']:.2f} / step {r.step_ms['device_step']:.2f}"
     split = ("-" if not r.step_ms else
              " / ".join(f"{r.step_ms.get(p, 0):.2f}" + (f" ({r.step_ms['launch']:.2f})" if p == "verify"
                                                          and "launch" in r.step_ms else "")
                         for p in STEP_PHASES if p != "launch")
-             + f" ({r.step_ms.get('steps', 0)}{prefills}{captures}{round_trip})")
+             + f" ({r.step_ms.get('steps', 0)}{prefills}{captures}{round_trip}{device})")
     return (f"| {r.method} | {r.batch} | {r.output_tokens} | {r.wall_s:.2f} | {r.tokens_per_s:.1f}{rounds} | "
             f"{r.tpot_ms:.2f} | {r.acceptance_length:.2f}{expected} | {speedup} | {split} |")
 

@@ -34,6 +34,10 @@ class StepRecord:
     verify_seconds: float = 0.0  # engine verify verb (target forward + rejection sampling)
     launch_seconds: float = 0.0  # of verify: the host's work before the forward is queued
     device_wait_seconds: float = 0.0  # engine commit blocked on the device's results
+    # The verify step on the device's clock from its start (specd/engine/device_clock.py): to the
+    # forward's end, to the sampling's end; verify + device_wait less the latter: the host's wake-up.
+    device_forward_seconds: float = 0.0
+    device_step_seconds: float = 0.0
     commit_seconds: float = 0.0  # engine commit verb (and sending drafts ahead), device wait excluded
     prefill_seconds: float = 0.0  # of the engine's admit: the admitted requests' forward and first tokens
     num_prefills: int = 0  # admission forwards in the step (0 or 1)
@@ -90,7 +94,9 @@ class VerifierMetrics:
                                       "launch: until the forward is queued), other (everything "
                                       "else), and other split into device_wait (the commit's wait "
                                       "for the device), commit, emit, prefill (of admitted requests) "
-                                      "and rest",
+                                      "and rest; and on the device's clock from the verify step's "
+                                      "start: device_forward (to the forward's end), device_step (to "
+                                      "the sampling's end)",
                                       ["phase"], buckets=STEP_BUCKETS, registry=r)
         self.emit_seconds = Histogram("specd:emit_duration_seconds",
                                       "Seconds per step the loop spent writing results (queueing and "
@@ -128,7 +134,7 @@ class VerifierMetrics:
         self._captures_seen = (0, 0.0, 0)
         self._phases = {p: self.step_seconds.labels(phase=p)
                         for p in ("draft", "verify", "launch", "other", "device_wait", "commit", "emit",
-                                  "prefill", "rest")}
+                                  "prefill", "rest", "device_forward", "device_step")}
 
     def serve(self, port: int, addr: str = "0.0.0.0"):
         """Serve /metrics over HTTP (a daemon thread); returns (server, thread)."""
@@ -149,6 +155,8 @@ class VerifierMetrics:
             self._phases["emit"].observe(record.emit_seconds)
             self._phases["prefill"].observe(record.prefill_seconds)
             self._phases["rest"].observe(record.rest_seconds)
+            self._phases["device_forward"].observe(record.device_forward_seconds)
+            self._phases["device_step"].observe(record.device_step_seconds)
             self.emit_seconds.observe(record.emit_seconds)
             self.emit_wait_seconds.observe(record.emit_wait_seconds)
         if record.num_prefills:

@@ -17,7 +17,9 @@ from collections.abc import Callable
 
 import torch
 
+from specd.engine.admission import take_admissions
 from specd.engine.constraints import ConstraintTracker
+from specd.engine.device_clock import DeviceClock
 from specd.engine.drafting import Drafting, default_carry, plan_draft_lengths
 from specd.engine.first_token import sample_first_tokens
 from specd.engine.request_checks import check_request
@@ -82,6 +84,7 @@ class SpecEngine:
         self._stage = (getattr(runner, "stage", None) if os.environ.get(STAGE_VERIFY_ENV, "1") != "0"
                        else None)
         self._staged = False
+        self._clock = DeviceClock(getattr(runner, "device", torch.device("cpu")))  # stats: the device's own time
         self.drafting = Drafting(proposer, lambda seq: self._num_drafts(seq), ahead=draft_ahead,
                                  carry=draft_carry if proposer is not None else 0)
         # Called in step() with the sequences its prefill just started (their first token sampled),
@@ -177,29 +180,10 @@ class SpecEngine:
         """Prefill waiting sequences while the batch and the cache have room; sample their first token."""
         if not self.waiting or len(self.running) >= self.max_batch_size:
             return []
-        admitted: list[Sequence] = []
-        budget = self.max_prefill_tokens
-        # The cache's room planned together: the running sequences' next token first (an
-        # admission never forces a preemption), then each admitted prompt and its first drafts.
-        plan = self.runner.plan_appends()
-        for s in self.running:
-            plan.take(s.seq_id, 1)
-        while self.waiting and len(self.running) + len(admitted) < self.max_batch_size:
-            seq = self.waiting[0]
-            if admitted and seq.num_tokens > budget:
-                break
-            self.runner.add_sequence(seq.seq_id)
-            # Its prompt and first drafts; a sequence never caches more than the context length
-            # less one (the last token is sampled, not cached), so a prompt near it still fits.
-            need = min(seq.num_tokens + self.num_speculative_tokens, self.max_model_len - 1)
-            if not plan.take(seq.seq_id, need):
-                self.runner.free(seq.seq_id)
-                if not self.running and not admitted:
-                    raise RuntimeError("the KV cache cannot hold a single request; raise num_gpu_blocks")
-                break
-            self.waiting.popleft()
-            budget -= seq.num_tokens
-            admitted.append(seq)
+        admitted = take_admissions(self.waiting, self.running, self.runner, max_batch_size=self.max_batch_size,
+                                   max_prefill_tokens=self.max_prefill_tokens,
+                                   num_speculative_tokens=self.num_speculative_tokens,
+                                   max_model_len=self.max_model_len)
         if not admitted:
             return []
         self._ks = None
@@ -260,12 +244,14 @@ class SpecEngine:
         host_drafts = [p.token_ids.tolist() for p in proposals]
         chunks = [SequenceChunk(s.seq_id, [s.last_token_id] + host_drafts[i]) for i, s in enumerate(batch)]
         self._staged = False  # the forward takes the staged batch, or undoes it
+        self._clock.start()
         # The forward first: everything sampling needs is built while the device runs it. Its
         # host-to-device copies are asynchronous (non_blocking, staged by the driver), so they
         # queue behind the forward instead of waiting for it, and they leave the critical path.
         out = self.runner.forward(chunks, want_hidden=self._hidden_kind == "final",
                                   want_aux_hidden=self._hidden_kind == "aux")
         self.stats.timings.launch += time.perf_counter() - t0
+        self._clock.forward_queued()
         if self.on_launched is not None:
             self.on_launched()
         draft_ids, draft_probs, num_drafts_t = pad_drafts(proposals, host_drafts, vocab, device)
@@ -284,6 +270,7 @@ class SpecEngine:
                                            all_greedy=all_greedy)
         result = rejection_sample(target_probs, draft_ids, draft_probs, num_drafts_t, st.seeds, positions,
                                   one_hot_target=all_greedy)
+        self._clock.step_queued()
         return out, result
 
     def commit(self, batch: list[Sequence], proposals: list[DraftProposal], verdict) -> list[Sequence]:
@@ -296,6 +283,7 @@ class SpecEngine:
         t0 = time.perf_counter()
         host = torch.cat([result.num_accepted[:, None], result.output_token_ids], dim=1).tolist()
         self.stats.timings.device_wait += time.perf_counter() - t0
+        self.stats.timings.add_device_clock(self._clock.read())
         num_accepted = [row[0] for row in host]
         emitted = [row[1:] for row in host]
         finished = []

@@ -16,6 +16,15 @@ class StepTimings:
     device_wait: float = 0.0  # of commit: blocked on the device's results (the step's one sync)
     launch: float = 0.0  # of verify: the host's work before the forward is queued on the device
     prefill: float = 0.0  # of admit: the admitted requests' forward and first tokens (to their sync)
+    # On the device's clock (device_clock.py), from each verify step's start: to its forward's end,
+    # to its sampling's end (what the host's verify + device_wait wait for, less the wake-up).
+    device_forward: float = 0.0
+    device_step: float = 0.0
+
+    def add_device_clock(self, marks: tuple[float, float] | None) -> None:
+        if marks is not None:
+            self.device_forward += marks[0]
+            self.device_step += marks[1]
 
 
 @dataclass

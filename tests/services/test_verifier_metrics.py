@@ -102,3 +102,21 @@ def test_idle_wait_for_a_request_is_not_counted_as_rest(redis_url, client, targe
     worker.finish_writes()
     entries = collect(client, [request.request_id])[request.request_id]
     assert entries[-1].kind == "final" and sum(len(e.tokens) for e in entries) == 4
+
+
+def test_the_device_clock_is_a_phase_and_the_bench_prints_it():
+    from bench.e2e import E2ERow, format_row
+    from services.verifier.metrics import StepRecord
+
+    m = VerifierMetrics()
+    m.observe_step(StepRecord(engine_seconds=0.01, total_seconds=0.01, verify_seconds=0.002,
+                              device_wait_seconds=0.005, device_forward_seconds=0.0055,
+                              device_step_seconds=0.0065))
+    assert _value(m, 'specd:step_duration_seconds_sum{phase="device_forward"}') == pytest.approx(0.0055)
+    assert _value(m, 'specd:step_duration_seconds_sum{phase="device_step"}') == pytest.approx(0.0065)
+    before = {"verify": (0.0, 0.0), "device_forward": (0.0, 0.0), "device_step": (0.0, 0.0)}
+    after = {"verify": (0.02, 10.0), "device_forward": (0.055, 10.0), "device_step": (0.065, 10.0)}
+    split = step_split_ms(before, after)
+    row = E2ERow("replay", 1, 128, 0.3, 400.0, 2.5, 2.8, step_ms=split)
+    assert "; device clock: forward 5.50 / step 6.50)" in format_row(row)
+    assert "device clock" not in format_row(E2ERow("off", 1, 128, 0.8, 160.0, 6.2, 1.0, step_ms={"verify": 1.0}))
