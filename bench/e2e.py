@@ -242,7 +242,7 @@ HEADER = ("| method | batch | output tokens | wall s | tokens/s (rounds) | TPOT 
           "(expected) | tokens/s vs off | verifier ms per step: draft / verify (of it: launch) / device wait / "
           "commit / emit / prefill / rest (steps; prefill forwards, of them eager; graphs captured in each "
           "timed round, when any; remote drafters: a round trip's queued / transit / drafter / waited ms; the "
-          "device's clock from the verify step's start to its forward's end / to its sampling's end) |")
+          "device's clock from the verify step's start to its forward's launch / end / its sampling's end) |")
 
 
 def format_row(r: E2ERow) -> str:
@@ -258,7 +258,8 @@ def format_row(r: E2ERow) -> str:
         round_trip = "; round trip " + " / ".join(f"{r.step_ms.get(ROUND_TRIP + p, 0):.2f}" for p in ROUND_TRIP_PARTS)
     device = ""
     if r.step_ms and r.step_ms.get("device_step"):
-        device = f"; device clock: forward {r.step_ms['device_forward']:.2f} / step {r.step_ms['device_step']:.2f}"
+        device = (f"; device clock: launch {r.step_ms.get('device_launch', 0):.2f} / forward "
+                  f"{r.step_ms['device_forward']:.2f} / step {r.step_ms['device_step']:.2f}")
     split = ("-" if not r.step_ms else
              " / ".join(f"{r.step_ms.get(p, 0):.2f}" + (f" ({r.step_ms['launch']:.2f})" if p == "verify"
                                                          and "launch" in r.step_ms else "")

@@ -62,6 +62,9 @@ class StepRow:
     # were out (slots, buffers), timed from the token ids' write to the replay's end.
     specd_staged_ms: float | None = None
     env_variant_staged_ms: dict[str, float] = field(default_factory=dict)  # "K=V,..." -> staged ms under it
+    # Columns whose run did not fit the device's memory (printed OOM): on an 80 GB card, the
+    # transformers twin's DynamicCache at batch 128 (17 GB) beside three runners' caches.
+    out_of_memory: tuple[str, ...] = ()
 
     @property
     def compiled_over_floor(self) -> float | None:
@@ -148,6 +151,18 @@ def time_transformers(hf, config: LlamaArchConfig, batch: int, q: int, context: 
     return _median_ms(step, device, warmup, iters)
 
 
+def unless_out_of_memory(column: str, oom: list[str], measure):
+    """measure(), or None with the column named in `oom` where the device ran out of memory (the
+    rest of the table still runs; the allocator's cache is emptied for the next column)."""
+    try:
+        return measure()
+    except torch.OutOfMemoryError:
+        oom.append(column)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return None
+
+
 def run_step_bench(shape: str = "8b", batches=(1, 8, 32, 64, 128), qs=(1, 4), context: int = 1024,
                    device: str | None = None, bandwidth_tbs: float = 4.8, warmup: int = 3, iters: int = 10,
                    with_transformers: bool = True, block_size: int = 64, compile_mode: str | None = None,
@@ -190,11 +205,12 @@ def run_step_bench(shape: str = "8b", batches=(1, 8, 32, 64, 128), qs=(1, 4), co
             ev, evs = time_env_variants(graphs, list(env_variants), batch, q, context, warmup, iters)
             c = time_specd(torch_ops, batch, q, context, warmup, iters)
             e = time_specd(eager, batch, q, context, warmup, iters)
-            h = (time_transformers(hf, config, batch, q, context, dev, dtype, warmup, iters)
-                 if hf is not None else None)
+            oom: list[str] = []
+            h = (unless_out_of_memory("transformers", oom, lambda: time_transformers(
+                hf, config, batch, q, context, dev, dtype, warmup, iters)) if hf is not None else None)
             rows.append(StepRow(batch, q, g, e, h, floor_ms, specd_torch_ops_ms=c, specd_no_pdl_ms=n,
                                 l2_prefetch_ms=pf, env_variant_ms=ev, specd_graphs_captures_ms=each,
-                                specd_staged_ms=st, env_variant_staged_ms=evs))
+                                specd_staged_ms=st, env_variant_staged_ms=evs, out_of_memory=tuple(oom)))
             print(format_row(rows[-1]), flush=True)
             if len(each) > 1:
                 print(f"  graphs, each capture: {', '.join(f'{ms:.3f}' for ms in each)} ms", flush=True)
@@ -269,15 +285,15 @@ HEADER = ("| batch | q | specd graphs ms | specd graphs staged ms | specd graphs
 
 
 def format_row(r: StepRow) -> str:
-    def ms(v):
-        return f"{v:.2f}" if v is not None else "-"
+    def ms(v, column=""):
+        return f"{v:.2f}" if v is not None else ("OOM" if column in r.out_of_memory else "-")
 
     def times(num, den, digits):
         return f"{num / den:.{digits}f}x" if num is not None and den is not None else "-"
 
     return (f"| {r.batch} | {r.q} | {ms(r.specd_graphs_ms)} | {ms(r.specd_staged_ms)} | {ms(r.specd_no_pdl_ms)} | "
             f"{ms(r.specd_compiled_ms)} | {ms(r.specd_torch_ops_ms)} | {ms(r.specd_eager_ms)} | "
-            f"{ms(r.transformers_ms)} | {r.floor_ms:.2f} | {r.graphs_over_floor:.2f}x | "
+            f"{ms(r.transformers_ms, 'transformers')} | {r.floor_ms:.2f} | {r.graphs_over_floor:.2f}x | "
             f"{times(r.specd_staged_ms, r.floor_ms, 2)} | {times(r.specd_compiled_ms, r.floor_ms, 2)} | "
             f"{times(r.transformers_ms, r.specd_graphs_ms, 1)} | "
             f"{times(r.transformers_ms, r.specd_compiled_ms, 1)} |")

@@ -36,6 +36,7 @@ class StepRecord:
     device_wait_seconds: float = 0.0  # engine commit blocked on the device's results
     # The verify step on the device's clock from its start (specd/engine/device_clock.py): to the
     # forward's end, to the sampling's end; verify + device_wait less the latter: the host's wake-up.
+    device_launch_seconds: float = 0.0
     device_forward_seconds: float = 0.0
     device_step_seconds: float = 0.0
     commit_seconds: float = 0.0  # engine commit verb (and sending drafts ahead), device wait excluded
@@ -95,8 +96,9 @@ class VerifierMetrics:
                                       "else), and other split into device_wait (the commit's wait "
                                       "for the device), commit, emit, prefill (of admitted requests) "
                                       "and rest; and on the device's clock from the verify step's "
-                                      "start: device_forward (to the forward's end), device_step (to "
-                                      "the sampling's end)",
+                                      "start: device_launch (to the forward's first device work), "
+                                      "device_forward (to the forward's end), device_step (to the "
+                                      "sampling's end)",
                                       ["phase"], buckets=STEP_BUCKETS, registry=r)
         self.emit_seconds = Histogram("specd:emit_duration_seconds",
                                       "Seconds per step the loop spent writing results (queueing and "
@@ -134,7 +136,7 @@ class VerifierMetrics:
         self._captures_seen = (0, 0.0, 0)
         self._phases = {p: self.step_seconds.labels(phase=p)
                         for p in ("draft", "verify", "launch", "other", "device_wait", "commit", "emit",
-                                  "prefill", "rest", "device_forward", "device_step")}
+                                  "prefill", "rest", "device_launch", "device_forward", "device_step")}
 
     def serve(self, port: int, addr: str = "0.0.0.0"):
         """Serve /metrics over HTTP (a daemon thread); returns (server, thread)."""
@@ -155,6 +157,7 @@ class VerifierMetrics:
             self._phases["emit"].observe(record.emit_seconds)
             self._phases["prefill"].observe(record.prefill_seconds)
             self._phases["rest"].observe(record.rest_seconds)
+            self._phases["device_launch"].observe(record.device_launch_seconds)
             self._phases["device_forward"].observe(record.device_forward_seconds)
             self._phases["device_step"].observe(record.device_step_seconds)
             self.emit_seconds.observe(record.emit_seconds)

@@ -4,9 +4,13 @@ The host sees a step as verify (its host work, the forward queued early in it) a
 commit's device wait, ending when the results reach it. That sum mixes the device's work with the
 host's wake-up after it: the two staged / unstaged variants of BENCHMARKS.md's runs 48-49 spent
 0.27 ms a step more in verify + device wait at batch 1 with the same graphs, and the host clock
-cannot say which. Events recorded at the step's start, after its forward is queued and after its
-sampling is, read after the step's one sync: the device's time to the forward's end and to the
-step's end; the host's verify + device wait less the latter is the wake-up (and the results' copy).
+cannot say which. Events recorded at the step's start, right before the forward's first device
+work (the runner calls `launching`: the graph's replay), after the forward is queued and after the
+sampling is, read after the step's one sync: the device's time to the launch (the host's work
+before it, the device idle), to the forward's end and to the step's end; the host's verify +
+device wait less the latter is the wake-up (and the results' copy). The forward's end less the
+launch is the forward's own device time: whether a staged step's graph runs slower, or starts
+later.
 
 On CUDA the events are CUDA events (each record a few us of host time, no sync); elsewhere the
 "device" is the host itself, and HostEvent stands in, timing the same points on the host's clock.
@@ -15,6 +19,7 @@ On CUDA the events are CUDA events (each record a few us of host time, no sync);
 from __future__ import annotations
 
 import time
+from typing import NamedTuple
 
 import torch
 
@@ -32,18 +37,33 @@ class HostEvent:
         return (end.t - self.t) * 1e3  # ms, as CUDA events answer
 
 
+class DeviceMarks(NamedTuple):
+    """Seconds on the device's clock from a verify step's start."""
+
+    launch: float | None  # to the forward's first device work; None where the runner did not mark it
+    forward: float  # to the forward's end
+    step: float  # to the sampling's end
+
+
 class DeviceClock:
-    """Three marks of one verify step (start, forward queued, step queued); `read` after the
-    step's sync returns (seconds to the forward's end, seconds to the step's end) on the device's
-    clock, both from the start mark, or None when no step was marked since the last read."""
+    """Four marks of one verify step (start, launching, forward queued, step queued); `read`
+    after the step's sync returns their DeviceMarks, or None when no step was marked since the
+    last read."""
 
     def __init__(self, device: torch.device) -> None:
         make = ((lambda: torch.cuda.Event(enable_timing=True)) if device.type == "cuda" else HostEvent)
-        self._start, self._forward, self._step = make(), make(), make()
+        self._start, self._launch, self._forward, self._step = make(), make(), make(), make()
         self._marked = False
+        self._launched = False  # since the last start (a prefill's forward marks it too: ignored)
 
     def start(self) -> None:
         self._start.record()
+        self._launched = False
+
+    def launching(self) -> None:
+        """The runner's hook, right before the forward's device work (after its host work)."""
+        self._launch.record()
+        self._launched = True
 
     def forward_queued(self) -> None:
         self._forward.record()
@@ -52,9 +72,11 @@ class DeviceClock:
         self._step.record()
         self._marked = True
 
-    def read(self) -> tuple[float, float] | None:
+    def read(self) -> DeviceMarks | None:
         """Only after the step's sync (CUDA events must have completed)."""
         if not self._marked:
             return None
         self._marked = False
-        return self._start.elapsed_time(self._forward) / 1e3, self._start.elapsed_time(self._step) / 1e3
+        launch = self._start.elapsed_time(self._launch) / 1e3 if self._launched else None
+        return DeviceMarks(launch, self._start.elapsed_time(self._forward) / 1e3,
+                           self._start.elapsed_time(self._step) / 1e3)

@@ -85,6 +85,8 @@ class SpecEngine:
                        else None)
         self._staged = False
         self._clock = DeviceClock(getattr(runner, "device", torch.device("cpu")))  # stats: the device's own time
+        if hasattr(runner, "on_launch"):  # the runner marks its forward's first device work
+            runner.on_launch = self._clock.launching
         self.drafting = Drafting(proposer, lambda seq: self._num_drafts(seq), ahead=draft_ahead,
                                  carry=draft_carry if proposer is not None else 0)
         # Called in step() with the sequences its prefill just started (their first token sampled),

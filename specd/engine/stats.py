@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from specd.engine.device_clock import DeviceMarks
 
 
 @dataclass
@@ -16,15 +20,19 @@ class StepTimings:
     device_wait: float = 0.0  # of commit: blocked on the device's results (the step's one sync)
     launch: float = 0.0  # of verify: the host's work before the forward is queued on the device
     prefill: float = 0.0  # of admit: the admitted requests' forward and first tokens (to their sync)
-    # On the device's clock (device_clock.py), from each verify step's start: to its forward's end,
-    # to its sampling's end (what the host's verify + device_wait wait for, less the wake-up).
+    # On the device's clock (device_clock.py), from each verify step's start: to its forward's
+    # launch (the host's work before the device's first, where the runner marks it), to its
+    # forward's end, to its sampling's end (what the host's verify + device_wait wait for, less
+    # the wake-up).
+    device_launch: float = 0.0
     device_forward: float = 0.0
     device_step: float = 0.0
 
-    def add_device_clock(self, marks: tuple[float, float] | None) -> None:
+    def add_device_clock(self, marks: "DeviceMarks | None") -> None:
         if marks is not None:
-            self.device_forward += marks[0]
-            self.device_step += marks[1]
+            self.device_launch += marks.launch or 0.0
+            self.device_forward += marks.forward
+            self.device_step += marks.step
 
 
 @dataclass

@@ -21,6 +21,7 @@ through specd's Triton kernels where they apply (fused_forward.py; not together 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -117,6 +118,9 @@ class LlamaRunner:
         self._staged: _StagedBatch | None = None  # stage(): a verify batch waiting for its drafts
         self.num_staged_forwards = 0  # forwards that took a staged batch (tests, bench)
         self.num_eager_forwards = 0  # forwards outside the static path (a long prefill; metrics)
+        # Called right before a forward's first device work, its host work done (the engine's
+        # device clock marks it there: device_clock.py).
+        self.on_launch: Callable[[], None] | None = None
         if compile_mode is None:
             compile_mode = os.environ.get(COMPILE_ENV, "0")
         self.compile_mode = None if compile_mode in ("", "0", "off") else compile_mode
@@ -322,6 +326,8 @@ class LlamaRunner:
                                      device=self.device)  # [T]
             positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, query_lens)]
                                   ).to(self.device)  # [T]
+            if self.on_launch is not None:
+                self.on_launch()
             with torch.no_grad():
                 hidden, aux = self.model(input_ids, positions, meta, self.kv_cache,
                                          self.aux_layer_ids if want_aux_hidden else ())
@@ -349,6 +355,8 @@ class LlamaRunner:
 
     def _static_run(self, prepared: PreparedBatch, chunks: list[SequenceChunk], want_hidden: bool
                     ) -> ForwardOutput:
+        if self.on_launch is not None:
+            self.on_launch()
         logits, hidden, aux = self.static.run(prepared, want_hidden=want_hidden)
         return ForwardOutput(logits=logits, offsets=_offsets([len(c.token_ids) for c in chunks]),
                              hidden_states=hidden if want_hidden else None, aux_hidden_states=aux)

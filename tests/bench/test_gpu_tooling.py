@@ -109,3 +109,23 @@ def test_compiled_column_failure_or_budget_costs_that_column_only(monkeypatch):
     assert info["compile_skipped_rows"] == 3 and "compile_error" not in info
     assert step.time_compiled_column(None, rows(), 32, 1, 1, budget_s=100.0) == {}
     assert "| 1 | 4 | 1.50 | - |" in step.format_row(measured[1])
+
+
+def test_a_column_out_of_memory_costs_that_column_only():
+    """Run 50 (an 80 GB H100): transformers' cache at batch 128 ran the device out of memory and
+    the whole step bench died with it, its finished rows unwritten. Now that column reads OOM."""
+    import torch
+
+    import bench.step as step
+
+    def too_big():
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 256.00 MiB")
+
+    oom: list[str] = []
+    assert step.unless_out_of_memory("transformers", oom, too_big) is None and oom == ["transformers"]
+    assert step.unless_out_of_memory("eager", oom, lambda: 3.5) == 3.5 and oom == ["transformers"]
+    row = step.StepRow(128, 4, 19.9, 58.5, None, 3.35, out_of_memory=tuple(oom))
+    assert "| 58.50 | OOM | 3.35 |" in step.format_row(row)
+    assert "| 58.50 | - | 3.35 |" in step.format_row(step.StepRow(128, 4, 19.9, 58.5, None, 3.35))
+    with pytest.raises(RuntimeError):  # any other failure still fails the bench
+        step.unless_out_of_memory("transformers", oom, lambda: (_ for _ in ()).throw(RuntimeError("bug")))

@@ -18,13 +18,26 @@ def test_marks_read_once_after_a_marked_step():
     clock = DeviceClock(torch.device("cpu"))
     assert clock.read() is None  # nothing marked yet
     clock.start()
+    time.sleep(0.001)
+    clock.launching()
     time.sleep(0.002)
     clock.forward_queued()
     time.sleep(0.003)
     clock.step_queued()
-    forward, step = clock.read()
-    assert 0.002 <= forward < step and step - forward >= 0.003
+    launch, forward, step = clock.read()
+    assert 0.001 <= launch and forward - launch >= 0.002 and step - forward >= 0.003
     assert clock.read() is None  # read once: a step without marks adds nothing
+
+
+def test_a_launch_marked_before_the_start_is_not_the_steps():
+    """A prefill's forward marks a launch too; the next verify step's start forgets it, and a
+    runner that never marks one reads None (no launch time is made up)."""
+    clock = DeviceClock(torch.device("cpu"))
+    clock.launching()  # the admission's prefill, before the step
+    clock.start()
+    clock.forward_queued()
+    clock.step_queued()
+    assert clock.read().launch is None
 
 
 def test_the_engine_times_each_verify_step_within_its_host_time(tiny_models):
@@ -37,5 +50,25 @@ def test_the_engine_times_each_verify_step_within_its_host_time(tiny_models):
     prompts, params = make_requests(256, seed=3)
     engine.generate(prompts[:4], params[:4])
     t = engine.stats.timings
-    assert 0 < t.device_forward < t.device_step <= t.verify + t.device_wait
+    assert 0 < t.device_launch < t.device_forward < t.device_step <= t.verify + t.device_wait
+    assert t.device_launch <= t.launch  # the runner marks it inside verify's host launch
     assert t.device_step > 0.5 * t.verify  # the forward is most of verify on CPU
+
+
+def test_the_static_path_marks_its_launch_staged_or_not(tiny_models):
+    """The launch mark on the static path (the CUDA graphs' CPU twin), staged batches included:
+    every verify step of a static-path engine reads a launch, after its start and before its
+    forward's end."""
+    from tests.engine.test_staged_verify import FullDrafts, static_engine
+
+    for stage in (True, False):
+        engine = static_engine(tiny_models["target-llama"], stage=stage, wrapper=FullDrafts)
+        marks = []
+        read = engine._clock.read
+        engine._clock.read = lambda: marks.append(read()) or marks[-1]
+        prompts, params = make_requests(256, seed=4)
+        engine.generate(prompts[:3], params[:3])
+        steps = [m for m in marks if m is not None]
+        assert steps and all(m.launch is not None and 0 < m.launch < m.forward < m.step for m in steps)
+        if stage:
+            assert engine.runner.num_staged_forwards > 0
