@@ -159,15 +159,19 @@ VARIANTS = {"-fold": {"SPECD_NORM_FOLD": "1"}, "-head2": {"SPECD_GRAPH_HEAD_LAYE
             "-grpcsteps": {"SPECD_DRAFTER_FAST_PATH": "0"}, "-sync": {"SPECD_DRAFT_AHEAD": "0"}, "-nohandoff": {"SPECD_DRAFT_SEND_HANDOFF": "0"},
             "-nocarry": {"SPECD_DRAFT_CARRY": "0"}, "-ownread": {"SPECD_VERIFIER_RIDE_READS": "0"},
             "-carry4": {"SPECD_DRAFT_CARRY": "4"},  # one step's worth at the bench's k = 3
-            "-flushlate": {"SPECD_VERIFIER_FLUSH_AFTER_LAUNCH": "1"}}
+            "-flushlate": {"SPECD_VERIFIER_FLUSH_AFTER_LAUNCH": "1"},
+            "-nopdl": {"SPECD_PDL": "off"}}
 
 
 def base_method(label: str) -> tuple[str, dict]:
-    """("replay-sync") -> ("replay", {"SPECD_DRAFT_AHEAD": "0"}): the method and its variant's env."""
-    for suffix, env in VARIANTS.items():
-        if label.endswith(suffix):
-            return label.removesuffix(suffix), env
-    return label, {}
+    """("replay-sync") -> ("replay", {"SPECD_DRAFT_AHEAD": "0"}): the method and its variants'
+    env; suffixes combine ("replay-nostage-nopdl")."""
+    env: dict = {}
+    while True:
+        suffix = next((s for s in VARIANTS if label.endswith(s)), None)
+        if suffix is None:
+            return label, env
+        label, env = label.removesuffix(suffix), VARIANTS[suffix] | env
 
 
 def _captured(row: E2ERow) -> bool:
