@@ -153,7 +153,7 @@ def step_split_ms(before: dict, after: dict) -> dict[str, float]:
 # with the drafter round trip on the gRPC stream instead of the fast socket path (drafter_stream.py),
 # "-fold" with the verifier's norms folded into its GEMMs (models/norm_fold.py), "-head2" with its
 # graphs in two parts, the first two layers launched first (models/cuda_graphs.py), "-nostage"
-# without the verify batch staged while drafts are out (engine/engine.py _stage_next_verify).
+# without the verify batch staged while drafts are out (engine/staging.py).
 VARIANTS = {"-fold": {"SPECD_NORM_FOLD": "1"}, "-head2": {"SPECD_GRAPH_HEAD_LAYERS": "2"},
             "-nostage": {"SPECD_STAGE_VERIFY": "0"},
             "-grpcsteps": {"SPECD_DRAFTER_FAST_PATH": "0"}, "-sync": {"SPECD_DRAFT_AHEAD": "0"}, "-nohandoff": {"SPECD_DRAFT_SEND_HANDOFF": "0"},

@@ -31,7 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from bench.step import arch_config, random_model  # noqa: E402
-from specd.engine.engine import STAGE_VERIFY_ENV, SpecEngine  # noqa: E402
+from specd.engine.engine import SpecEngine  # noqa: E402
+from specd.engine.staging import STAGE_VERIFY_ENV  # noqa: E402
 from specd.messages import PytorchEngineConfig  # noqa: E402
 from specd.models.cuda_graphs import StaticForward  # noqa: E402
 from specd.models.llama_runner import LlamaRunner  # noqa: E402
@@ -46,7 +47,7 @@ class FixedProposer:
     """Drafts DRAFTS[:k] for every sequence: no work of its own. With a round trip, it also
     answers "asynchronously" as the remote drafters do (propose_async): the drafts are ready
     that long after the send, so the engine sends them ahead and stages the next verify batch
-    meanwhile (SpecEngine._stage_next_verify)."""
+    meanwhile (specd/engine/staging.py)."""
 
     def __init__(self, round_trip_s: float | None = None) -> None:
         if round_trip_s is not None:

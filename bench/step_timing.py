@@ -100,7 +100,7 @@ def time_specd(runner: LlamaRunner, batch: int, q: int, context: int, warmup: in
 def time_specd_staged(runner: LlamaRunner, batch: int, q: int, context: int, warmup: int, iters: int) -> float:
     """The same step as the engine launches it once its drafts are back: the batch staged before
     the clock starts (LlamaRunner.stage: slots, buffers, placeholder ids; the engine does this
-    while the drafters work, SpecEngine._stage_next_verify), the timed part the token ids written,
+    while the drafters work, specd/engine/staging.py), the timed part the token ids written,
     the replay and the wait for it. Raises where the batch does not stage (no static path)."""
     chunks = _step_chunks(runner, batch, q)
     placeholders = [SequenceChunk(c.seq_id, [0] * len(c.token_ids)) for c in chunks]

@@ -24,6 +24,7 @@ from specd.engine.drafting import Drafting, default_carry, plan_draft_lengths
 from specd.engine.first_token import sample_first_tokens
 from specd.engine.request_checks import check_request
 from specd.engine.sequence import Sequence, SequenceStatus
+from specd.engine.staging import VerifyStaging
 from specd.engine.stats import EngineStats
 from specd.engine.stop import StopChecker
 from specd.engine.verify import BatchSamplingTensors, pad_drafts, verify_target_probs
@@ -36,8 +37,6 @@ from specd.sampling_params import SamplingParams
 
 DRAFT_AHEAD_ENV = "SPECD_DRAFT_AHEAD"  # "0": drafts are asked for inside each step
 log = logging.getLogger("specd.engine")
-
-STAGE_VERIFY_ENV = "SPECD_STAGE_VERIFY"  # "0": no verify batch staged while drafts are out (A/B)
 
 
 class SpecEngine:
@@ -80,10 +79,7 @@ class SpecEngine:
         # k per running sequence, planned together for the cache as it is (plan_draft_lengths); None
         # once the cache changed (a commit, admission, preemption, abort).
         self._ks: dict[int, int] | None = None
-        # The next verify batch, staged in the runner while its drafts are out (_stage_next_verify).
-        self._stage = (getattr(runner, "stage", None) if os.environ.get(STAGE_VERIFY_ENV, "1") != "0"
-                       else None)
-        self._staged = False
+        self._staging = VerifyStaging(runner)  # the next verify batch, staged while its drafts are out
         self._clock = DeviceClock(getattr(runner, "device", torch.device("cpu")))  # stats: the device's own time
         if hasattr(runner, "on_launch"):  # the runner marks its forward's first device work
             runner.on_launch = self._clock.launching
@@ -158,7 +154,7 @@ class SpecEngine:
         if self.on_admitted is not None and len(self.running) > num_running:
             self.on_admitted(self.running[num_running:])
         t1 = time.perf_counter()
-        if not self._holds_staged_batch():  # (a staged batch has every sequence's room reserved)
+        if not self._staging.holds():  # (a staged batch has every sequence's room reserved)
             self._preempt_if_full()
         self._resync_drafts()
         batch = [s for s in self.running if not s.is_finished]
@@ -168,7 +164,9 @@ class SpecEngine:
         t3 = time.perf_counter()
         finished += self.commit(batch, proposals, verdict)
         self.drafting.send_ahead([s for s in self.running if not s.is_finished])
-        self._stage_next_verify()
+        self._staging.stage_next(self.running, self._num_drafts, drafts_out=self.drafting.in_flight,
+                                 admission_due=bool(self.waiting) and len(self.running) < self.max_batch_size,
+                                 want_aux_hidden=self._hidden_kind == "aux")
         t4 = time.perf_counter()
         timings = self.stats.timings
         timings.admit += t1 - t_collect
@@ -245,7 +243,7 @@ class SpecEngine:
         # no device-to-host sync before the forward. The step's only sync is commit's.
         host_drafts = [p.token_ids.tolist() for p in proposals]
         chunks = [SequenceChunk(s.seq_id, [s.last_token_id] + host_drafts[i]) for i, s in enumerate(batch)]
-        self._staged = False  # the forward takes the staged batch, or undoes it
+        self._staging.taken()
         self._clock.start()
         # The forward first: everything sampling needs is built while the device runs it. Its
         # host-to-device copies are asynchronous (non_blocking, staged by the driver), so they
@@ -366,26 +364,6 @@ class SpecEngine:
         victim.status = SequenceStatus.WAITING
         victim.undrafted_token_ids, victim.undrafted_hidden = [], []
         self.waiting.appendleft(victim)
-
-    def _stage_next_verify(self) -> None:
-        """While the next step's drafts are out, stage its verify batch in the runner (slots and
-        static buffers, all but the draft ids: LlamaRunner.stage), so that the step's launch is
-        the ids' write and the replay. Only where the engine waits for drafters anyway and no
-        admission is due (a prefill would undo the stage). Exact: the staged k are the planned ones
-        the next step uses (_ks, unchanged unless the cache changes, which undoes the stage); the
-        runner undoes the stage on any other call, and drafts that come back shorter refill it."""
-        self._staged = False
-        admission_due = self.waiting and len(self.running) < self.max_batch_size
-        if self._stage is None or not self.drafting.in_flight or admission_due or not self.running:
-            return
-        chunks = [SequenceChunk(s.seq_id, [s.last_token_id] * (1 + self._num_drafts(s))) for s in self.running]
-        self._staged = self._stage(chunks, want_aux_hidden=self._hidden_kind == "aux")
-
-    def _holds_staged_batch(self) -> bool:
-        """Whether the batch staged for this step is still in the runner (an admission, abort or
-        preemption since undid it)."""
-        self._staged = self._staged and self.runner.staged
-        return self._staged
 
     def _num_drafts(self, seq: Sequence) -> int:
         """k for this sequence, as planned for the whole batch (drafting.plan_draft_lengths)."""

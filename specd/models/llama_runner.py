@@ -202,7 +202,7 @@ class LlamaRunner:
         """Do a verify batch's host work before its draft tokens exist: its slots reserved, the
         static path's buffers filled, token ids past the known ones placeholders. Why: the engine
         stages while the drafters work (it would only wait), and the step's launch is then the
-        token ids and the replay (SpecEngine._stage_next_verify).
+        token ids and the replay (specd/engine/staging.py).
 
         The next forward of the same sequences with the same chunk lengths (and aux flag) takes
         it; any other forward, and every other cache call, undoes it first, so a staged batch is

@@ -1,4 +1,4 @@
-"""The verify batch staged while drafts are out (SpecEngine._stage_next_verify, LlamaRunner.stage).
+"""The verify batch staged while drafts are out (specd/engine/staging.py, LlamaRunner.stage).
 
 The engine stages the next step's verify batch (slots, the static path's buffers) right after it
 sends that step's draft requests ahead; the step's forward then writes only the draft ids. The
@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from specd.engine.builder import build_engine
-from specd.engine.engine import STAGE_VERIFY_ENV, SpecEngine
+from specd.engine.engine import SpecEngine
+from specd.engine.staging import STAGE_VERIFY_ENV
 from specd.messages import PytorchEngineConfig, SpeculativeConfig
 from specd.models.base import SequenceChunk
 from specd.models.llama_runner import LlamaRunner

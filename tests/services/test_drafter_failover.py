@@ -2,7 +2,7 @@
 drafter that went away (greedy output unchanged), resyncs them on the surviving drafter, and puts
 a restarted drafter back on the ring; a drafter past the step deadline costs one deadline. The
 death is also met on the static path's CPU twin with the next verify batch staged while the
-drafts are out (SpecEngine._stage_next_verify): a staged batch waits on the drafter that dies."""
+drafts are out (specd/engine/staging.py): a staged batch waits on the drafter that dies."""
 
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ import torch
 from services.drafter.server import load_drafter, start_server
 from services.drafter.servicer import DrafterServicer
 from specd.engine.builder import build_engine
-from specd.engine.engine import STAGE_VERIFY_ENV, SpecEngine
+from specd.engine.engine import SpecEngine
+from specd.engine.staging import STAGE_VERIFY_ENV
 from specd.messages import PytorchEngineConfig, SpeculativeConfig
 from specd.models.llama_runner import LlamaRunner
 from specd.proposers.base import DraftProposal
