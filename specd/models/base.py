@@ -52,7 +52,11 @@ class ForwardOutput:
 
 
 class TargetRunner(Protocol):
-    """Target model + KV cache. Implemented by LlamaRunner (ours) and HFRunner (transformers)."""
+    """Target model + KV cache. Implemented by LlamaRunner (ours) and HFRunner (transformers).
+
+    Optional: `stage` / `staged` (a verify batch's host work done while its drafts are out:
+    specd/engine/staging.py) and `on_launch`, a hook the runner calls right before a forward's
+    first device work (the engine's device clock marks it: specd/engine/device_clock.py)."""
 
     info: ModelInfo
     device: torch.device
