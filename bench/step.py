@@ -186,12 +186,15 @@ def run_step_bench(shape: str = "8b", batches=(1, 8, 32, 64, 128), qs=(1, 4), co
     # "torch ops": the same static path over PyTorch ops only (cuBLAS, SDPA), their CPU twin.
     graphs = LlamaRunner(".", engine_config, model=model, config=config, use_static_path=True,
                          compile_mode="0", gemm="auto", kernels="auto", pdl="auto")
+    # One KV cache for all of them (each timing adds its sequences and frees them): three 8B
+    # caches at batch 128 (18 GB each) and transformers' own did not fit an 80 GB card (run 50).
+    shared = graphs.kv_cache
     torch_ops = LlamaRunner(".", engine_config, model=model, config=config, use_static_path=True,
-                            compile_mode="0", gemm="torch", kernels="off")
+                            compile_mode="0", gemm="torch", kernels="off", kv_cache=shared)
     eager = LlamaRunner(".", engine_config, model=model, config=config, use_static_path=False,
-                        compile_mode="0")
+                        compile_mode="0", kv_cache=shared)
     compiled = (LlamaRunner(".", engine_config, model=model, config=config, use_static_path=True,
-                            compile_mode=compile_mode) if compile_mode else None)
+                            compile_mode=compile_mode, kv_cache=shared) if compile_mode else None)
     hf = transformers_twin(model, config, dev) if with_transformers else None
     init_s = time.perf_counter() - t0
     rows = []

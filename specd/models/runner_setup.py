@@ -53,3 +53,15 @@ def num_cache_blocks(engine_config: PytorchEngineConfig, config: LlamaArchConfig
         return max(1, min(budget, wanted))
     # Never less than one full session, so a single request always fits.
     return max(blocks_per_seq, min(wanted, CPU_KV_CACHE_BYTES // per_block))
+
+
+def check_shared_cache(kv_cache: PagedKVCache, num_layers: int, block_size: int, num_kv_heads: int,
+                       head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
+    """A cache handed to another runner (LlamaRunner's kv_cache) must be the shape it would build."""
+    k = kv_cache.k_caches[0]
+    same_device = k.device.type == device.type and device.index in (None, k.device.index)  # "cuda" is cuda:N
+    want = (num_layers, block_size, num_kv_heads, head_dim, dtype, device)
+    have = (kv_cache.num_layers, kv_cache.block_size, k.shape[2], k.shape[3], k.dtype, k.device)
+    if have[:5] != want[:5] or not same_device:
+        raise ValueError(f"kv_cache: a shared cache must have (layers, block size, KV heads, head dim, "
+                         f"dtype, device) {want}, got {have}")

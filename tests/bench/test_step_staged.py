@@ -44,3 +44,27 @@ def test_a_runner_without_the_static_path_says_its_step_does_not_stage():
     with pytest.raises(RuntimeError, match="does not stage"):
         time_specd_staged(runner, batch=1, q=4, context=16, warmup=1, iters=1)
     assert runner.kv_cache.allocator.num_free_blocks == free_before  # its sequences freed all the same
+
+
+def test_runners_sharing_one_cache_compute_what_each_computes_alone():
+    """The step bench's three paths over one KV cache (run 50: three 8B caches and transformers'
+    did not fit an 80 GB card): each timing adds and frees its sequences, so a path's logits on
+    the shared cache are its logits on a cache of its own; a cache of another shape is refused."""
+    static = _runner(static=True)
+    config = static.config
+    engine = PytorchEngineConfig(block_size=8, max_batch_size=4, num_gpu_blocks=64, session_len=80,
+                                 device_type="cpu")
+    sharing = LlamaRunner(".", engine, model=static.model, config=config, use_static_path=False, compile_mode="0",
+                          kv_cache=static.kv_cache)
+    alone = LlamaRunner(".", engine, model=static.model, config=config, use_static_path=False, compile_mode="0")
+    assert sharing.kv_cache is static.kv_cache
+    for batch, q in ((1, 4), (3, 1)):
+        first = step_logits(static, batch, q, context=40)
+        assert torch.equal(step_logits(sharing, batch, q, context=40), step_logits(alone, batch, q, context=40))
+        assert torch.equal(step_logits(static, batch, q, context=40), first)  # the static path unharmed
+    assert static.kv_cache.allocator.num_free_blocks == 64
+    other = PytorchEngineConfig(block_size=16, max_batch_size=4, num_gpu_blocks=64, session_len=80,
+                                device_type="cpu")
+    with pytest.raises(ValueError, match="shared cache"):
+        LlamaRunner(".", other, model=static.model, config=config, use_static_path=False, compile_mode="0",
+                    kv_cache=static.kv_cache)
