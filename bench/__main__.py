@@ -142,6 +142,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="step: also time the graphs under each set of kernel settings, ';'-separated, e.g. "
                          "'SPECD_ATTN_PROGRAMS=132;SPECD_ATTN_PROGRAMS=528' (logits compared with the default); "
                          "timeline: the batch 1 q 4 timeline under each")
+    ap.add_argument("--timeline-gaps-ms", type=lambda t: [float(x) for x in t.split(",") if x], default=[],
+                    help="timeline: also batch 1 q 4 as the engine runs it, unstaged and staged, after each "
+                         "idle gap (ms, ','-separated: the drafter round trip), e.g. 0.4,2")
     ap.add_argument("--step-captures", type=int, default=None,
                     help="step: time the default graphs this many times, captured anew each time, and "
                          "report the median (default 3; small: 1)")
@@ -208,7 +211,8 @@ def main(argv: list[str] | None = None) -> int:
         from bench.profile_graph import run_timeline, write_timeline
 
         try:  # diagnostics only, as the profile
-            sections.append(write_timeline(run_timeline(env_variants=args.step_env_variants), out))
+            sections.append(write_timeline(run_timeline(env_variants=args.step_env_variants,
+                                                         gaps_ms=args.timeline_gaps_ms), out))
             print(sections[-1], flush=True)
         except Exception as e:  # noqa: BLE001
             print(f"timeline failed: {type(e).__name__}: {e}"[:3000], flush=True)

@@ -16,14 +16,14 @@ import json
 import os
 import re
 import time
-from unittest import mock
 from pathlib import Path
+from unittest import mock
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 from bench.step import arch_config, random_model
-from bench.step_timing import repeatable_step
+from bench.step_timing import engine_like_step, repeatable_step
 from specd.messages import PytorchEngineConfig
 from specd.models.llama_runner import LlamaRunner
 
@@ -102,16 +102,20 @@ def host_profile(step, n: int = 200, top: int = 15) -> str:
 
 
 def profile_replays(runner: LlamaRunner, batch: int, q: int, context: int, repeats: int = 5,
-                    python_profile: bool = False) -> dict:
-    with repeatable_step(runner, batch, q, context) as forward:
+                    python_profile: bool = False, engine_like: tuple[bool, float] | None = None) -> dict:
+    """engine_like (staged, gap ms): each replay as the engine runs it (step_timing.engine_like_step),
+    not back to back; no host phases then (the fill may come before the forward)."""
+    steps = (repeatable_step(runner, batch, q, context) if engine_like is None else
+             engine_like_step(runner, batch, q, context, staged=engine_like[0], gap_ms=engine_like[1]))
+    with steps as forward:
         def step():
             forward()
             torch.cuda.synchronize()  # one replay at a time: replays never overlap in the trace
 
         for _ in range(50):
             step()  # capture, autotuning, and the SM clock up from idle
-        walls, host = host_phases(runner, step)
-        if python_profile:  # before the first torch.profiler session: CUPTI slows every CUDA call after it
+        walls, host = host_phases(runner, step) if engine_like is None else ([], {})
+        if python_profile and engine_like is None:  # before the first torch.profiler session: CUPTI slows every CUDA call after it
             print(host_profile(step), flush=True)
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(repeats):
@@ -124,8 +128,8 @@ def profile_replays(runner: LlamaRunner, batch: int, q: int, context: int, repea
         return {"batch": batch, "q": q, "error": "no kernel events recorded"}
     best = min(runs, key=lambda r: r["span_us"])
     layer = _one_layer(sorted(_replays(events, repeats)[runs.index(best)], key=lambda k: k[1]))
-    return {"batch": batch, "q": q, "kernels_per_replay": sum(best["counts"].values()),
-            "wall_us": sorted(walls)[len(walls) // 2], "host_us": host, "spans_us": [round(r["span_us"], 1) for r in runs], **{k: v for k, v in best.items() if k != "counts"},
+    wall = {"wall_us": sorted(walls)[len(walls) // 2]} if walls else {}
+    return {"batch": batch, "q": q, "kernels_per_replay": sum(best["counts"].values()), **wall, "host_us": host, "spans_us": [round(r["span_us"], 1) for r in runs], **{k: v for k, v in best.items() if k != "counts"},
             "counts": best["counts"], "middle_layer": layer}
 
 
@@ -183,9 +187,11 @@ def _one_layer(kernels: list[tuple[str, float, float]]) -> list[dict]:
     return out
 
 
-def run_timeline(cases=((1, 4), (1, 1)), context: int = 1024, env_variants: list[str] = ()) -> list[dict]:
+def run_timeline(cases=((1, 4), (1, 1)), context: int = 1024, env_variants: list[str] = (),
+                 gaps_ms: list[float] = ()) -> list[dict]:
     """The default graphs' timeline for each (batch, q), then batch 1 q 4's under each environment
-    variant ("K=V,K2=V2": the kernels read them at capture time; graphs dropped around each)."""
+    variant ("K=V,K2=V2": the kernels read them at capture time; graphs dropped around each), then
+    batch 1 q 4's as the engine runs it after each idle gap, unstaged and staged (engine_like_step)."""
     assert torch.cuda.is_available(), "the timeline reads CUDA kernels"
     dev = torch.device("cuda")
     config = arch_config("8b")
@@ -204,6 +210,13 @@ def run_timeline(cases=((1, 4), (1, 1)), context: int = 1024, env_variants: list
                 runner.static.drop_graphs()
                 result = {"env": spec, **profile_replays(runner, batch, q, context, python_profile=not out)}
             runner.static.drop_graphs()
+            print(json.dumps({k: v for k, v in result.items() if k != "middle_layer"}), flush=True)
+            out.append(result)
+    batch, q = cases[0]
+    for gap in gaps_ms:
+        for staged in (False, True):
+            label = f"the engine's step, {'staged' if staged else 'unstaged'}, after {gap:g} ms idle"
+            result = {"env": label, **profile_replays(runner, batch, q, context, engine_like=(staged, gap))}
             print(json.dumps({k: v for k, v in result.items() if k != "middle_layer"}), flush=True)
             out.append(result)
     if out:

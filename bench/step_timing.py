@@ -119,6 +119,28 @@ def time_specd_staged(runner: LlamaRunner, batch: int, q: int, context: int, war
         return ms
 
 
+@contextlib.contextmanager
+def engine_like_step(runner: LlamaRunner, batch: int, q: int, context: int, *, staged: bool, gap_ms: float):
+    """Yields step(): the verify step as the engine runs it between two of its syncs: the batch
+    staged (staged) or not, then gap_ms of host idle (the drafter round trip; the device idle too),
+    then the forward, taking the stage or doing its host work there; rolled back after (the
+    caller syncs). Why: in runs 51-53 the engine's staged forward at batch 1 took 0.3 ms longer
+    on the device than its unstaged one, the same graph, while the step bench's staged column
+    (stage, then at once the forward) was the faster; this puts the gap between them."""
+    chunks = _step_chunks(runner, batch, q)
+    placeholders = [SequenceChunk(c.seq_id, [0] * len(c.token_ids)) for c in chunks]
+    with _cached_sequences(runner, batch, context) as ids:
+        def step():
+            if staged and not runner.stage(placeholders):
+                raise RuntimeError(f"batch {batch} q {q} does not stage on this runner")
+            time.sleep(gap_ms / 1e3)
+            runner.forward(chunks)
+            for s in ids:
+                runner.truncate(s, context)
+
+        yield step
+
+
 def step_logits(runner: LlamaRunner, batch: int, q: int, context: int, staged: bool = False) -> torch.Tensor:
     """The logits [batch * q, V] of one step as time_specd (staged: time_specd_staged) runs it.
     The cached keys and values are N(0, 1) draws seeded by the sequence, written through its block

@@ -3,6 +3,8 @@ staged before its drafts exist, bench/step_timing.py), on the CPU static path.""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -68,3 +70,23 @@ def test_runners_sharing_one_cache_compute_what_each_computes_alone():
     with pytest.raises(ValueError, match="shared cache"):
         LlamaRunner(".", other, model=static.model, config=config, use_static_path=False, compile_mode="0",
                     kv_cache=static.kv_cache)
+
+
+def test_the_engine_like_step_computes_the_plain_steps_logits_staged_or_not():
+    """bench/step_timing.py engine_like_step (the timeline's staged / unstaged cases after an
+    idle gap): each forward takes its stage when staged, none when not; the cache is rolled back
+    after each step and freed after."""
+    from bench.step_timing import engine_like_step
+
+    runner = _runner(static=True)
+    free_before = runner.kv_cache.allocator.num_free_blocks
+    for staged in (False, True):
+        before = runner.num_staged_forwards
+        with engine_like_step(runner, 2, 4, 40, staged=staged, gap_ms=1.0) as step:
+            t0 = time.perf_counter()
+            for _ in range(3):
+                step()
+                assert runner.kv_cache.num_tokens(0) == 40 and not runner.staged  # rolled back
+            assert time.perf_counter() - t0 >= 3e-3  # the gaps were slept
+        assert runner.num_staged_forwards - before == (3 if staged else 0)
+        assert runner.kv_cache.allocator.num_free_blocks == free_before
