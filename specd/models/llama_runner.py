@@ -38,8 +38,7 @@ from specd.models.kernels.pdl import pdl_launches, resolve_pdl_mode
 from specd.models.kv_cache import CacheFullError, PagedKVCache
 from specd.models.linear import gemm_backend, resolve_gemm_backend
 from specd.models.llama import EAGER_REGIONS, LlamaForCausalLM, load_llama
-from specd.models.runner_setup import (check_shared_cache, default_aux_layer_ids, num_cache_blocks, select_device,
-                                      select_dtype)
+from specd.models.runner_setup import default_aux_layer_ids, kv_cache_for, select_device, select_dtype
 from specd.models.static_entry import PreparedBatch
 
 KERNELS_ENV = "SPECD_KERNELS"  # "auto" (default) | "off"
@@ -101,26 +100,8 @@ class LlamaRunner:
         # cos/sin of every position, gathered per step (the KV cache below is sized after it)
         self.model.model.rotary_emb.reserve(self.session_len, self.dtype)
         self.block_size = engine_config.block_size
-        if kv_cache is not None:
-            check_shared_cache(kv_cache, self.config.num_hidden_layers, self.block_size,
-                               self.config.num_key_value_heads // tp, self.config.head_dim, self.dtype, self.device)
-            self.kv_cache = kv_cache
-        else:
-            num_blocks = num_cache_blocks(engine_config, self.config, self.session_len, self.dtype,
-                                          self.device, self.config.num_key_value_heads // tp)
-            if self.parallel is not None:  # every rank must hold the same block ids: take the least
-                count = torch.tensor([num_blocks], device=self.device)
-                torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MIN, group=self.parallel.group)
-                num_blocks = int(count.item())
-            self.kv_cache = PagedKVCache(
-                num_layers=self.config.num_hidden_layers,
-                num_blocks=num_blocks,
-                block_size=self.block_size,
-                num_kv_heads=self.config.num_key_value_heads // tp,
-                head_dim=self.config.head_dim,
-                dtype=self.dtype,
-                device=self.device,
-            )
+        self.kv_cache = kv_cache_for(engine_config, self.config, self.session_len, self.dtype, self.device,
+                                     tp, self.parallel, shared=kv_cache)
         if use_static_path is None:
             use_static_path = self.device.type == "cuda" and not engine_config.eager_mode
         self.static: StaticForward | None = None

@@ -65,3 +65,21 @@ def check_shared_cache(kv_cache: PagedKVCache, num_layers: int, block_size: int,
     if have[:5] != want[:5] or not same_device:
         raise ValueError(f"kv_cache: a shared cache must have (layers, block size, KV heads, head dim, "
                          f"dtype, device) {want}, got {have}")
+
+
+def kv_cache_for(engine_config: PytorchEngineConfig, config: LlamaArchConfig, session_len: int, dtype: torch.dtype,
+                 device: torch.device, tp: int, parallel=None, shared: PagedKVCache | None = None) -> PagedKVCache:
+    """A runner's KV cache: `shared` (another runner's, shape-checked) or a new one sized by
+    num_cache_blocks; under tensor parallelism every rank holds the least rank's block count."""
+    kv_heads = config.num_key_value_heads // tp
+    if shared is not None:
+        check_shared_cache(shared, config.num_hidden_layers, engine_config.block_size, kv_heads, config.head_dim,
+                           dtype, device)
+        return shared
+    num_blocks = num_cache_blocks(engine_config, config, session_len, dtype, device, kv_heads)
+    if parallel is not None:  # every rank must hold the same block ids: take the least
+        count = torch.tensor([num_blocks], device=device)
+        torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MIN, group=parallel.group)
+        num_blocks = int(count.item())
+    return PagedKVCache(num_layers=config.num_hidden_layers, num_blocks=num_blocks, block_size=engine_config.block_size,
+                        num_kv_heads=kv_heads, head_dim=config.head_dim, dtype=dtype, device=device)
