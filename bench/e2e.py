@@ -153,14 +153,17 @@ def step_split_ms(before: dict, after: dict) -> dict[str, float]:
 # with the drafter round trip on the gRPC stream instead of the fast socket path (drafter_stream.py),
 # "-fold" with the verifier's norms folded into its GEMMs (models/norm_fold.py), "-head2" with its
 # graphs in two parts, the first two layers launched first (models/cuda_graphs.py), "-nostage"
-# without the verify batch staged while drafts are out (engine/staging.py).
+# without the verify batch staged while drafts are out (engine/staging.py), "-syncemit" with the
+# result flush on the loop's thread (services/verifier/writer.py: no writer thread to take the GIL
+# at the launch), "-switch50" with the verifier's GIL switch interval at 50 us (verifier/cli.py).
 VARIANTS = {"-fold": {"SPECD_NORM_FOLD": "1"}, "-head2": {"SPECD_GRAPH_HEAD_LAYERS": "2"},
             "-nostage": {"SPECD_STAGE_VERIFY": "0"},
             "-grpcsteps": {"SPECD_DRAFTER_FAST_PATH": "0"}, "-sync": {"SPECD_DRAFT_AHEAD": "0"}, "-nohandoff": {"SPECD_DRAFT_SEND_HANDOFF": "0"},
             "-nocarry": {"SPECD_DRAFT_CARRY": "0"}, "-ownread": {"SPECD_VERIFIER_RIDE_READS": "0"},
             "-carry4": {"SPECD_DRAFT_CARRY": "4"},  # one step's worth at the bench's k = 3
             "-flushlate": {"SPECD_VERIFIER_FLUSH_AFTER_LAUNCH": "1"},
-            "-nopdl": {"SPECD_PDL": "off"}}
+            "-nopdl": {"SPECD_PDL": "off"}, "-syncemit": {"SPECD_ASYNC_EMIT": "0"},
+            "-switch50": {"SPECD_GIL_SWITCH_US": "50"}}
 
 
 def base_method(label: str) -> tuple[str, dict]:
@@ -246,7 +249,8 @@ HEADER = ("| method | batch | output tokens | wall s | tokens/s (rounds) | TPOT 
           "(expected) | tokens/s vs off | verifier ms per step: draft / verify (of it: launch) / device wait / "
           "commit / emit / prefill / rest (steps; prefill forwards, of them eager; graphs captured in each "
           "timed round, when any; remote drafters: a round trip's queued / transit / drafter / waited ms; the "
-          "device's clock from the verify step's start to its forward's launch / end / its sampling's end) |")
+          "device's clock from the verify step's start to its forward's launch / end / its sampling's end; the "
+          "host's ms in the launch mark) |")
 
 
 def format_row(r: E2ERow) -> str:
@@ -263,7 +267,8 @@ def format_row(r: E2ERow) -> str:
     device = ""
     if r.step_ms and r.step_ms.get("device_step"):
         device = (f"; device clock: launch {r.step_ms.get('device_launch', 0):.2f} / forward "
-                  f"{r.step_ms['device_forward']:.2f} / step {r.step_ms['device_step']:.2f}")
+                  f"{r.step_ms['device_forward']:.2f} / step {r.step_ms['device_step']:.2f}"
+                  f"; host in the launch mark {r.step_ms.get('launch_mark', 0):.2f}")
     split = ("-" if not r.step_ms else
              " / ".join(f"{r.step_ms.get(p, 0):.2f}" + (f" ({r.step_ms['launch']:.2f})" if p == "verify"
                                                          and "launch" in r.step_ms else "")

@@ -39,6 +39,7 @@ class StepRecord:
     device_launch_seconds: float = 0.0
     device_forward_seconds: float = 0.0
     device_step_seconds: float = 0.0
+    launch_mark_seconds: float = 0.0  # host seconds in the launch mark's record (a GIL wait shows here)
     commit_seconds: float = 0.0  # engine commit verb (and sending drafts ahead), device wait excluded
     prefill_seconds: float = 0.0  # of the engine's admit: the admitted requests' forward and first tokens
     num_prefills: int = 0  # admission forwards in the step (0 or 1)
@@ -98,7 +99,9 @@ class VerifierMetrics:
                                       "and rest; and on the device's clock from the verify step's "
                                       "start: device_launch (to the forward's first device work), "
                                       "device_forward (to the forward's end), device_step (to the "
-                                      "sampling's end)",
+                                      "sampling's end); launch_mark: the host's seconds in the "
+                                      "launch mark (another thread's GIL turn right before the "
+                                      "forward's launch)",
                                       ["phase"], buckets=STEP_BUCKETS, registry=r)
         self.emit_seconds = Histogram("specd:emit_duration_seconds",
                                       "Seconds per step the loop spent writing results (queueing and "
@@ -136,7 +139,7 @@ class VerifierMetrics:
         self._captures_seen = (0, 0.0, 0)
         self._phases = {p: self.step_seconds.labels(phase=p)
                         for p in ("draft", "verify", "launch", "other", "device_wait", "commit", "emit",
-                                  "prefill", "rest", "device_launch", "device_forward", "device_step")}
+                                  "prefill", "rest", "device_launch", "device_forward", "device_step", "launch_mark")}
 
     def serve(self, port: int, addr: str = "0.0.0.0"):
         """Serve /metrics over HTTP (a daemon thread); returns (server, thread)."""
@@ -160,6 +163,7 @@ class VerifierMetrics:
             self._phases["device_launch"].observe(record.device_launch_seconds)
             self._phases["device_forward"].observe(record.device_forward_seconds)
             self._phases["device_step"].observe(record.device_step_seconds)
+            self._phases["launch_mark"].observe(record.launch_mark_seconds)
             self.emit_seconds.observe(record.emit_seconds)
             self.emit_wait_seconds.observe(record.emit_wait_seconds)
         if record.num_prefills:

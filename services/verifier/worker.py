@@ -181,7 +181,7 @@ class VerifierWorker(Admission, Emission):
         timings = self.engine.stats.timings
         draft0, verify0, tokens0 = timings.draft, timings.verify, self.engine.stats.num_output_tokens
         commit0, wait0, launch0 = timings.commit, timings.device_wait, timings.launch
-        device_launch0 = timings.device_launch
+        device_launch0, launch_mark0 = timings.device_launch, timings.launch_mark_host
         device_forward0, device_step0 = timings.device_forward, timings.device_step
         stats = self.engine.stats
         prefill0, prefills0, eager0 = timings.prefill, stats.num_prefills, stats.num_eager_prefills
@@ -200,6 +200,7 @@ class VerifierWorker(Admission, Emission):
         record.device_launch_seconds = timings.device_launch - device_launch0
         record.device_forward_seconds = timings.device_forward - device_forward0
         record.device_step_seconds = timings.device_step - device_step0
+        record.launch_mark_seconds = timings.launch_mark_host - launch_mark0
         record.commit_seconds = (timings.commit - commit0) - record.device_wait_seconds
         record.prefill_seconds = timings.prefill - prefill0
         record.num_prefills = stats.num_prefills - prefills0

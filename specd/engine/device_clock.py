@@ -43,6 +43,10 @@ class DeviceMarks(NamedTuple):
     launch: float | None  # to the forward's first device work; None where the runner did not mark it
     forward: float  # to the forward's end
     step: float  # to the sampling's end
+    # Host seconds inside the launch mark's record: the event is queued at once, but the call
+    # gives up the GIL and takes it back, so another thread's turn (the result writer's) right
+    # before the forward's launch lands here and, on the device's clock, in the forward.
+    launch_mark_host: float = 0.0
 
 
 class DeviceClock:
@@ -55,14 +59,18 @@ class DeviceClock:
         self._start, self._launch, self._forward, self._step = make(), make(), make(), make()
         self._marked = False
         self._launched = False  # since the last start (a prefill's forward marks it too: ignored)
+        self._launch_mark_host = 0.0
 
     def start(self) -> None:
         self._start.record()
         self._launched = False
+        self._launch_mark_host = 0.0
 
     def launching(self) -> None:
         """The runner's hook, right before the forward's device work (after its host work)."""
+        t0 = time.perf_counter()
         self._launch.record()
+        self._launch_mark_host = time.perf_counter() - t0
         self._launched = True
 
     def forward_queued(self) -> None:
@@ -79,4 +87,5 @@ class DeviceClock:
         self._marked = False
         launch = self._start.elapsed_time(self._launch) / 1e3 if self._launched else None
         return DeviceMarks(launch, self._start.elapsed_time(self._forward) / 1e3,
-                           self._start.elapsed_time(self._step) / 1e3)
+                           self._start.elapsed_time(self._step) / 1e3,
+                           self._launch_mark_host if self._launched else 0.0)

@@ -27,12 +27,14 @@ class StepTimings:
     device_launch: float = 0.0
     device_forward: float = 0.0
     device_step: float = 0.0
+    launch_mark_host: float = 0.0  # host seconds in the launch mark (device_clock.DeviceMarks)
 
     def add_device_clock(self, marks: "DeviceMarks | None") -> None:
         if marks is not None:
             self.device_launch += marks.launch or 0.0
             self.device_forward += marks.forward
             self.device_step += marks.step
+            self.launch_mark_host += marks.launch_mark_host
 
 
 @dataclass

@@ -9,7 +9,7 @@ import time
 import torch
 
 from specd.engine.builder import build_engine
-from specd.engine.device_clock import DeviceClock
+from specd.engine.device_clock import DeviceClock, HostEvent
 from specd.messages import PytorchEngineConfig, SpeculativeConfig
 from tests.engine.test_greedy_lossless import make_requests
 
@@ -24,9 +24,39 @@ def test_marks_read_once_after_a_marked_step():
     clock.forward_queued()
     time.sleep(0.003)
     clock.step_queued()
-    launch, forward, step = clock.read()
+    launch, forward, step, launch_mark_host = clock.read()
     assert 0.001 <= launch and forward - launch >= 0.002 and step - forward >= 0.003
+    assert 0 <= launch_mark_host < 0.001  # the record alone: no other thread waited for
     assert clock.read() is None  # read once: a step without marks adds nothing
+
+
+class _SlowRecord(HostEvent):
+    """A launch event whose record gives the GIL away for a while (as a CUDA event's record does,
+    when another thread then takes it)."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.seconds = seconds
+
+    def record(self) -> None:
+        super().record()
+        time.sleep(self.seconds)
+
+
+def test_the_host_time_in_the_launch_mark_is_read_with_the_marks():
+    """A wait inside the launch mark's record (another thread's GIL turn) is the host's, read as
+    launch_mark_host; a step that marks no launch reads 0."""
+    clock = DeviceClock(torch.device("cpu"))
+    clock._launch = _SlowRecord(0.003)
+    clock.start()
+    clock.launching()
+    clock.forward_queued()
+    clock.step_queued()
+    assert clock.read().launch_mark_host >= 0.003
+    clock.start()
+    clock.forward_queued()
+    clock.step_queued()
+    assert clock.read().launch_mark_host == 0.0
 
 
 def test_a_launch_marked_before_the_start_is_not_the_steps():

@@ -111,15 +111,17 @@ def test_the_device_clock_is_a_phase_and_the_bench_prints_it():
     m = VerifierMetrics()
     m.observe_step(StepRecord(engine_seconds=0.01, total_seconds=0.01, verify_seconds=0.002,
                               device_wait_seconds=0.005, device_launch_seconds=0.0002,
-                              device_forward_seconds=0.0055, device_step_seconds=0.0065))
+                              device_forward_seconds=0.0055, device_step_seconds=0.0065,
+                              launch_mark_seconds=0.0003))
     assert _value(m, 'specd:step_duration_seconds_sum{phase="device_launch"}') == pytest.approx(0.0002)
     assert _value(m, 'specd:step_duration_seconds_sum{phase="device_forward"}') == pytest.approx(0.0055)
     assert _value(m, 'specd:step_duration_seconds_sum{phase="device_step"}') == pytest.approx(0.0065)
+    assert _value(m, 'specd:step_duration_seconds_sum{phase="launch_mark"}') == pytest.approx(0.0003)
     before = {"verify": (0.0, 0.0), "device_launch": (0.0, 0.0), "device_forward": (0.0, 0.0),
               "device_step": (0.0, 0.0)}
     after = {"verify": (0.02, 10.0), "device_launch": (0.002, 10.0), "device_forward": (0.055, 10.0),
-             "device_step": (0.065, 10.0)}
+             "device_step": (0.065, 10.0), "launch_mark": (0.003, 10.0)}
     split = step_split_ms(before, after)
     row = E2ERow("replay", 1, 128, 0.3, 400.0, 2.5, 2.8, step_ms=split)
-    assert "; device clock: launch 0.20 / forward 5.50 / step 6.50)" in format_row(row)
+    assert "; device clock: launch 0.20 / forward 5.50 / step 6.50; host in the launch mark 0.30)" in format_row(row)
     assert "device clock" not in format_row(E2ERow("off", 1, 128, 0.8, 160.0, 6.2, 1.0, step_ms={"verify": 1.0}))
