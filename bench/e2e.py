@@ -114,7 +114,8 @@ def scrape_step_phases(port: int) -> dict[str, tuple[float, float]]:
         elif line.startswith("specd:cuda_graph_captures_total "):
             out["captures"][1] = float(line.rsplit(" ", 1)[1])
         for metric, label, key in (("specd:step_duration_seconds", "phase", ""),
-                                   ("specd:drafter_round_trip_seconds", "part", ROUND_TRIP)):
+                                   ("specd:drafter_round_trip_seconds", "part", ROUND_TRIP),
+                                   ("specd:verify_forward_device_seconds", "batch", FORWARD)):
             for suffix, slot in (("_sum", 0), ("_count", 1)):
                 prefix = f"{metric}{suffix}{{{label}=\""
                 if line.startswith(prefix):
@@ -125,6 +126,8 @@ def scrape_step_phases(port: int) -> dict[str, tuple[float, float]]:
 
 ROUND_TRIP = "round trip "  # scrape keys of the drafter round trip's parts (mean ms per round trip)
 ROUND_TRIP_PARTS = ("queued", "transit", "handle", "waited")
+FORWARD = "forward "  # scrape keys of the verify forward's own device time by batch kind (mean ms per forward)
+FORWARD_KINDS = ("staged", "unstaged")
 
 
 def step_split_ms(before: dict, after: dict) -> dict[str, float]:
@@ -133,14 +136,16 @@ def step_split_ms(before: dict, after: dict) -> dict[str, float]:
     before, after = dict(before), dict(after)
     c0, c1 = before.pop("captures", (0.0, 0.0)), after.pop("captures", (0.0, 0.0))
     p0, p1 = before.pop("prefills", (0.0, 0.0)), after.pop("prefills", (0.0, 0.0))
-    phases = [p for p in after if not p.startswith(ROUND_TRIP)]
+    phases = [p for p in after if not p.startswith((ROUND_TRIP, FORWARD))]
     steps = max((after[p][1] - before.get(p, (0, 0))[1] for p in phases), default=0)
     split = {p: round((after[p][0] - before.get(p, (0, 0))[0]) / steps * 1e3, 3) if steps else 0.0
              for p in phases}
-    for p in after:  # the drafter round trip's parts: per round trip, not per step
-        if p.startswith(ROUND_TRIP):
+    for p in after:  # the drafter round trip's parts: per round trip; the forward's kinds: per forward
+        if p.startswith((ROUND_TRIP, FORWARD)):
             n = after[p][1] - before.get(p, (0, 0))[1]
             split[p] = round((after[p][0] - before.get(p, (0, 0))[0]) / n * 1e3, 3) if n else 0.0
+            if p.startswith(FORWARD):
+                split[p + " n"] = int(n)
     return split | {"steps": int(steps), "captures": int(c1[1] - c0[1]), "capture_s": round(c1[0] - c0[0], 3),
                     "prefills": int(sum(p1) - sum(p0)), "eager_prefills": int(p1[1] - p0[1])}
 
@@ -155,9 +160,10 @@ def step_split_ms(before: dict, after: dict) -> dict[str, float]:
 # graphs in two parts, the first two layers launched first (models/cuda_graphs.py), "-nostage"
 # without the verify batch staged while drafts are out (engine/staging.py), "-syncemit" with the
 # result flush on the loop's thread (services/verifier/writer.py: no writer thread to take the GIL
-# at the launch), "-switch50" with the verifier's GIL switch interval at 50 us (verifier/cli.py).
+# at the launch), "-switch50" with the verifier's GIL switch interval at 50 us (verifier/cli.py),
+# "-stagelate" with the batch staged after the step's result flush is handed over (staging.py).
 VARIANTS = {"-fold": {"SPECD_NORM_FOLD": "1"}, "-head2": {"SPECD_GRAPH_HEAD_LAYERS": "2"},
-            "-nostage": {"SPECD_STAGE_VERIFY": "0"},
+            "-nostage": {"SPECD_STAGE_VERIFY": "0"}, "-stagelate": {"SPECD_STAGE_VERIFY": "late"},
             "-grpcsteps": {"SPECD_DRAFTER_FAST_PATH": "0"}, "-sync": {"SPECD_DRAFT_AHEAD": "0"}, "-nohandoff": {"SPECD_DRAFT_SEND_HANDOFF": "0"},
             "-nocarry": {"SPECD_DRAFT_CARRY": "0"}, "-ownread": {"SPECD_VERIFIER_RIDE_READS": "0"},
             "-carry4": {"SPECD_DRAFT_CARRY": "4"},  # one step's worth at the bench's k = 3
@@ -250,7 +256,8 @@ HEADER = ("| method | batch | output tokens | wall s | tokens/s (rounds) | TPOT 
           "commit / emit / prefill / rest (steps; prefill forwards, of them eager; graphs captured in each "
           "timed round, when any; remote drafters: a round trip's queued / transit / drafter / waited ms; the "
           "device's clock from the verify step's start to its forward's launch / end / its sampling's end; the "
-          "host's ms in the launch mark) |")
+          "host's ms in the launch mark; the forward's own device time, launch to end, staged / unstaged "
+          "batches (forwards)) |")
 
 
 def format_row(r: E2ERow) -> str:
@@ -269,6 +276,9 @@ def format_row(r: E2ERow) -> str:
         device = (f"; device clock: launch {r.step_ms.get('device_launch', 0):.2f} / forward "
                   f"{r.step_ms['device_forward']:.2f} / step {r.step_ms['device_step']:.2f}"
                   f"; host in the launch mark {r.step_ms.get('launch_mark', 0):.2f}")
+        kinds = [f"{k} {r.step_ms[FORWARD + k]:.2f} ({r.step_ms[FORWARD + k + ' n']})" for k in FORWARD_KINDS
+                 if r.step_ms.get(FORWARD + k + " n")]
+        device += "; forward's own, by batch: " + " / ".join(kinds) if kinds else ""
     split = ("-" if not r.step_ms else
              " / ".join(f"{r.step_ms.get(p, 0):.2f}" + (f" ({r.step_ms['launch']:.2f})" if p == "verify"
                                                          and "launch" in r.step_ms else "")

@@ -40,6 +40,8 @@ class StepRecord:
     device_forward_seconds: float = 0.0
     device_step_seconds: float = 0.0
     launch_mark_seconds: float = 0.0  # host seconds in the launch mark's record (a GIL wait shows here)
+    forward_kind: str = ""  # "staged" / "unstaged": the verify forward's batch ("": none marked)
+    forward_own_seconds: float = 0.0  # that forward on the device's clock, its launch to its end
     commit_seconds: float = 0.0  # engine commit verb (and sending drafts ahead), device wait excluded
     prefill_seconds: float = 0.0  # of the engine's admit: the admitted requests' forward and first tokens
     num_prefills: int = 0  # admission forwards in the step (0 or 1)
@@ -103,6 +105,10 @@ class VerifierMetrics:
                                       "launch mark (another thread's GIL turn right before the "
                                       "forward's launch)",
                                       ["phase"], buckets=STEP_BUCKETS, registry=r)
+        self.verify_forward_seconds = Histogram(
+            "specd:verify_forward_device_seconds", "The verify forward's own time on the device's "
+            "clock (its launch to its end), by whether its batch was staged while its drafts were out",
+            ["batch"], buckets=STEP_BUCKETS, registry=r)
         self.emit_seconds = Histogram("specd:emit_duration_seconds",
                                       "Seconds per step the loop spent writing results (queueing and "
                                       "waiting on Redis; the round trip itself only when synchronous)",
@@ -164,6 +170,8 @@ class VerifierMetrics:
             self._phases["device_forward"].observe(record.device_forward_seconds)
             self._phases["device_step"].observe(record.device_step_seconds)
             self._phases["launch_mark"].observe(record.launch_mark_seconds)
+        if record.forward_kind:
+            self.verify_forward_seconds.labels(batch=record.forward_kind).observe(record.forward_own_seconds)
             self.emit_seconds.observe(record.emit_seconds)
             self.emit_wait_seconds.observe(record.emit_wait_seconds)
         if record.num_prefills:

@@ -47,6 +47,7 @@ class DeviceMarks(NamedTuple):
     # gives up the GIL and takes it back, so another thread's turn (the result writer's) right
     # before the forward's launch lands here and, on the device's clock, in the forward.
     launch_mark_host: float = 0.0
+    staged: bool = False  # whether the forward took a batch staged while its drafts were out
 
 
 class DeviceClock:
@@ -60,6 +61,7 @@ class DeviceClock:
         self._marked = False
         self._launched = False  # since the last start (a prefill's forward marks it too: ignored)
         self._launch_mark_host = 0.0
+        self._staged = False
 
     def start(self) -> None:
         self._start.record()
@@ -73,8 +75,9 @@ class DeviceClock:
         self._launch_mark_host = time.perf_counter() - t0
         self._launched = True
 
-    def forward_queued(self) -> None:
+    def forward_queued(self, staged: bool = False) -> None:
         self._forward.record()
+        self._staged = staged
 
     def step_queued(self) -> None:
         self._step.record()
@@ -88,4 +91,4 @@ class DeviceClock:
         launch = self._start.elapsed_time(self._launch) / 1e3 if self._launched else None
         return DeviceMarks(launch, self._start.elapsed_time(self._forward) / 1e3,
                            self._start.elapsed_time(self._step) / 1e3,
-                           self._launch_mark_host if self._launched else 0.0)
+                           self._launch_mark_host if self._launched else 0.0, self._staged)

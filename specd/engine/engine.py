@@ -164,9 +164,7 @@ class SpecEngine:
         t3 = time.perf_counter()
         finished += self.commit(batch, proposals, verdict)
         self.drafting.send_ahead([s for s in self.running if not s.is_finished])
-        self._staging.stage_next(self.running, self._num_drafts, drafts_out=self.drafting.in_flight,
-                                 admission_due=bool(self.waiting) and len(self.running) < self.max_batch_size,
-                                 want_aux_hidden=self._hidden_kind == "aux")
+        self.stage_next_verify(at_step_end=True)
         t4 = time.perf_counter()
         timings = self.stats.timings
         timings.admit += t1 - t_collect
@@ -175,6 +173,14 @@ class SpecEngine:
         timings.commit += t4 - t3
         self.stats.num_steps += 1
         return finished
+
+    def stage_next_verify(self, at_step_end: bool = False) -> None:
+        """Stage the next verify batch while its drafts are out (staging.py): at step()'s end, or
+        with SPECD_STAGE_VERIFY=late on its owner's call (the verifier's: after its result flush)."""
+        if at_step_end != self._staging.late:
+            self._staging.stage_next(self.running, self._num_drafts, drafts_out=self.drafting.in_flight,
+                                     admission_due=bool(self.waiting) and len(self.running) < self.max_batch_size,
+                                     want_aux_hidden=self._hidden_kind == "aux")
 
     def admit(self) -> list[Sequence]:
         """Prefill waiting sequences while the batch and the cache have room; sample their first token."""
@@ -243,7 +249,7 @@ class SpecEngine:
         # no device-to-host sync before the forward. The step's only sync is commit's.
         host_drafts = [p.token_ids.tolist() for p in proposals]
         chunks = [SequenceChunk(s.seq_id, [s.last_token_id] + host_drafts[i]) for i, s in enumerate(batch)]
-        self._staging.taken()
+        staged = self._staging.taken()
         self._clock.start()
         # The forward first: everything sampling needs is built while the device runs it. Its
         # host-to-device copies are asynchronous (non_blocking, staged by the driver), so they
@@ -251,7 +257,7 @@ class SpecEngine:
         out = self.runner.forward(chunks, want_hidden=self._hidden_kind == "final",
                                   want_aux_hidden=self._hidden_kind == "aux")
         self.stats.timings.launch += time.perf_counter() - t0
-        self._clock.forward_queued()
+        self._clock.forward_queued(staged)
         if self.on_launched is not None:
             self.on_launched()
         draft_ids, draft_probs, num_drafts_t = pad_drafts(proposals, host_drafts, vocab, device)

@@ -15,7 +15,12 @@ from collections.abc import Callable
 from specd.engine.sequence import Sequence
 from specd.models.base import SequenceChunk
 
-STAGE_VERIFY_ENV = "SPECD_STAGE_VERIFY"  # "0": no verify batch staged while drafts are out (A/B)
+# "0": no verify batch staged while drafts are out (A/B). "late": staged when the engine's owner
+# says so (SpecEngine.stage_next_verify), not at the step's end: the verifier stages after it hands
+# its result flush to the writer thread. Why: staged at the step's end, the flush starts ~0.1 ms
+# later, and the writer's turns at the GIL come closer to the next launch (BENCHMARKS.md, run 55:
+# the staged batch-1 forward reads 0.3 ms longer on the device's clock); an experiment until timed.
+STAGE_VERIFY_ENV = "SPECD_STAGE_VERIFY"
 
 
 class VerifyStaging:
@@ -23,9 +28,11 @@ class VerifyStaging:
     SPECD_STAGE_VERIFY=0: never)."""
 
     def __init__(self, runner) -> None:
+        mode = os.environ.get(STAGE_VERIFY_ENV, "1")
         self._runner = runner
-        self._stage = getattr(runner, "stage", None) if os.environ.get(STAGE_VERIFY_ENV, "1") != "0" else None
+        self._stage = getattr(runner, "stage", None) if mode != "0" else None
         self._staged = False
+        self.late = mode == "late"  # staged on the owner's call, not at the step's end
 
     def stage_next(self, running: list[Sequence], num_drafts: Callable[[Sequence], int], *,
                    drafts_out: bool, admission_due: bool, want_aux_hidden: bool) -> None:
@@ -43,6 +50,7 @@ class VerifyStaging:
         self._staged = self._staged and self._runner.staged
         return self._staged
 
-    def taken(self) -> None:
-        """The verify forward takes the staged batch, or undoes it."""
-        self._staged = False
+    def taken(self) -> bool:
+        """The verify forward takes the staged batch, or undoes it; returns whether one was held."""
+        held, self._staged = self.holds(), False
+        return held

@@ -28,6 +28,12 @@ class StepTimings:
     device_forward: float = 0.0
     device_step: float = 0.0
     launch_mark_host: float = 0.0  # host seconds in the launch mark (device_clock.DeviceMarks)
+    # The forward's own device time (its launch to its end), by whether its batch was staged while
+    # its drafts were out (staging.py): seconds and forwards of each kind.
+    forward_staged: float = 0.0
+    num_forward_staged: int = 0
+    forward_unstaged: float = 0.0
+    num_forward_unstaged: int = 0
 
     def add_device_clock(self, marks: "DeviceMarks | None") -> None:
         if marks is not None:
@@ -35,6 +41,12 @@ class StepTimings:
             self.device_forward += marks.forward
             self.device_step += marks.step
             self.launch_mark_host += marks.launch_mark_host
+            if marks.launch is not None and marks.staged:
+                self.forward_staged += marks.forward - marks.launch
+                self.num_forward_staged += 1
+            elif marks.launch is not None:
+                self.forward_unstaged += marks.forward - marks.launch
+                self.num_forward_unstaged += 1
 
 
 @dataclass

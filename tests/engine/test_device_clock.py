@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import torch
 
 from specd.engine.builder import build_engine
@@ -24,9 +25,10 @@ def test_marks_read_once_after_a_marked_step():
     clock.forward_queued()
     time.sleep(0.003)
     clock.step_queued()
-    launch, forward, step, launch_mark_host = clock.read()
+    launch, forward, step, launch_mark_host, staged = clock.read()
     assert 0.001 <= launch and forward - launch >= 0.002 and step - forward >= 0.003
     assert 0 <= launch_mark_host < 0.001  # the record alone: no other thread waited for
+    assert not staged
     assert clock.read() is None  # read once: a step without marks adds nothing
 
 
@@ -100,5 +102,11 @@ def test_the_static_path_marks_its_launch_staged_or_not(tiny_models):
         engine.generate(prompts[:3], params[:3])
         steps = [m for m in marks if m is not None]
         assert steps and all(m.launch is not None and 0 < m.launch < m.forward < m.step for m in steps)
+        # Each forward's own time is counted by whether it took a staged batch: the runner's count.
+        timings = engine.stats.timings
+        assert sum(m.staged for m in steps) == timings.num_forward_staged == engine.runner.num_staged_forwards
+        assert timings.num_forward_staged + timings.num_forward_unstaged == len(steps)
+        assert timings.forward_staged == pytest.approx(sum(m.forward - m.launch for m in steps if m.staged))
+        assert timings.forward_unstaged == pytest.approx(sum(m.forward - m.launch for m in steps if not m.staged))
         if stage:
-            assert engine.runner.num_staged_forwards > 0
+            assert engine.runner.num_staged_forwards > 0 and timings.num_forward_unstaged > 0

@@ -49,16 +49,16 @@ class FullDrafts(AsyncNgram):
         return answered
 
 
-def static_engine(target, stage: bool, config: PytorchEngineConfig = CONFIG, method: str = "ngram",
+def static_engine(target, stage: bool | str, config: PytorchEngineConfig = CONFIG, method: str = "ngram",
                   draft=None, wrapper=AsyncNgram, carry: int | None = None) -> SpecEngine:
     """An engine over the static-path runner whose proposer answers "asynchronously" (drafts
-    sent ahead, as the remote drafters do), staging on or off."""
+    sent ahead, as the remote drafters do), staging on or off (or "late": on the owner's call)."""
     spec = SpeculativeConfig(method=method, num_speculative_tokens=K, model=str(draft) if draft else "")
     plain = build_engine(target, config, spec)
     runner = LlamaRunner(str(target), config, use_static_path=True, compile_mode="0")
     if plain.runner.aux_layer_ids != runner.aux_layer_ids:
         runner.set_aux_hidden_layers(plain.runner.aux_layer_ids)
-    with mock.patch.dict(os.environ, {STAGE_VERIFY_ENV: "1" if stage else "0"}):
+    with mock.patch.dict(os.environ, {STAGE_VERIFY_ENV: stage if isinstance(stage, str) else "1" if stage else "0"}):
         return SpecEngine(runner, wrapper(plain.proposer), K, max_batch_size=config.max_batch_size,
                           max_model_len=config.session_len, draft_carry=carry)
 
@@ -103,6 +103,23 @@ def test_full_drafts_stage_every_step_but_the_first(target, kind):
     assert outcome(on.generate(prompts, params)) == want
     # The first step's drafts were asked in the step (its sequences were just admitted).
     assert on.runner.num_staged_forwards == on.stats.num_steps - 1 > 5
+
+
+def test_late_staging_stages_on_the_owners_call_only(target):
+    """SPECD_STAGE_VERIFY=late: a step leaves nothing staged; stage_next_verify (the verifier's
+    call after its result flush) stages, and the outputs are the unstaged engine's."""
+    prompts, params = make_requests(512, seed=6)
+    want = outcome(static_engine(target, stage=False, wrapper=FullDrafts, carry=0).generate(prompts, params))
+    late = static_engine(target, stage="late", wrapper=FullDrafts, carry=0)
+    seqs = [late.add_request(p, sp) for p, sp in zip(prompts, params)]
+    staged_by_step = 0
+    while late.has_unfinished():
+        late.step()
+        staged_by_step += late.runner.staged
+        late.stage_next_verify()
+    assert outcome(seqs) == want
+    assert staged_by_step == 0 and late.runner.num_staged_forwards == late.stats.num_steps - 1 > 5
+    assert not late.runner.staged
 
 
 def test_a_full_batch_with_requests_queued_still_stages(target):

@@ -125,3 +125,28 @@ def test_the_device_clock_is_a_phase_and_the_bench_prints_it():
     row = E2ERow("replay", 1, 128, 0.3, 400.0, 2.5, 2.8, step_ms=split)
     assert "; device clock: launch 0.20 / forward 5.50 / step 6.50; host in the launch mark 0.30)" in format_row(row)
     assert "device clock" not in format_row(E2ERow("off", 1, 128, 0.8, 160.0, 6.2, 1.0, step_ms={"verify": 1.0}))
+
+
+def test_the_forward_by_batch_kind_is_scraped_and_printed():
+    """The verify forward's own device time by whether its batch was staged: a histogram per
+    kind, read over HTTP by the e2e bench per forward (not per step) and printed with the clock."""
+    from bench.e2e import E2ERow, format_row, scrape_step_phases
+    from services.verifier.metrics import StepRecord
+    from specd.transport.ports import free_port
+
+    m = VerifierMetrics()
+    step = dict(engine_seconds=0.01, total_seconds=0.01, device_launch_seconds=0.0001,
+                device_forward_seconds=0.006, device_step_seconds=0.0062)
+    for kind, seconds in (("staged", 0.006), ("staged", 0.0058), ("unstaged", 0.0055), ("", 0.0)):
+        m.observe_step(StepRecord(**step, forward_kind=kind, forward_own_seconds=seconds))
+    port = free_port()
+    server, _ = m.serve(port, addr="127.0.0.1")
+    try:
+        split = step_split_ms({}, scrape_step_phases(port))
+    finally:
+        server.shutdown()
+    assert split["forward staged"] == pytest.approx(5.9) and split["forward staged n"] == 2
+    assert split["forward unstaged"] == pytest.approx(5.5) and split["forward unstaged n"] == 1
+    assert split["steps"] == 4  # the kinds are not step phases: every step counts
+    row = format_row(E2ERow("replay", 1, 128, 0.3, 400.0, 2.5, 2.8, step_ms=split))
+    assert "; forward's own, by batch: staged 5.90 (2) / unstaged 5.50 (1))" in row
