@@ -145,7 +145,8 @@ class VerifierMetrics:
         self._captures_seen = (0, 0.0, 0)
         self._phases = {p: self.step_seconds.labels(phase=p)
                         for p in ("draft", "verify", "launch", "other", "device_wait", "commit", "emit",
-                                  "prefill", "rest", "device_launch", "device_forward", "device_step", "launch_mark")}
+                                  "prefill", "rest", "device_launch", "device_forward", "device_step",
+                                  "launch_mark")}
 
     def serve(self, port: int, addr: str = "0.0.0.0"):
         """Serve /metrics over HTTP (a daemon thread); returns (server, thread)."""
@@ -170,10 +171,10 @@ class VerifierMetrics:
             self._phases["device_forward"].observe(record.device_forward_seconds)
             self._phases["device_step"].observe(record.device_step_seconds)
             self._phases["launch_mark"].observe(record.launch_mark_seconds)
-        if record.forward_kind:
-            self.verify_forward_seconds.labels(batch=record.forward_kind).observe(record.forward_own_seconds)
             self.emit_seconds.observe(record.emit_seconds)
             self.emit_wait_seconds.observe(record.emit_wait_seconds)
+        if record.forward_kind:
+            self.verify_forward_seconds.labels(batch=record.forward_kind).observe(record.forward_own_seconds)
         if record.num_prefills:
             self.prefills.labels(path="eager").inc(record.num_eager_prefills)
             self.prefills.labels(path="static").inc(record.num_prefills - record.num_eager_prefills)

@@ -183,8 +183,8 @@ class VerifierWorker(Admission, Emission):
         draft0, verify0, tokens0 = timings.draft, timings.verify, self.engine.stats.num_output_tokens
         commit0, wait0, launch0 = timings.commit, timings.device_wait, timings.launch
         device_launch0, launch_mark0 = timings.device_launch, timings.launch_mark_host
-        forwards0 = (timings.forward_staged, timings.num_forward_staged, timings.forward_unstaged,
-                     timings.num_forward_unstaged)
+        staged0, num_staged0 = timings.forward_staged, timings.num_forward_staged
+        unstaged0, num_unstaged0 = timings.forward_unstaged, timings.num_forward_unstaged
         device_forward0, device_step0 = timings.device_forward, timings.device_step
         stats = self.engine.stats
         prefill0, prefills0, eager0 = timings.prefill, stats.num_prefills, stats.num_eager_prefills
@@ -204,10 +204,10 @@ class VerifierWorker(Admission, Emission):
         record.device_forward_seconds = timings.device_forward - device_forward0
         record.device_step_seconds = timings.device_step - device_step0
         record.launch_mark_seconds = timings.launch_mark_host - launch_mark0
-        if timings.num_forward_staged > forwards0[1]:
-            record.forward_kind, record.forward_own_seconds = "staged", timings.forward_staged - forwards0[0]
-        elif timings.num_forward_unstaged > forwards0[3]:
-            record.forward_kind, record.forward_own_seconds = "unstaged", timings.forward_unstaged - forwards0[2]
+        if timings.num_forward_staged > num_staged0:  # (one verify forward a step at most)
+            record.forward_kind, record.forward_own_seconds = "staged", timings.forward_staged - staged0
+        elif timings.num_forward_unstaged > num_unstaged0:
+            record.forward_kind, record.forward_own_seconds = "unstaged", timings.forward_unstaged - unstaged0
         record.commit_seconds = (timings.commit - commit0) - record.device_wait_seconds
         record.prefill_seconds = timings.prefill - prefill0
         record.num_prefills = stats.num_prefills - prefills0

@@ -148,5 +148,6 @@ def test_the_forward_by_batch_kind_is_scraped_and_printed():
     assert split["forward staged"] == pytest.approx(5.9) and split["forward staged n"] == 2
     assert split["forward unstaged"] == pytest.approx(5.5) and split["forward unstaged n"] == 1
     assert split["steps"] == 4  # the kinds are not step phases: every step counts
+    assert _value(m, "specd:emit_duration_seconds_count") == 4  # every step's emit, forward or not
     row = format_row(E2ERow("replay", 1, 128, 0.3, 400.0, 2.5, 2.8, step_ms=split))
     assert "; forward's own, by batch: staged 5.90 (2) / unstaged 5.50 (1))" in row
