@@ -179,15 +179,9 @@ class VerifierWorker(Admission, Emission):
     # ---- step -------------------------------------------------------------------------------
     def step(self, record: StepRecord) -> list[Sequence]:
         """One engine step over the whole batch; fills the record's timings."""
-        timings = self.engine.stats.timings
-        draft0, verify0, tokens0 = timings.draft, timings.verify, self.engine.stats.num_output_tokens
-        commit0, wait0, launch0 = timings.commit, timings.device_wait, timings.launch
-        device_launch0, launch_mark0 = timings.device_launch, timings.launch_mark_host
-        staged0, num_staged0 = timings.forward_staged, timings.num_forward_staged
-        unstaged0, num_unstaged0 = timings.forward_unstaged, timings.num_forward_unstaged
-        device_forward0, device_step0 = timings.device_forward, timings.device_step
         stats = self.engine.stats
-        prefill0, prefills0, eager0 = timings.prefill, stats.num_prefills, stats.num_eager_prefills
+        before, tokens0 = stats.timings.copy(), stats.num_output_tokens
+        prefills0, eager0 = stats.num_prefills, stats.num_eager_prefills
         t0 = time.perf_counter()
         self._record = record
         try:
@@ -196,20 +190,21 @@ class VerifierWorker(Admission, Emission):
             self._fail_all("engine step failed; see the verifier's log")
             raise
         record.engine_seconds = time.perf_counter() - t0
-        record.draft_seconds = timings.draft - draft0
-        record.verify_seconds = timings.verify - verify0
-        record.launch_seconds = timings.launch - launch0
-        record.device_wait_seconds = timings.device_wait - wait0
-        record.device_launch_seconds = timings.device_launch - device_launch0
-        record.device_forward_seconds = timings.device_forward - device_forward0
-        record.device_step_seconds = timings.device_step - device_step0
-        record.launch_mark_seconds = timings.launch_mark_host - launch_mark0
-        if timings.num_forward_staged > num_staged0:  # (one verify forward a step at most)
-            record.forward_kind, record.forward_own_seconds = "staged", timings.forward_staged - staged0
-        elif timings.num_forward_unstaged > num_unstaged0:
-            record.forward_kind, record.forward_own_seconds = "unstaged", timings.forward_unstaged - unstaged0
-        record.commit_seconds = (timings.commit - commit0) - record.device_wait_seconds
-        record.prefill_seconds = timings.prefill - prefill0
+        step = stats.timings.since(before)
+        record.draft_seconds = step.draft
+        record.verify_seconds = step.verify
+        record.launch_seconds = step.launch
+        record.device_wait_seconds = step.device_wait
+        record.device_launch_seconds = step.device_launch
+        record.device_forward_seconds = step.device_forward
+        record.device_step_seconds = step.device_step
+        record.launch_mark_seconds = step.launch_mark_host
+        if step.num_forward_staged:  # (one verify forward a step at most)
+            record.forward_kind, record.forward_own_seconds = "staged", step.forward_staged
+        elif step.num_forward_unstaged:
+            record.forward_kind, record.forward_own_seconds = "unstaged", step.forward_unstaged
+        record.commit_seconds = step.commit - step.device_wait
+        record.prefill_seconds = step.prefill
         record.num_prefills = stats.num_prefills - prefills0
         record.num_eager_prefills = stats.num_eager_prefills - eager0
         record.num_new_tokens = self.engine.stats.num_output_tokens - tokens0

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -34,6 +34,13 @@ class StepTimings:
     num_forward_staged: int = 0
     forward_unstaged: float = 0.0
     num_forward_unstaged: int = 0
+
+    def copy(self) -> "StepTimings":
+        return replace(self)
+
+    def since(self, before: "StepTimings") -> "StepTimings":
+        """What was added since `before` (an earlier copy): one step's seconds and counts."""
+        return StepTimings(**{f.name: getattr(self, f.name) - getattr(before, f.name) for f in fields(self)})
 
     def add_device_clock(self, marks: "DeviceMarks | None") -> None:
         if marks is not None:

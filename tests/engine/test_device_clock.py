@@ -110,3 +110,17 @@ def test_the_static_path_marks_its_launch_staged_or_not(tiny_models):
         assert timings.forward_unstaged == pytest.approx(sum(m.forward - m.launch for m in steps if not m.staged))
         if stage:
             assert engine.runner.num_staged_forwards > 0 and timings.num_forward_unstaged > 0
+
+
+def test_a_steps_timings_are_the_totals_added_since_a_copy():
+    from specd.engine.device_clock import DeviceMarks
+    from specd.engine.stats import StepTimings
+
+    timings = StepTimings(draft=1.0, num_forward_staged=2)
+    before = timings.copy()
+    timings.draft += 0.25
+    timings.add_device_clock(DeviceMarks(0.001, 0.006, 0.007, 0.0002, staged=True))
+    step = timings.since(before)
+    assert before.draft == 1.0 and step.draft == pytest.approx(0.25)
+    assert step.num_forward_staged == 1 and step.forward_staged == pytest.approx(0.005)
+    assert step.num_forward_unstaged == 0 and step.launch_mark_host == pytest.approx(0.0002)
