@@ -157,13 +157,14 @@ def step_split_ms(before: dict, after: dict) -> dict[str, float]:
 # (services/verifier/admission.py ReadRider: it rides the result round trip by default), "-grpcsteps"
 # with the drafter round trip on the gRPC stream instead of the fast socket path (drafter_stream.py),
 # "-fold" with the verifier's norms folded into its GEMMs (models/norm_fold.py), "-head2" with its
-# graphs in two parts, the first two layers launched first (models/cuda_graphs.py), "-nostage"
-# without the verify batch staged while drafts are out (engine/staging.py), "-syncemit" with the
+# graphs in two parts, the first two layers launched first (models/cuda_graphs.py), "-stage"
+# with the verify batch staged while drafts are out (engine/staging.py; "-nostage" without, the
+# default since run 56), "-syncemit" with the
 # result flush on the loop's thread (services/verifier/writer.py: no writer thread to take the GIL
 # at the launch), "-switch50" with the verifier's GIL switch interval at 50 us (verifier/cli.py),
 # "-stagelate" with the batch staged after the step's result flush is handed over (staging.py).
 VARIANTS = {"-fold": {"SPECD_NORM_FOLD": "1"}, "-head2": {"SPECD_GRAPH_HEAD_LAYERS": "2"},
-            "-nostage": {"SPECD_STAGE_VERIFY": "0"}, "-stagelate": {"SPECD_STAGE_VERIFY": "late"},
+            "-stage": {"SPECD_STAGE_VERIFY": "1"}, "-nostage": {"SPECD_STAGE_VERIFY": "0"}, "-stagelate": {"SPECD_STAGE_VERIFY": "late"},
             "-grpcsteps": {"SPECD_DRAFTER_FAST_PATH": "0"}, "-sync": {"SPECD_DRAFT_AHEAD": "0"}, "-nohandoff": {"SPECD_DRAFT_SEND_HANDOFF": "0"},
             "-nocarry": {"SPECD_DRAFT_CARRY": "0"}, "-ownread": {"SPECD_VERIFIER_RIDE_READS": "0"},
             "-carry4": {"SPECD_DRAFT_CARRY": "4"},  # one step's worth at the bench's k = 3

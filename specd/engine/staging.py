@@ -15,20 +15,21 @@ from collections.abc import Callable
 from specd.engine.sequence import Sequence
 from specd.models.base import SequenceChunk
 
-# "0": no verify batch staged while drafts are out (A/B). "late": staged when the engine's owner
-# says so (SpecEngine.stage_next_verify), not at the step's end: the verifier stages after it hands
-# its result flush to the writer thread. Why: staged at the step's end, the flush starts ~0.1 ms
-# later, and the writer's turns at the GIL come closer to the next launch (BENCHMARKS.md, run 55:
-# the staged batch-1 forward reads 0.3 ms longer on the device's clock); an experiment until timed.
+# "1": the verify batch staged while drafts are out; "late": staged when the engine's owner says
+# so (SpecEngine.stage_next_verify), after the verifier hands its result flush to the writer
+# thread. Off ("0") by default: on the GPU the staged stacks lose at batch 1 (BENCHMARKS.md,
+# run 56, H100: replay 2.30-2.40x of off staged, every variant, against 2.52x unstaged; the
+# forward reads ~0.37 ms longer on the device's clock in a staged stack, its unstaged forwards
+# too), though the CPU's host time per step falls 6-12%. On for the A/B until the GPU says why.
 STAGE_VERIFY_ENV = "SPECD_STAGE_VERIFY"
 
 
 class VerifyStaging:
     """Whether the runner holds the batch staged for this step (a runner without `stage`, or
-    SPECD_STAGE_VERIFY=0: never)."""
+    SPECD_STAGE_VERIFY unset or 0: never)."""
 
     def __init__(self, runner) -> None:
-        mode = os.environ.get(STAGE_VERIFY_ENV, "1")
+        mode = os.environ.get(STAGE_VERIFY_ENV, "0")
         self._runner = runner
         self._stage = getattr(runner, "stage", None) if mode != "0" else None
         self._staged = False

@@ -105,6 +105,25 @@ def test_full_drafts_stage_every_step_but_the_first(target, kind):
     assert on.runner.num_staged_forwards == on.stats.num_steps - 1 > 5
 
 
+def test_staging_is_off_unless_asked(target):
+    """SPECD_STAGE_VERIFY unset: nothing staged (off by default since BENCHMARKS.md run 56, where
+    the staged stacks lost on the GPU at batch 1); "1" stages."""
+    prompts, params = make_requests(512, seed=6)
+    config = CONFIG
+    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=K)
+    plain = build_engine(target, config, spec)
+    runner = LlamaRunner(str(target), config, use_static_path=True, compile_mode="0")
+    env = {k: v for k, v in os.environ.items() if k != STAGE_VERIFY_ENV}
+    with mock.patch.dict(os.environ, env, clear=True):
+        default = SpecEngine(runner, FullDrafts(plain.proposer), K, max_batch_size=config.max_batch_size,
+                             max_model_len=config.session_len, draft_carry=0)
+    default.generate(prompts, params)
+    assert default.stats.num_steps > 5 and default.runner.num_staged_forwards == 0
+    on = static_engine(target, stage=True, wrapper=FullDrafts, carry=0)
+    on.generate(prompts, params)
+    assert on.runner.num_staged_forwards > 5
+
+
 def test_late_staging_stages_on_the_owners_call_only(target):
     """SPECD_STAGE_VERIFY=late: a step leaves nothing staged; stage_next_verify (the verifier's
     call after its result flush) stages, and the outputs are the unstaged engine's."""
