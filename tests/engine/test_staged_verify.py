@@ -49,16 +49,20 @@ class FullDrafts(AsyncNgram):
         return answered
 
 
-def static_engine(target, stage: bool | str, config: PytorchEngineConfig = CONFIG, method: str = "ngram",
+def static_engine(target, stage: bool | str | None, config: PytorchEngineConfig = CONFIG, method: str = "ngram",
                   draft=None, wrapper=AsyncNgram, carry: int | None = None) -> SpecEngine:
     """An engine over the static-path runner whose proposer answers "asynchronously" (drafts
-    sent ahead, as the remote drafters do), staging on or off (or "late": on the owner's call)."""
+    sent ahead, as the remote drafters do), staging on or off (or "late": on the owner's call;
+    None: SPECD_STAGE_VERIFY unset, the default)."""
     spec = SpeculativeConfig(method=method, num_speculative_tokens=K, model=str(draft) if draft else "")
     plain = build_engine(target, config, spec)
     runner = LlamaRunner(str(target), config, use_static_path=True, compile_mode="0")
     if plain.runner.aux_layer_ids != runner.aux_layer_ids:
         runner.set_aux_hidden_layers(plain.runner.aux_layer_ids)
-    with mock.patch.dict(os.environ, {STAGE_VERIFY_ENV: stage if isinstance(stage, str) else "1" if stage else "0"}):
+    env = {k: v for k, v in os.environ.items() if k != STAGE_VERIFY_ENV}
+    if stage is not None:
+        env[STAGE_VERIFY_ENV] = stage if isinstance(stage, str) else "1" if stage else "0"
+    with mock.patch.dict(os.environ, env, clear=True):
         return SpecEngine(runner, wrapper(plain.proposer), K, max_batch_size=config.max_batch_size,
                           max_model_len=config.session_len, draft_carry=carry)
 
@@ -109,14 +113,7 @@ def test_staging_is_off_unless_asked(target):
     """SPECD_STAGE_VERIFY unset: nothing staged (off by default since BENCHMARKS.md run 56, where
     the staged stacks lost on the GPU at batch 1); "1" stages."""
     prompts, params = make_requests(512, seed=6)
-    config = CONFIG
-    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=K)
-    plain = build_engine(target, config, spec)
-    runner = LlamaRunner(str(target), config, use_static_path=True, compile_mode="0")
-    env = {k: v for k, v in os.environ.items() if k != STAGE_VERIFY_ENV}
-    with mock.patch.dict(os.environ, env, clear=True):
-        default = SpecEngine(runner, FullDrafts(plain.proposer), K, max_batch_size=config.max_batch_size,
-                             max_model_len=config.session_len, draft_carry=0)
+    default = static_engine(target, stage=None, wrapper=FullDrafts, carry=0)
     default.generate(prompts, params)
     assert default.stats.num_steps > 5 and default.runner.num_staged_forwards == 0
     on = static_engine(target, stage=True, wrapper=FullDrafts, carry=0)
