@@ -18,9 +18,10 @@ from specd.models.base import SequenceChunk
 # "1": the verify batch staged while drafts are out; "late": staged when the engine's owner says
 # so (SpecEngine.stage_next_verify), after the verifier hands its result flush to the writer
 # thread. Off ("0") by default: on the GPU the staged stacks lose at batch 1 (BENCHMARKS.md,
-# run 56, H100: replay 2.30-2.40x of off staged, every variant, against 2.52x unstaged; the
-# forward reads ~0.37 ms longer on the device's clock in a staged stack, its unstaged forwards
-# too), though the CPU's host time per step falls 6-12%. On for the A/B until the GPU says why.
+# run 56, H100: replay staged reached 2.30-2.40x of off in every variant, unstaged 2.52x; in a
+# staged stack every forward, its unstaged ones too, reads ~0.37 ms longer on the device's
+# clock), though staging cuts the CPU's host time per step 6-12%. "1" / "late" stay for the
+# A/B until a GPU trace shows why.
 STAGE_VERIFY_ENV = "SPECD_STAGE_VERIFY"
 
 
