@@ -162,7 +162,10 @@ def step_split_ms(before: dict, after: dict) -> dict[str, float]:
 # which is the default since run 56), "-syncemit" with the
 # result flush on the loop's thread (services/verifier/writer.py: no writer thread to take the GIL
 # at the launch), "-switch50" with the verifier's GIL switch interval at 50 us (verifier/cli.py),
-# "-stagelate" with the batch staged after the step's result flush is handed over (staging.py).
+# "-stagelate" with the batch staged after the step's result flush is handed over (staging.py),
+# "-trace" with a profiler trace of the verifier's steps 100-139 (services/verifier/step_trace.py;
+# written under SPECD_TRACE_DIR, default ./traces, one folder per method; summed up by
+# bench/trace_summary.py: at batch 1 these steps fall in the second and third timed rounds).
 VARIANTS = {"-fold": {"SPECD_NORM_FOLD": "1"}, "-head2": {"SPECD_GRAPH_HEAD_LAYERS": "2"},
             "-stage": {"SPECD_STAGE_VERIFY": "1"}, "-nostage": {"SPECD_STAGE_VERIFY": "0"}, "-stagelate": {"SPECD_STAGE_VERIFY": "late"},
             "-grpcsteps": {"SPECD_DRAFTER_FAST_PATH": "0"}, "-sync": {"SPECD_DRAFT_AHEAD": "0"}, "-nohandoff": {"SPECD_DRAFT_SEND_HANDOFF": "0"},
@@ -170,7 +173,7 @@ VARIANTS = {"-fold": {"SPECD_NORM_FOLD": "1"}, "-head2": {"SPECD_GRAPH_HEAD_LAYE
             "-carry4": {"SPECD_DRAFT_CARRY": "4"},  # one step's worth at the bench's k = 3
             "-flushlate": {"SPECD_VERIFIER_FLUSH_AFTER_LAUNCH": "1"},
             "-nopdl": {"SPECD_PDL": "off"}, "-syncemit": {"SPECD_ASYNC_EMIT": "0"},
-            "-switch50": {"SPECD_GIL_SWITCH_US": "50"}}
+            "-switch50": {"SPECD_GIL_SWITCH_US": "50"}, "-trace": {"SPECD_TRACE_STEPS": "100:40"}}
 
 
 def base_method(label: str) -> tuple[str, dict]:
@@ -211,6 +214,10 @@ def run_method(method: str, target: Path, draft: Path | None, batches: list[int]
     label, (method, variant_env) = method, base_method(method)
     spec = None if method == "off" else method
     extra_env = dict(extra_env or {}, **variant_env)
+    trace_dir = None
+    if "SPECD_TRACE_STEPS" in extra_env:
+        trace_dir = Path(os.environ.get("SPECD_TRACE_DIR", "traces")).resolve() / label
+        extra_env["SPECD_TRACE_DIR"] = str(trace_dir)
     metrics_port = free_port()
     config = StackConfig(model=str(target), server_name="127.0.0.1", server_port=free_port(),
                          grpc_port=free_port(), speculative_algorithm=spec,
@@ -243,7 +250,22 @@ def run_method(method: str, target: Path, draft: Path | None, batches: list[int]
             print(format_row(rows[-1]), flush=True)
     finally:
         stack.stop()
+    if trace_dir is not None:
+        print(_trace_summary(trace_dir), flush=True)
     return rows, {"stack_start_s": round(start_s, 1), "outputs": outputs}
+
+
+def _trace_summary(trace_dir: Path) -> str:
+    """The traced verifier's graph launches (bench/trace_summary.py), also written beside the trace."""
+    from bench.trace_summary import graph_launches, load_events, summary_table
+    from services.verifier.step_trace import TRACE_FILE
+
+    path = trace_dir / TRACE_FILE
+    if not path.exists():
+        return f"trace: none written at {path} (fewer steps than the window's end?)"
+    table = f"trace {path}:\n\n" + summary_table(graph_launches(load_events(str(path))))
+    (trace_dir / "summary.md").write_text(table)
+    return table
 
 
 # The verifier's loop by phase (services/verifier/metrics.py): draft and verify are the engine's

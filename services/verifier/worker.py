@@ -37,6 +37,7 @@ from services.verifier.claims import Claims
 from services.verifier.emission import Emission
 from services.verifier.emitter import ResultEmitter
 from services.verifier.metrics import StepRecord, VerifierMetrics
+from services.verifier.step_trace import StepTracer, TraceWindow
 from services.verifier.worker_types import DEADLINE_EXCEEDED, INTERNAL_ERROR, ActiveRequest, WorkerConfig, WorkerSnapshot
 from services.verifier.writer import ResultWriter
 from specd.engine.engine import SpecEngine
@@ -88,6 +89,8 @@ class VerifierWorker(Admission, Emission):
             engine.on_admitted = self.emit_first_tokens
         if config.async_emit and config.flush_after_launch:
             engine.on_launched = self.writer.release
+        window = TraceWindow.from_env()  # SPECD_TRACE_STEPS: a profiler trace of some steps (diagnosis)
+        self.tracer = StepTracer(window, getattr(engine.runner, "device", None)) if window is not None else None
 
     # ---- lifecycle --------------------------------------------------------------------------
     def run(self) -> None:
@@ -99,6 +102,8 @@ class VerifierWorker(Admission, Emission):
                 self.run_once()
         finally:
             self.finish_writes()
+            if self.tracer is not None:
+                self.tracer.close()
         log.info("verifier stopped", extra={"consumer": self.config.consumer,
                                             "num_finished": self.num_finished})
 
@@ -184,11 +189,15 @@ class VerifierWorker(Admission, Emission):
         prefills0, eager0 = stats.num_prefills, stats.num_eager_prefills
         t0 = time.perf_counter()
         self._record = record
+        if self.tracer is not None:
+            self.tracer.started()
         try:
             finished = self.engine.step()
         except Exception:
             self._fail_all("engine step failed; see the verifier's log")
             raise
+        if self.tracer is not None:
+            self.tracer.done()
         record.engine_seconds = time.perf_counter() - t0
         step = stats.timings.since(before)
         record.draft_seconds = step.draft

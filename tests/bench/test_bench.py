@@ -145,3 +145,4 @@ def test_method_suffixes_name_their_settings():
     assert base_method("replay-nostage-nopdl") == ("replay", {"SPECD_STAGE_VERIFY": "0", "SPECD_PDL": "off"})
     assert base_method("replay-stage") == ("replay", {"SPECD_STAGE_VERIFY": "1"})
     assert base_method("replay-stagelate") == ("replay", {"SPECD_STAGE_VERIFY": "late"})
+    assert base_method("replay-stage-trace") == ("replay", {"SPECD_STAGE_VERIFY": "1", "SPECD_TRACE_STEPS": "100:40"})

@@ -1,0 +1,96 @@
+"""A profiler trace of a window of the verifier's steps, as it serves (diagnosis only).
+
+SPECD_TRACE_STEPS=FIRST:COUNT traces the engine steps FIRST .. FIRST + COUNT - 1 of this
+verifier's loop (counted from 0, busy steps only) and writes one Chrome trace,
+`SPECD_TRACE_DIR/trace.json.gz` (default dir: the working directory). Unset: nothing traced.
+
+Why: the e2e bench reads a verify forward's own time on the device's clock (device_clock.py), and
+a stack with the verify batch staged reads every forward ~0.37 ms longer than one without
+(BENCHMARKS.md, run 56), while the step bench runs the same graphs equally fast. Whether the
+device sits idle inside the forward (a late launch) or runs the same kernels slower (something
+else on the device) shows only in a kernel-level trace of the services themselves;
+bench/trace_summary.py reads it.
+
+On CUDA only device activity is recorded (kernels, copies and the runtime calls that launched
+them, through CUPTI): the host's Python records no per-op events, so the loop's timing stays what
+it is untraced. On the CPU (the tests' twin) the host's ops are the only activity there is.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+
+log = logging.getLogger("specd.verifier")
+
+TRACE_STEPS_ENV = "SPECD_TRACE_STEPS"
+TRACE_DIR_ENV = "SPECD_TRACE_DIR"
+TRACE_FILE = "trace.json.gz"
+
+
+@dataclass(frozen=True)
+class TraceWindow:
+    """Steps first .. first + count - 1, traced into out_dir/TRACE_FILE."""
+
+    first: int
+    count: int
+    out_dir: str
+
+    def __post_init__(self) -> None:
+        if self.first < 0 or self.count < 1:
+            raise ValueError(f"{TRACE_STEPS_ENV}: expected FIRST:COUNT with FIRST >= 0 and COUNT >= 1, "
+                             f"got {self.first}:{self.count}")
+
+    @classmethod
+    def from_env(cls, env=os.environ) -> "TraceWindow | None":
+        text = env.get(TRACE_STEPS_ENV, "").strip()
+        if not text:
+            return None
+        first, sep, count = text.partition(":")
+        try:
+            first_step, num_steps = int(first), int(count) if sep else 1
+        except ValueError:
+            raise ValueError(f"{TRACE_STEPS_ENV}: expected FIRST:COUNT (integers), got {text!r}") from None
+        return cls(first_step, num_steps, env.get(TRACE_DIR_ENV) or ".")
+
+
+class StepTracer:
+    """Wraps the loop's steps: `started` before each engine step, `done` after it."""
+
+    def __init__(self, window: TraceWindow, device: torch.device | None) -> None:
+        self.window = window
+        self._activities = ([torch.profiler.ProfilerActivity.CUDA] if device is not None and device.type == "cuda"
+                            else [torch.profiler.ProfilerActivity.CPU])
+        self._profiler: torch.profiler.profile | None = None
+        self.num_steps = 0  # steps seen
+        self.path: str | None = None  # the trace, once written
+
+    def started(self) -> None:
+        if self.num_steps == self.window.first and self.path is None:
+            self._profiler = torch.profiler.profile(activities=self._activities)
+            self._profiler.start()
+
+    def done(self) -> None:
+        self.num_steps += 1
+        if self._profiler is not None and self.num_steps == self.window.first + self.window.count:
+            self._write()
+
+    def close(self) -> None:
+        """The loop ends inside the window: what was traced is still written."""
+        if self._profiler is not None:
+            self._write()
+
+    def _write(self) -> None:
+        profiler, self._profiler = self._profiler, None
+        profiler.stop()
+        t0 = time.perf_counter()
+        os.makedirs(self.window.out_dir, exist_ok=True)
+        path = os.path.join(self.window.out_dir, TRACE_FILE)
+        profiler.export_chrome_trace(path)  # gzip-compressed: the name ends in .gz
+        self.path = path
+        log.info("step trace written", extra={"path": path, "steps": self.num_steps - self.window.first,
+                                              "export_s": round(time.perf_counter() - t0, 2)})

@@ -1,0 +1,73 @@
+"""SPECD_TRACE_STEPS through the verifier's loop (services/verifier/step_trace.py): a profiler
+trace of exactly the window's steps is written, the answers stay the target's own, and bad
+settings are refused with the variable named."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import pytest
+import redis
+
+from services.verifier.step_trace import TRACE_DIR_ENV, TRACE_FILE, TRACE_STEPS_ENV, StepTracer, TraceWindow
+from services.verifier.worker import VerifierWorker
+from services.verifier.worker_types import WorkerConfig
+from tests.engine.test_staged_verify import FullDrafts, static_engine
+from tests.services.emit_helpers import enqueue, read_streams, run_until_idle
+from tests.services.verifier_harness import check_answers, make_requests, reference_tokens
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def test_a_window_of_steps_is_traced(redis_url, client, target, tmp_path, monkeypatch):
+    monkeypatch.setenv(TRACE_STEPS_ENV, "3:4")
+    monkeypatch.setenv(TRACE_DIR_ENV, str(tmp_path / "trace"))
+    engine = static_engine(target, stage=None, wrapper=FullDrafts, carry=0)
+    worker = VerifierWorker(engine, redis.Redis.from_url(redis_url),
+                            WorkerConfig(consumer="traced", request_stream="traced:requests", log_interval_s=0))
+    worker.ensure_group()
+    marks: list[tuple[int, bool]] = []  # (steps done, profiler on) at each step's start
+    started = worker.tracer.started
+
+    def spy():
+        started()
+        marks.append((worker.tracer.num_steps, worker.tracer._profiler is not None))
+    worker.tracer.started = spy
+    requests = make_requests(3, seed=5, prefix="traced", max_new_tokens=(12, 20))
+    enqueue(client, "traced:requests", requests)
+    run_until_idle(worker)
+    worker.finish_writes()
+    check_answers(read_streams(client, [r.request_id for r in requests]), reference_tokens(target, requests))
+    assert [n for n, on in marks if on] == [3, 4, 5, 6]  # exactly the window
+    path = tmp_path / "trace" / TRACE_FILE
+    assert worker.tracer.path == str(path)
+    with gzip.open(path, "rt") as f:
+        events = json.load(f)["traceEvents"]
+    ops = [e for e in events if e.get("cat") == "cpu_op"]
+    assert any(e["name"] == "aten::linear" for e in ops)  # the forwards' host ops (the CPU's activity)
+
+
+def test_a_loop_ending_inside_the_window_still_writes_it(tmp_path):
+    tracer = StepTracer(TraceWindow(1, 100, str(tmp_path)), None)
+    for _ in range(3):
+        tracer.started()
+        sum(range(1000))
+        tracer.done()
+    assert tracer.path is None
+    tracer.close()
+    assert tracer.path == str(tmp_path / TRACE_FILE)
+    tracer.close()  # once only
+
+
+@pytest.mark.parametrize("text, message", [("x:3", "FIRST:COUNT (integers)"), ("2:0", "COUNT >= 1"),
+                                           ("-1:2", "FIRST >= 0")])
+def test_bad_windows_are_refused(text, message):
+    with pytest.raises(ValueError, match=TRACE_STEPS_ENV) as e:
+        TraceWindow.from_env({TRACE_STEPS_ENV: text})
+    assert message in str(e.value)
+
+
+def test_unset_traces_nothing():
+    assert TraceWindow.from_env({}) is None
+    assert TraceWindow.from_env({TRACE_STEPS_ENV: "7"}) == TraceWindow(7, 1, ".")
