@@ -4,7 +4,7 @@
 
 Per CUDA-graph launch (the device work of one correlation id, and the `cudaGraphLaunch` runtime
 call of that id where the trace holds it): the host's gap from the launch mark (the `cudaEventRecord` right before it on the
-same thread) to the launch call, the device's delay from the call to the graph's first work, the
+same thread) to the launch call, the call's own host time, the device's delay from the call to the graph's first work, the
 graph's span on the device, the time inside that span when none of its work ran (idle), and device
 work of other launches overlapping it. Launches are grouped by how many device ops their graph
 has (the q = 4 verify graph, the q = 1 decode graph ... differ). With two traces, the kernels
@@ -34,6 +34,7 @@ class GraphLaunch:
     host_ts: float | None  # the cudaGraphLaunch call's start
     host_gap: float | None  # from the preceding cudaEventRecord's end (the launch mark) to the call
     delay: float | None  # from the call's start to the graph's first device work
+    call: float | None  # the cudaGraphLaunch call's own host time
     span: float  # first device work's start to the last's end
     busy: float  # the union of the graph's device work within the span
     num_ops: int
@@ -94,7 +95,8 @@ def graph_launches(events: list[dict], min_ops: int = 2) -> list[GraphLaunch]:
         call = calls.get(corr)
         out.append(GraphLaunch(
             host_ts=None if call is None else call["ts"], host_gap=gaps.get(corr),
-            delay=None if call is None else first - call["ts"], span=last - first,
+            delay=None if call is None else first - call["ts"], call=None if call is None else call["dur"],
+            span=last - first,
             busy=_union_length([(e["ts"], e["ts"] + e["dur"]) for e in ops]), num_ops=len(ops),
             overlapping=sum(1 for s, t, c in spans if c != corr and s < last and t > first),
             durations=dict(durations), device_ts=first))
@@ -114,12 +116,14 @@ def _median_or_dash(values: list[float]) -> str:
 
 def summary_table(launches: list[GraphLaunch]) -> str:
     """One row per graph shape: launches and the medians of what GraphLaunch holds (us)."""
-    lines = ["| device ops | launches | host gap from mark | delay to device | span | busy | idle | overlapping ops |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| device ops | launches | host gap from mark | launch call | delay to device | span | busy | idle | "
+             "overlapping ops |", "|---|---|---|---|---|---|---|---|---|"]
     for num_ops, gs in sorted(group_by_shape(launches).items(), key=lambda kv: -len(kv[1])):
         gaps = [g.host_gap for g in gs if g.host_gap is not None]
         delays = [g.delay for g in gs if g.delay is not None]
-        lines.append(f"| {num_ops} | {len(gs)} | {_median_or_dash(gaps)} | {_median_or_dash(delays)} | "
+        calls = [g.call for g in gs if g.call is not None]
+        lines.append(f"| {num_ops} | {len(gs)} | {_median_or_dash(gaps)} | {_median_or_dash(calls)} | "
+                     f"{_median_or_dash(delays)} | "
                      f"{median(g.span for g in gs):.1f} | "
                      f"{median(g.busy for g in gs):.1f} | {median(g.idle for g in gs):.1f} | "
                      f"{sum(g.overlapping for g in gs)} |")

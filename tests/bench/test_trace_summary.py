@@ -36,11 +36,11 @@ def test_each_launch_is_measured_from_its_mark_and_its_device_work():
     launches = graph_launches(events)
     assert len(launches) == 2
     g = launches[0]
-    assert (g.host_gap, g.delay, g.span, g.busy, g.idle) == (3, 5, 110, 105, 5)
+    assert (g.host_gap, g.call, g.delay, g.span, g.busy, g.idle) == (3, 20, 5, 110, 105, 5)
     assert g.num_ops == 3 and g.overlapping == 1 and launches[1].overlapping == 0
     assert g.durations == {"Memcpy HtoD (Pinned -> Device)": 2, "gemm": 100, "norm": 3}
     table = summary_table(launches)
-    assert "| 3 | 2 | 3.0 | 5.0 | 110.0 | 105.0 | 5.0 | 1 |" in table
+    assert "| 3 | 2 | 3.0 | 20.0 | 5.0 | 110.0 | 105.0 | 5.0 | 1 |" in table
 
 
 def test_launches_are_found_by_their_device_work_alone():
@@ -52,7 +52,7 @@ def test_launches_are_found_by_their_device_work_alone():
     assert graph_launches(runtime_only) == []
     (g,) = graph_launches([e for e in events if e["cat"] != "cuda_runtime"])
     assert (g.host_gap, g.delay, g.span, g.num_ops) == (None, None, 110, 3)
-    assert "| 3 | 1 | - | - | 110.0 | 105.0 | 5.0 | 0 |" in summary_table([g])
+    assert "| 3 | 1 | - | - | - | 110.0 | 105.0 | 5.0 | 0 |" in summary_table([g])
 
 
 def test_two_traces_compare_kernel_by_kernel(tmp_path, capsys):
