@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -211,7 +212,12 @@ class LlamaRunner:
             return False
         slots = [self.kv_cache.append_slots(c.seq_id, n) for c, n in zip(chunks, query_lens)]
         try:
-            prepared = self._prepare_static(chunks, starts, slots, layout, want_aux_hidden)
+            # Under the runner's kernel settings, as forward: a layout met first here is captured
+            # here, and its graph serves every later forward of that layout, staged or not.
+            # (Without them, run 56-60's staged stacks captured cuBLAS graphs without PDL: 360
+            # launches instead of 263, every forward of those layouts ~0.37 ms slower on an H100.)
+            with self._kernel_settings():
+                prepared = self._prepare_static(chunks, starts, slots, layout, want_aux_hidden)
         except BaseException:
             for c, s in zip(chunks, starts):
                 self.kv_cache.truncate(c.seq_id, s)
@@ -281,8 +287,15 @@ class LlamaRunner:
     def forward(self, chunks: list[SequenceChunk], *, want_hidden: bool = False,
                 want_aux_hidden: bool = False) -> ForwardOutput:
         """Append every chunk to its cache in one model call; logits for every new token."""
-        with gemm_backend(self.gemm), pdl_launches(self.pdl), l2_prefetch_scope(self.l2_prefetch):
+        with self._kernel_settings():
             return self._forward(chunks, want_hidden, want_aux_hidden)
+
+    @contextmanager
+    def _kernel_settings(self):
+        """The runner's GEMM backend, PDL mode and L2 prefetch plan for what launches inside, and
+        for the graphs captured inside (a graph keeps its capture's settings)."""
+        with gemm_backend(self.gemm), pdl_launches(self.pdl), l2_prefetch_scope(self.l2_prefetch):
+            yield
 
     def _forward(self, chunks: list[SequenceChunk], want_hidden: bool, want_aux_hidden: bool
                  ) -> ForwardOutput:
