@@ -10,9 +10,10 @@ work of other launches overlapping it. Launches are grouped by how many device o
 has (the q = 4 verify graph, the q = 1 decode graph ... differ). With two traces, the kernels
 whose mean duration differs most between them, per group present in both.
 
-Why: a staged stack's forwards read ~0.37 ms longer on the device's clock (BENCHMARKS.md, run 56);
-a late start shows as delay or host gap, a device held up inside the graph as idle, and the same
-kernels running slower as busy time, kernel by kernel.
+Why: the device's clock says how long a forward took, not why: a late start shows here as delay or
+host gap, a device held up inside the graph as idle, the same kernels running slower as busy time,
+kernel by kernel, and another graph as another op count (BENCHMARKS.md, run 60: the staged stacks'
+graphs had 360 ops where the others had 263).
 """
 
 from __future__ import annotations

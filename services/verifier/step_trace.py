@@ -4,12 +4,12 @@ SPECD_TRACE_STEPS=FIRST:COUNT traces the engine steps FIRST .. FIRST + COUNT - 1
 verifier's loop (counted from 0, busy steps only) and writes one Chrome trace,
 `SPECD_TRACE_DIR/trace.json.gz` (default dir: the working directory). Unset: nothing traced.
 
-Why: the e2e bench reads a verify forward's own time on the device's clock (device_clock.py), and
-a stack with the verify batch staged reads every forward ~0.37 ms longer than one without
-(BENCHMARKS.md, run 56), while the step bench runs the same graphs equally fast. Whether the
-device sits idle inside the forward (a late launch) or runs the same kernels slower (something
-else on the device) shows only in a kernel-level trace of the services themselves;
-bench/trace_summary.py reads it.
+Why: the e2e bench reads a verify forward's own time on the device's clock (device_clock.py), not
+why it takes that long. Whether the device sits idle inside the forward (a late launch), runs
+the same kernels slower, or runs other kernels shows only in a kernel-level trace of the services
+themselves; bench/trace_summary.py reads it. (The first such trace, BENCHMARKS.md run 60, showed
+why the staged stacks' forwards were ~0.37 ms longer: their graphs had been captured with other
+kernels.)
 
 On CUDA only device activity is recorded (kernels, copies and the runtime calls that launched
 them, through CUPTI): the host's Python records no per-op events, so the loop's timing stays what

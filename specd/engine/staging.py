@@ -17,11 +17,12 @@ from specd.models.base import SequenceChunk
 
 # "1": the verify batch staged while drafts are out; "late": staged when the engine's owner says
 # so (SpecEngine.stage_next_verify), after the verifier hands its result flush to the writer
-# thread. Off ("0") by default: on the GPU the staged stacks lose at batch 1 (BENCHMARKS.md,
-# run 56, H100: replay staged reached 2.30-2.40x of off in every variant, unstaged 2.52x; in a
-# staged stack every forward, its unstaged ones too, reads ~0.37 ms longer on the device's
-# clock), though staging cuts the CPU's host time per step 6-12%. "1" / "late" stay for the
-# A/B until a GPU trace shows why.
+# thread. Off ("0") by default since run 56, where the staged stacks lost at batch 1 (H100:
+# 2.30-2.40x of off against 2.52x unstaged). The cause was not staging itself: the stage
+# captured its layouts' graphs without the runner's kernel settings (cuBLAS, no PDL), ~0.37 ms a
+# forward; fixed in LlamaRunner.stage. With the fix (BENCHMARKS.md, runs 61-62, H100) staging
+# gained 2.6% at batch 1 and lost 14% at batch 128 (its host work and the draft sender contend
+# for the GIL), both within the stacks' noise: off stays the default until an H200 A/B decides.
 STAGE_VERIFY_ENV = "SPECD_STAGE_VERIFY"
 
 
