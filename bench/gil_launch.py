@@ -12,9 +12,9 @@ the device busy), the commit's host work (C us), the drafts sent ahead to a draf
 process (a socket; it answers after D us), the stage (S us of host work: the fill) and the emit
 (the previous flush waited for, B deltas queued and handed to the writer thread: ResultWriter
 over the embedded Redis), then the wait for the drafts. Orders:
-  step   staged at the step's end, before the emit (SPECD_STAGE_VERIFY=1)
+  step   staged at the step's end, before the emit (SPECD_STAGE_VERIFY=1, the default)
   late   staged after the emit (SPECD_STAGE_VERIFY=late)
-  none   no stage: the fill after the drafts arrive, before the launch (SPECD_STAGE_VERIFY=0, the default)
+  none   no stage: the fill after the drafts arrive, before the launch (SPECD_STAGE_VERIFY=0)
   sync   staged at the step's end, the flush on the loop's thread (SPECD_ASYNC_EMIT=0)
 Reported per order: the wait in the launch call (median, p90, mean us) and the launch path (from
 the drafts' arrival to the launch call's return, fill included: what the step's critical path pays).

@@ -15,23 +15,33 @@ from collections.abc import Callable
 from specd.engine.sequence import Sequence
 from specd.models.base import SequenceChunk
 
-# "1": the verify batch staged while drafts are out; "late": staged when the engine's owner says
-# so (SpecEngine.stage_next_verify), after the verifier hands its result flush to the writer
-# thread. Off ("0") by default since run 56, where the staged stacks lost at batch 1 (H100:
-# 2.30-2.40x of off against 2.52x unstaged). The cause was not staging itself: the stage
-# captured its layouts' graphs without the runner's kernel settings (cuBLAS, no PDL), ~0.37 ms a
-# forward; fixed in LlamaRunner.stage. With the fix (BENCHMARKS.md, runs 61-62, H100) staging
-# gained 2.6% at batch 1 and lost 14% at batch 128 (its host work and the draft sender contend
-# for the GIL), both within the stacks' noise: off stays the default until an H200 A/B decides.
+# "1" (the default): the verify batch staged while drafts are out; "late": staged when the
+# engine's owner says so (SpecEngine.stage_next_verify), after the verifier hands its result
+# flush to the writer thread; "0": never. Off from run 56 to run 64: the staged stacks lost at
+# batch 1 (H100: 2.30-2.40x of off against 2.52x unstaged) because the stage captured its
+# layouts' graphs without the runner's kernel settings (cuBLAS, no PDL, ~0.37 ms a forward;
+# fixed in LlamaRunner.stage). With the fix, interleaved stacks (BENCHMARKS.md, runs 61-64,
+# H100) put staging ahead in 6 of 9 pairs, +2% at batch 1, +7% at 64, +3% at 128 on average,
+# and its forward is launched sooner after the step starts at every batch (device clock: by
+# 0.02-0.18 ms at batch 1, ~0.45 ms at 64, ~0.7 ms at 128).
 STAGE_VERIFY_ENV = "SPECD_STAGE_VERIFY"
+STAGE_VERIFY_MODES = ("0", "1", "late")
+
+
+def resolve_stage_mode() -> str:
+    """SPECD_STAGE_VERIFY, validated ("1" when unset or empty)."""
+    mode = os.environ.get(STAGE_VERIFY_ENV) or "1"
+    if mode not in STAGE_VERIFY_MODES:
+        raise ValueError(f"{STAGE_VERIFY_ENV}: expected one of {', '.join(STAGE_VERIFY_MODES)}, got {mode!r}")
+    return mode
 
 
 class VerifyStaging:
-    """Whether the runner holds the batch staged for this step (a runner without `stage`, or
-    SPECD_STAGE_VERIFY unset or 0: never)."""
+    """Whether the runner holds the batch staged for this step (a runner without `stage`, i.e.
+    one off the static path, or SPECD_STAGE_VERIFY=0: never)."""
 
     def __init__(self, runner) -> None:
-        mode = os.environ.get(STAGE_VERIFY_ENV, "0")
+        mode = resolve_stage_mode()
         self._runner = runner
         self._stage = getattr(runner, "stage", None) if mode != "0" else None
         self._staged = False
