@@ -17,15 +17,26 @@ class AppendPlan:
     """The free blocks of a cache as one step's appends are planned (see the module doc)."""
 
     def __init__(self, free_blocks: int, num_tokens: Callable[[int], int],
-                 new_blocks: Callable[[int, int], int], session_len: int | None) -> None:
+                 new_blocks: Callable[[int, int], int], session_len: int | None,
+                 block_size: int | None = None) -> None:
         """free_blocks: free now; num_tokens(seq): tokens it holds; new_blocks(seq, n): blocks
         an append of n tokens would allocate; session_len: tokens a sequence may hold (None: no
-        limit)."""
+        limit); block_size: tokens a block holds (None: unknown, `fits_everyone` says False)."""
         self.free_blocks = free_blocks
         self._num_tokens = num_tokens
         self._new_blocks = new_blocks
         self.session_len = session_len
+        self.block_size = block_size
         self._claimed: dict[int, int] = {}  # seq id -> blocks claimed for it so far
+
+    def fits_everyone(self, num_seqs: int, num_tokens: int) -> bool:
+        """Whether num_seqs sequences can each take num_tokens, whatever they hold: an append of
+        n tokens allocates at most ceil(n / block_size) blocks. (Session lengths not counted.)
+        Why: the step's plan claims sequence by sequence, ~3 us each; with the cache roomy, as
+        it mostly is, the answer is known up front (drafting.plan_draft_lengths)."""
+        if self.block_size is None:
+            return False
+        return num_seqs * -(-num_tokens // self.block_size) <= self.free_blocks
 
     def take(self, seq_id: int, num_tokens: int) -> bool:
         """Claim room for num_tokens past seq's cached tokens (all it holds claimed, not added:

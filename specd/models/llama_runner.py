@@ -168,7 +168,8 @@ class LlamaRunner:
         """The free blocks, for planning a step's appends together (append_plan.py)."""
         self.unstage()
         kv = self.kv_cache
-        return AppendPlan(kv.allocator.num_free_blocks, kv.num_tokens, kv.num_new_blocks, self.session_len)
+        return AppendPlan(kv.allocator.num_free_blocks, kv.num_tokens, kv.num_new_blocks, self.session_len,
+                          block_size=kv.block_size)
 
     def truncate(self, seq_id: int, length: int) -> None:
         self.unstage()

@@ -96,3 +96,38 @@ def test_a_cache_shorter_than_the_context_serves_its_own_length(tiny_models):
     done = engine.generate([p for p, _ in short], [sp for _, sp in short])
     assert all(len(s.prompt_token_ids) + len(s.output_token_ids) <= 48 for s in done)
     assert any(s.finish_reason == "length" and len(s.prompt_token_ids) + len(s.output_token_ids) == 48 for s in done)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_planned_draft_lengths_are_the_same_with_the_roomy_cache_shortcut(seed):
+    """plan_draft_lengths skips the claims when every sequence's k + 1 tokens fit at once
+    (AppendPlan.fits_everyone); its ks must equal the claims' ks, in roomy and tight caches, near
+    max_new_tokens and near the context length."""
+    import random
+
+    from specd.engine.drafting import plan_draft_lengths
+    from specd.engine.sequence import Sequence
+
+    rng = random.Random(seed)
+    k, max_model_len = rng.choice([1, 3, 7, 12]), rng.choice([40, 64, 256])
+    batch, cached = [], {}
+    for i in range(rng.randint(1, 9)):
+        prompt = [3] * rng.randint(1, max_model_len - 2)
+        params = SamplingParams(max_new_tokens=rng.randint(1, 60), ignore_eos=True)
+        seq = Sequence(i, prompt, params, output_token_ids=[4] * rng.randint(0, min(params.max_new_tokens,
+                                                                                    max_model_len - len(prompt)) - 1))
+        batch.append(seq)
+        cached[i] = seq.num_tokens - 1  # the cache holds all but the last token
+    needed = sum(-(-(k + 1) // BLOCK) for _ in batch)
+    free_blocks = rng.choice([0, 1, needed - 1, needed, needed + 5])
+    session_len = rng.choice([None, max_model_len, max_model_len + 3])
+
+    def plan(block_size):
+        p = plan_over(cached, max(free_blocks, 0), session_len)
+        p.block_size = block_size
+        return p
+
+    shortcut = plan(BLOCK)
+    assert shortcut.fits_everyone(len(batch), k + 1) == (max(free_blocks, 0) >= needed)
+    assert plan_draft_lengths(batch, shortcut, k, max_model_len) == plan_draft_lengths(batch, plan(None), k,
+                                                                                        max_model_len)
