@@ -166,3 +166,72 @@ def test_stopping_the_drafter_is_prompt_and_closes_the_fast_port():
         stream.probe(10.0)  # the open connection was ended too
     with pytest.raises(OSError):
         socket.create_connection(("127.0.0.1", port), timeout=2).close()
+
+
+@pytest.mark.parametrize("value, seconds", [(None, 0.0), ("", 0.0), ("0", 0.0), ("250", 250e-6), ("20000", 0.02)])
+def test_the_spin_setting_reads_microseconds(monkeypatch, value, seconds):
+    if value is None:
+        monkeypatch.delenv(step_frames.SPIN_ENV, raising=False)
+    else:
+        monkeypatch.setenv(step_frames.SPIN_ENV, value)
+    assert step_frames.spin_seconds() == pytest.approx(seconds)
+
+
+@pytest.mark.parametrize("value", ["-1", "abc", "inf", "nan", "1ms"])
+def test_a_bad_spin_setting_is_refused_with_the_variable_named(monkeypatch, value):
+    monkeypatch.setenv(step_frames.SPIN_ENV, value)
+    with pytest.raises(ValueError, match=f"SPECD_STEP_SPIN_US: expected microseconds, a number >= 0, got '{value}'"):
+        step_frames.spin_seconds()
+
+
+def test_waiting_readable_polls_until_bytes_a_close_or_the_spin_ends():
+    a, b = socket.socketpair()
+    with a, b:
+        t0 = time.perf_counter()
+        assert not step_frames.wait_readable(a, 0.05)  # nothing sent: the spin runs out
+        assert 0.05 <= time.perf_counter() - t0 < 2.0
+        step_frames.send_message(b, b"step")
+        t0 = time.perf_counter()
+        assert step_frames.wait_readable(a, 10.0) and time.perf_counter() - t0 < 2.0
+        assert step_frames.read_frame(a) == (step_frames.MESSAGE, b"step")
+        b.close()
+        assert step_frames.wait_readable(a, 10.0)  # the peer closed: readable, read_frame says so
+        assert step_frames.read_frame(a) is None
+
+
+def test_spinning_ends_answer_as_blocking_ones_and_close_their_sequences(monkeypatch, tiny_models):
+    """SPECD_STEP_SPIN_US on both ends (a drafter's connection thread polling for the next step,
+    the verifier's stream for its answer): the same drafts as a blocking stream, a deadline still
+    kept, and a connection's end still closes its sequences."""
+    target = tiny_models["target-llama"]
+    monkeypatch.setenv(step_frames.SPIN_ENV, "20000")
+    servicer = load_drafter(target, SpeculativeConfig(method="ngram", num_speculative_tokens=3), target,
+                            max_num_draft_tokens=8)
+    server = start_server(servicer, "127.0.0.1", 0, max_workers=4)
+    try:
+        spinning = DrafterStream(server.address, connect_timeout_s=10.0)
+        assert spinning.fast and spinning.spin_s == pytest.approx(0.02)
+        got = _steps(spinning, 1)
+        monkeypatch.delenv(step_frames.SPIN_ENV)
+        plain = DrafterStream(server.address, connect_timeout_s=10.0)  # reads the setting when made
+        assert plain.spin_s == 0.0 and got == _steps(plain, 1) and any(got)
+        assert servicer.num_open_sequences == 2
+        spinning.shutdown()
+        plain.shutdown()
+        _wait(lambda: servicer.num_open_sequences == 0)
+    finally:
+        server.stop(0)
+    slow = start_server(DrafterServicer(SlowProposer(1.0), vocab_size=16), "127.0.0.1", 0)
+    try:
+        monkeypatch.setenv(step_frames.SPIN_ENV, "20000")
+        stream = DrafterStream(slow.address, connect_timeout_s=10.0)
+        message = drafter_pb2.DraftStepRequest()
+        message.open.add(seq_id=1)
+        message.sequences.add(seq_id=1, new_token_ids=[1, 2], num_draft_tokens=2)
+        t0 = time.perf_counter()
+        stream.send(message)
+        with pytest.raises(DrafterUnavailableError, match="within the deadline"):
+            stream.receive(0, time.monotonic() + 0.2)
+        assert time.perf_counter() - t0 < 0.9
+    finally:
+        slow.stop(0)
