@@ -158,9 +158,8 @@ def step_split_ms(before: dict, after: dict) -> dict[str, float]:
 # with the drafter round trip on the gRPC stream instead of the fast socket path (drafter_stream.py),
 # "-fold" with the verifier's norms folded into its GEMMs (models/norm_fold.py), "-head2" with its
 # graphs in two parts, the first two layers launched first (models/cuda_graphs.py), "-stage"
-# with the verify batch staged while drafts are out (engine/staging.py, the default again since
-# runs 63-64; "-nostage" without it), "-spin" with the drafter round trip's two ends polling their
-# socket up to 20 ms before blocking (SPECD_STEP_SPIN_US, transport/step_frames.py), "-syncemit" with the
+# with the verify batch staged while drafts are out (engine/staging.py; "-nostage" without it,
+# which is the default since run 56), "-syncemit" with the
 # result flush on the loop's thread (services/verifier/writer.py: no writer thread to take the GIL
 # at the launch), "-switch50" with the verifier's GIL switch interval at 50 us (verifier/cli.py),
 # "-stagelate" with the batch staged after the step's result flush is handed over (staging.py),
@@ -174,7 +173,7 @@ VARIANTS = {"-fold": {"SPECD_NORM_FOLD": "1"}, "-head2": {"SPECD_GRAPH_HEAD_LAYE
             "-carry4": {"SPECD_DRAFT_CARRY": "4"},  # one step's worth at the bench's k = 3
             "-flushlate": {"SPECD_VERIFIER_FLUSH_AFTER_LAUNCH": "1"},
             "-nopdl": {"SPECD_PDL": "off"}, "-syncemit": {"SPECD_ASYNC_EMIT": "0"},
-            "-switch50": {"SPECD_GIL_SWITCH_US": "50"}, "-spin": {"SPECD_STEP_SPIN_US": "20000"}, "-trace": {"SPECD_TRACE_STEPS": "100:40"}}
+            "-switch50": {"SPECD_GIL_SWITCH_US": "50"}, "-trace": {"SPECD_TRACE_STEPS": "100:40"}}
 
 
 def base_method(label: str) -> tuple[str, dict]:

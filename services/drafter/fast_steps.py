@@ -5,8 +5,6 @@ The same DrafterServicer serves it: a connection is a stream (open_stream), each
 the gRPC status the stream would have ended with, and the stream's sequences close when the
 connection does, however it ends. One thread per connection, as sync gRPC holds one per stream.
 Plaintext only: a drafter serving TLS does not start it (the verifier then stays on gRPC).
-With SPECD_STEP_SPIN_US=N a connection's thread polls for its next step up to N us before it
-blocks (step_frames.py says why).
 """
 
 from __future__ import annotations
@@ -29,7 +27,6 @@ class FastStepServer:
 
     def __init__(self, servicer: DrafterServicer, host: str = "0.0.0.0", port: int = 0) -> None:
         self.servicer = servicer
-        self.spin_s = step_frames.spin_seconds()
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._listener = socket.create_server((host.strip("[]"), port), family=family)
         self.port = self._listener.getsockname()[1]
@@ -59,12 +56,7 @@ class FastStepServer:
         stream = self.servicer.open_stream(peer)
         reason = "end"
         try:
-            while True:
-                if self.spin_s > 0:
-                    step_frames.wait_readable(conn, self.spin_s)  # read_frame blocks if still nothing
-                frame = step_frames.read_frame(conn)
-                if frame is None:
-                    break
+            while (frame := step_frames.read_frame(conn)) is not None:
                 kind, payload = frame
                 if kind != step_frames.MESSAGE:
                     raise step_frames.FrameError("a verifier sends requests only")

@@ -125,7 +125,6 @@ class DrafterStream:
         self.address = address
         self.send_timeout_s = connect_timeout_s if send_timeout_s is None else send_timeout_s
         self.handoff_s = send_handoff_s() if handoff_s is None else handoff_s
-        self.spin_s = step_frames.spin_seconds()  # fast path: poll for an answer this long, then block
         self.channel = (grpc.secure_channel(address, credentials, options=CHANNEL_OPTIONS) if credentials
                         else grpc.insecure_channel(address, options=CHANNEL_OPTIONS))
         stub = drafter_pb2_grpc.DrafterStub(self.channel)
@@ -239,8 +238,6 @@ class DrafterStream:
         error = self._send_error
         if error is None:
             try:
-                if self.spin_s > 0:  # (step_frames.py: a wake-up saved)
-                    step_frames.wait_readable(self._sock, min(self.spin_s, deadline - time.monotonic()))
                 self._sock.settimeout(max(1e-4, deadline - time.monotonic()))
                 frame = step_frames.read_frame(self._sock)
                 arrived = time.perf_counter()

@@ -11,21 +11,12 @@ same protos (proto/specd/v1/drafter.proto, `fast_step_port`).
 A frame is kind (u8) and payload length (u32, big-endian), then the payload: MESSAGE carries a
 serialized DraftStepRequest / DraftStepResponse, ERROR a u32 gRPC status code and a UTF-8 message
 (the step was refused; the stream ends, as a gRPC stream ends with that status).
-
-SPECD_STEP_SPIN_US=N (both ends: the drafter waiting for a step, the verifier for its answer):
-poll the socket for up to N us before blocking on it (`spin_seconds`, `wait_readable`). Why: a
-thread blocked between steps is woken by the kernel when its bytes arrive (on a VM, an idle vCPU
-halts, and the host must run it again first) and then runs from cold caches. Spinning costs the
-waiting thread's core; off (0) by default.
 """
 
 from __future__ import annotations
 
-import os
-import select
 import socket
 import struct
-import time
 
 import grpc
 
@@ -34,32 +25,6 @@ HEADER = struct.Struct(">BI")
 CODE = struct.Struct(">I")
 MAX_FRAME_BYTES = 256 << 20  # as the gRPC servers' message limit
 STATUS_BY_VALUE = {code.value[0]: code for code in grpc.StatusCode}
-SPIN_ENV = "SPECD_STEP_SPIN_US"
-
-
-def spin_seconds() -> float:
-    """SPECD_STEP_SPIN_US in seconds (0 when unset: block at once); validated."""
-    value = os.environ.get(SPIN_ENV) or "0"
-    try:
-        spin_us = float(value)
-    except ValueError:
-        spin_us = float("nan")
-    if not 0 <= spin_us < float("inf"):
-        raise ValueError(f"{SPIN_ENV}: expected microseconds, a number >= 0, got {value!r}")
-    return spin_us / 1e6
-
-
-def wait_readable(sock: socket.socket, spin_s: float) -> bool:
-    """Poll sock until it has bytes (or its peer closed, or it failed) or spin_s passes; whether
-    it became readable. Each poll is a syscall that releases the GIL: other threads still run."""
-    poller = select.poll()  # (select.select fails on descriptors past 1023)
-    poller.register(sock, select.POLLIN)
-    deadline = time.perf_counter() + spin_s
-    while True:
-        if poller.poll(0):  # POLLIN, or POLLHUP / POLLERR: the read that follows says which
-            return True
-        if time.perf_counter() >= deadline:
-            return False
 
 
 class FrameError(ConnectionError):
