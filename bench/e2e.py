@@ -158,8 +158,8 @@ def step_split_ms(before: dict, after: dict) -> dict[str, float]:
 # with the drafter round trip on the gRPC stream instead of the fast socket path (drafter_stream.py),
 # "-fold" with the verifier's norms folded into its GEMMs (models/norm_fold.py), "-head2" with its
 # graphs in two parts, the first two layers launched first (models/cuda_graphs.py), "-stage"
-# with the verify batch staged while drafts are out (engine/staging.py; "-nostage" without it,
-# which is the default since run 56), "-syncemit" with the
+# with the verify batch staged while drafts are out (engine/staging.py, the default again since
+# runs 63-64; "-nostage" without it), "-syncemit" with the
 # result flush on the loop's thread (services/verifier/writer.py: no writer thread to take the GIL
 # at the launch), "-switch50" with the verifier's GIL switch interval at 50 us (verifier/cli.py),
 # "-stagelate" with the batch staged after the step's result flush is handed over (staging.py),

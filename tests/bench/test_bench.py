@@ -148,3 +148,12 @@ def test_method_suffixes_name_their_settings():
     assert base_method("replay-stage-trace") == ("replay", {"SPECD_STAGE_VERIFY": "1", "SPECD_TRACE_STEPS": "100:40"})
     assert base_method("replay-stage#2") == ("replay", {"SPECD_STAGE_VERIFY": "1"})  # a second stack
     assert base_method("off#2") == ("off", {})
+
+
+def test_the_plan_bench_times_both_paths_over_the_same_batch():
+    from bench.plan_lengths import plan_us
+
+    assert plan_us(8, 20, shortcut=False) > 0 and plan_us(8, 20, shortcut=True) > 0
+    out = subprocess.run([sys.executable, "-m", "bench.plan_lengths", "--batches", "1,8", "--calls", "10"],
+                         capture_output=True, text=True, check=True, cwd=Path(__file__).resolve().parents[2]).stdout
+    assert out.count("\n| ") == 3 and "| 8 |" in out  # the header and a row per batch
