@@ -50,6 +50,15 @@ class DraftProposal:
         return DraftProposal(self.token_ids[:k], None if self.probs is None else self.probs[:k])
 
 
+def greedy_proposals(drafts: list[list[int]]) -> list[DraftProposal]:
+    """One one-hot proposal per list of draft ids, each a view of one int64 tensor. Why: a tensor
+    per sequence costs ~3 us, a view ~1.5 (a batch of 128 lookups spent ~0.4 ms on them)."""
+    if len(drafts) <= 1:  # (a split of one costs more than it saves)
+        return [DraftProposal(torch.tensor(d, dtype=torch.long)) for d in drafts]
+    ids = torch.tensor([t for d in drafts for t in d], dtype=torch.long)
+    return [DraftProposal(view) for view in ids.split([len(d) for d in drafts])]
+
+
 class Proposer(Protocol):
     """Draft proposer holding each request's draft state (draft KV cache, n-gram index)."""
 

@@ -9,9 +9,8 @@ for sampled requests too.
 from __future__ import annotations
 
 import numpy as np
-import torch
 
-from specd.proposers.base import DraftProposal, DraftRequest
+from specd.proposers.base import DraftProposal, DraftRequest, greedy_proposals
 from specd.sampling_params import SamplingParams
 
 
@@ -93,15 +92,13 @@ class NgramProposer:
             self.draft_constraints.open(seq_id, grammar)
 
     def propose(self, requests: list[DraftRequest]) -> list[DraftProposal]:
-        proposals = []
+        drafts: list[list[int]] = []
         for req in requests:
             index = self._indexes[req.seq_id]
             index.extend(req.new_token_ids)
-            drafts: list[int] = []
-            if req.num_draft_tokens > 0:
-                drafts = self._grammar_prefix(req, index.tokens, index.continuation(req.num_draft_tokens))
-            proposals.append(DraftProposal(token_ids=torch.tensor(drafts, dtype=torch.long)))
-        return proposals
+            drafts.append(self._grammar_prefix(req, index.tokens, index.continuation(req.num_draft_tokens))
+                          if req.num_draft_tokens > 0 else [])
+        return greedy_proposals(drafts)
 
     def _grammar_prefix(self, req: DraftRequest, history: list[int], drafts: list[int]) -> list[int]:
         """The drafts a constrained sequence's grammar allows (a copied continuation may break it)."""

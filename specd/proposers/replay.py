@@ -26,9 +26,8 @@ import json
 from pathlib import Path
 
 import numpy as np
-import torch
 
-from specd.proposers.base import DraftProposal, DraftRequest
+from specd.proposers.base import DraftProposal, DraftRequest, greedy_proposals
 from specd.sampling_params import SamplingParams
 
 
@@ -142,7 +141,7 @@ class ReplayProposer:
         return drafts + [seq.history[-1]] * (k - len(drafts))
 
     def propose(self, requests: list[DraftRequest]) -> list[DraftProposal]:
-        proposals = []
+        drafts: list[list[int]] = []
         for req in requests:
             seq = self._seqs[req.seq_id]
             start = len(seq.history)
@@ -156,6 +155,5 @@ class ReplayProposer:
                 if seq.history[start:] != seq.reference[start:len(seq.history)]:
                     seq.diverged = True
                     self.num_diverged += 1
-            drafts = self._drafts(seq, req.num_draft_tokens) if req.num_draft_tokens > 0 else []
-            proposals.append(DraftProposal(token_ids=torch.tensor(drafts, dtype=torch.long)))
-        return proposals
+            drafts.append(self._drafts(seq, req.num_draft_tokens) if req.num_draft_tokens > 0 else [])
+        return greedy_proposals(drafts)
