@@ -173,20 +173,20 @@ def plan_draft_lengths(batch: list[Sequence], plan: AppendPlan, num_speculative_
     """k per sequence of the batch: never past max_new_tokens or the context (the bonus token
     counts), and the batch's k + 1 tokens each within the cache's free blocks together (plan: the
     runner's fresh AppendPlan; each sequence's next token first, then drafts in batch order)."""
-    ks = {}
+    def cap(seq: Sequence) -> int:  # k before the cache has its say
+        room = min(seq.params.max_new_tokens - seq.num_output_tokens, max_model_len - seq.num_tokens)
+        return max(0, min(num_speculative_tokens, room - 1))
+
     if plan.fits_everyone(len(batch), num_speculative_tokens + 1) and (
             plan.session_len is None or plan.session_len >= max_model_len):
         # Every claim below would succeed (a sequence holds at most its tokens, so k + 1 <= room
         # keeps it within max_model_len, hence the session): the same ks, without the claims.
-        for seq in batch:
-            room = min(seq.params.max_new_tokens - seq.num_output_tokens, max_model_len - seq.num_tokens)
-            ks[seq.seq_id] = max(0, min(num_speculative_tokens, room - 1))
-        return ks
+        return {seq.seq_id: cap(seq) for seq in batch}
     for s in batch:
         plan.take(s.seq_id, 1)
+    ks = {}
     for seq in batch:
-        room = min(seq.params.max_new_tokens - seq.num_output_tokens, max_model_len - seq.num_tokens)
-        k = max(0, min(num_speculative_tokens, room - 1))
+        k = cap(seq)
         while k > 0 and not plan.take(seq.seq_id, k + 1):
             k -= 1
         ks[seq.seq_id] = k
