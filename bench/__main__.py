@@ -152,6 +152,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bandwidth-tbs", type=float, default=4.8, help="for the weight-read floor")
     ap.add_argument("--no-transformers", action="store_true")
     ap.add_argument("--e2e-batches", type=_ints, default=None, help="default 1,8,64,128 (small: 1,4)")
+    ap.add_argument("--e2e-min-requests", type=int, default=None,
+                    help="e2e: a round sends at least this many requests, in back-to-back waves of the batch "
+                         "size, so that the replay drafter's realized acceptance is near the expected one at "
+                         "small batches (bench/e2e.py waves_for; default 8, small: 1)")
     ap.add_argument("--methods", type=lambda s: s.split(","), default=None,
                     help="default off,replay,ngram,eagle3,draft_model; for A/B, a -sync suffix "
                          "(replay-sync) runs the method with drafting ahead off (SPECD_DRAFT_AHEAD=0), a -nohandoff "
@@ -252,7 +256,8 @@ def main(argv: list[str] | None = None) -> int:
             batches=args.e2e_batches or ([1, 4] if args.small else [1, 8, 64, 128]),
             max_tokens=args.max_tokens or (12 if args.small else 128), k=args.k, device=device,
             replay_acceptance=args.replay_acceptance, work_dir=work, vocab_for_prompts=vocab,
-            on_row=lambda r, i: write_e2e_results(r, i, out), compile_mode=args.e2e_compile)
+            on_row=lambda r, i: write_e2e_results(r, i, out), compile_mode=args.e2e_compile,
+            min_requests=args.e2e_min_requests or (1 if args.small else 8))
         sections.append(write_e2e_results(rows, info, out))
         print(sections[-1], flush=True)
     (out / "summary.md").write_text("\n".join(sections))

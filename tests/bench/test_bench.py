@@ -48,6 +48,7 @@ def test_small_suite_has_every_row(tmp_path, tiny_models):
 
     proc = subprocess.run([sys.executable, "-m", "bench", "all", "--small", "--out", str(out),
                            "--e2e-batches", "1,2", "--max-tokens", "10", "--methods", ",".join(METHODS),
+                           "--e2e-min-requests", "2",
                            "--compile", "--step-env-variants", "SPECD_ATTN_PROGRAMS=8", "--step-captures", "2"],
                           cwd=ROOT, env={**os.environ, **env}, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -77,7 +78,9 @@ def test_small_suite_has_every_row(tmp_path, tiny_models):
     rows = {(r["method"], r["batch"]): r for r in e2e["rows"]}
     assert set(rows) == {(m, b) for m in METHODS for b in (1, 2)}
     for (method, batch), r in rows.items():
-        assert r["output_tokens"] == 10 * batch  # ignore_eos: every request runs to max_tokens
+        # a round holds at least 2 requests: two waves of one at batch 1, one wave of two at batch 2
+        assert r["requests"] == 2
+        assert r["output_tokens"] == 10 * 2  # ignore_eos: every request runs to max_tokens
         assert r["tokens_per_s"] > 0 and r["speedup_vs_off"] > 0
         if method == "off":
             assert r["acceptance_length"] == 1.0
@@ -133,6 +136,15 @@ def test_the_row_is_the_median_of_the_rounds_without_a_graph_capture():
     every_round_captured = [rnd(1000, 1), rnd(2000, 2), rnd(3000, 1)]
     assert median_round(every_round_captured)[0].tokens_per_s == 2000
     assert median_round([rnd(1000, 0), rnd(2000, 0), rnd(3000, 0)])[0].tokens_per_s == 2000
+
+
+def test_a_round_holds_at_least_min_requests_in_waves_of_the_batch():
+    from bench.e2e import waves_for
+
+    assert [waves_for(b, 8) for b in (1, 2, 3, 7, 8, 64, 128)] == [8, 4, 3, 2, 1, 1, 1]
+    assert waves_for(1, 1) == 1
+    with pytest.raises(ValueError, match="min_requests"):
+        waves_for(1, 0)
 
 
 def test_method_suffixes_name_their_settings():
