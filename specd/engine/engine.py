@@ -199,7 +199,7 @@ class SpecEngine:
         chunks = [SequenceChunk(s.seq_id, self._prefill_tokens(s)) for s in admitted]
         eager_before = getattr(self.runner, "num_eager_forwards", None)  # None: a runner without a static path
         out = self.runner.forward(chunks, want_hidden=self._hidden_kind == "final",
-                                  want_aux_hidden=self._hidden_kind == "aux")
+                                  want_aux_hidden=self._hidden_kind == "aux", last_logits_only=True)
         self.stats.num_prefills += 1
         self.stats.num_prefill_tokens += sum(len(c.token_ids) for c in chunks)
         self.stats.num_eager_prefills += eager_before is None or self.runner.num_eager_forwards > eager_before

@@ -20,13 +20,12 @@ from specd.sampling import SamplingTensors, apply_repetition_penalty, processed_
 
 def sample_first_tokens(out: ForwardOutput, seqs: list[Sequence], constraints: ConstraintTracker,
                         stop: StopChecker) -> list[int]:
-    """out: the prefill forward over seqs' chunks, in order (out.offsets[i + 1] - 1 is sequence
-    i's last row). Opens each sequence's grammar matcher (constraints.open). Returns one token id
-    per sequence."""
+    """out: the prefill forward over seqs' chunks, in order (each chunk's last token's logits are
+    what is sampled: out.last_logits()). Opens each sequence's grammar matcher
+    (constraints.open). Returns one token id per sequence."""
     device = out.logits.device
-    last_rows = torch.tensor([out.offsets[i + 1] - 1 for i in range(len(seqs))], device=device)
     st = SamplingTensors.from_params([s.params for s in seqs], device)
-    logits = out.logits[last_rows]  # [len(seqs), vocab]
+    logits = out.last_logits()  # [len(seqs), vocab]
     if any(s.params.repetition_penalty != 1.0 for s in seqs):
         logits = apply_repetition_penalty(
             logits, [torch.tensor(s.prompt_token_ids) for s in seqs], st.repetition_penalty)

@@ -42,13 +42,27 @@ class ForwardOutput:
     Rows for chunk i are `offsets[i]:offsets[i + 1]`.
     """
 
-    logits: torch.Tensor  # [num_tokens, vocab] float32
+    logits: torch.Tensor  # [num_tokens, vocab] float32; [num_chunks, vocab] when last_logits_only
     offsets: list[int]  # [num_chunks + 1] row offsets
     hidden_states: torch.Tensor | None = None  # [num_tokens, hidden] final hidden (after the final norm)
     aux_hidden_states: torch.Tensor | None = None  # [num_tokens, num_aux * hidden] EAGLE-3 features
+    # The forward was asked for each chunk's last token's logits only (a prefill samples one
+    # token per sequence): logits has a row per chunk; the hidden states keep every row.
+    last_logits_only: bool = False
 
     def rows(self, i: int) -> slice:
         return slice(self.offsets[i], self.offsets[i + 1])
+
+    def last_logits(self) -> torch.Tensor:
+        """[num_chunks, vocab]: each chunk's last token's logits, however the forward was asked."""
+        if self.last_logits_only:
+            return self.logits
+        return self.logits[last_rows(self.offsets, self.logits.device)]
+
+
+def last_rows(offsets: list[int], device: torch.device) -> torch.Tensor:
+    """[num_chunks] int64: the row of each chunk's last token, from the chunks' row offsets."""
+    return torch.tensor(offsets[1:], device=device) - 1
 
 
 class TargetRunner(Protocol):
@@ -71,8 +85,12 @@ class TargetRunner(Protocol):
         """The cache's room, for planning a whole batch's appends together (append_plan.py)."""
 
     def forward(self, chunks: list[SequenceChunk], *, want_hidden: bool = False,
-                want_aux_hidden: bool = False) -> ForwardOutput:
-        """Append each chunk to its sequence's cache and return logits for every new token."""
+                want_aux_hidden: bool = False, last_logits_only: bool = False) -> ForwardOutput:
+        """Append each chunk to its sequence's cache and return logits for every new token, or
+        with last_logits_only for each chunk's last token only (ForwardOutput.last_logits_only).
+        Why the flag: a prefill samples one token per sequence, and the float32 logits of every
+        prompt token are [tokens, vocab]: 1.2 GiB for 2,400 tokens of a 128k vocabulary, 4 GiB
+        for the default 8,192-token prefill budget, enough to run the verifier out of memory."""
 
     def truncate(self, seq_id: int, length: int) -> None:
         """Keep the first `length` tokens of the sequence's cache (rollback of rejected drafts)."""

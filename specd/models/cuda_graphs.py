@@ -338,9 +338,11 @@ class StaticForward:
         self._write_token_ids(prepared.entry, token_ids)
         self._copy_if_eager(prepared.entry)
 
-    def run(self, prepared: PreparedBatch, want_hidden: bool = True
+    def run(self, prepared: PreparedBatch, want_hidden: bool = True, logit_rows: list[int] | None = None
             ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """Launch a prepared batch; its outputs as forward returns them."""
+        """Launch a prepared batch; its outputs as forward returns them. logit_rows: the logits of
+        these rows of the batch only (each chunk's last: ForwardOutput.last_logits_only); the
+        graph's lm_head covers every row all the same (a static prefill is 256 rows at most)."""
         entry = prepared.entry
         if entry.graphs:
             for graph in entry.graphs:  # the head's launch first: the device starts on it
@@ -355,4 +357,6 @@ class StaticForward:
         # the step's critical path: only the wanted ones.
         aux = entry.aux.index_select(0, index) if entry.aux is not None else None
         hidden = entry.hidden.index_select(0, index) if want_hidden else None
+        if logit_rows is not None:
+            index = index.index_select(0, torch.tensor(logit_rows, device=index.device))
         return entry.logits.index_select(0, index), hidden, aux

@@ -148,8 +148,9 @@ class HFRunner:
         return out
 
     def forward(self, chunks: list[SequenceChunk], *, want_hidden: bool = False,
-                want_aux_hidden: bool = False) -> ForwardOutput:
-        """Append each chunk to its sequence (one model call per chunk); logits for every token."""
+                want_aux_hidden: bool = False, last_logits_only: bool = False) -> ForwardOutput:
+        """Append each chunk to its sequence (one model call per chunk); logits for every token
+        (each chunk's last only, last_logits_only: the others are dropped as each call returns)."""
         check_chunks(chunks)
         for c in chunks:
             if not self.can_append(c.seq_id, len(c.token_ids)):
@@ -161,7 +162,7 @@ class HFRunner:
                 seq.snapshot = copy.deepcopy(seq.cache) if seq.cache is not None else None
                 seq.snapshot_len, seq.has_snapshot = len(seq.tokens), True
             out = self._run(seq, list(c.token_ids), with_hidden=want_hidden or want_aux_hidden)
-            logits.append(out.logits[0].float())  # [n, vocab]
+            logits.append(out.logits[0, -1:].float() if last_logits_only else out.logits[0].float())  # [n or 1, vocab]
             if want_hidden:
                 hidden.append(out.hidden_states[-1][0])  # after the final norm
             if want_aux_hidden:
@@ -173,6 +174,7 @@ class HFRunner:
             offsets=offsets,
             hidden_states=torch.cat(hidden) if want_hidden else None,
             aux_hidden_states=torch.cat(aux) if want_aux_hidden else None,
+            last_logits_only=last_logits_only,
         )
 
     def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:

@@ -30,7 +30,7 @@ import torch
 
 from specd.messages import PytorchEngineConfig
 from specd.models.attention import AttentionMetadata
-from specd.models.base import check_chunks, ForwardOutput, ModelInfo, SequenceChunk
+from specd.models.base import check_chunks, ForwardOutput, last_rows, ModelInfo, SequenceChunk
 from specd.models.append_plan import AppendPlan
 from specd.models.cuda_graphs import DEFAULT_MAX_PREFILL_ROWS, StaticForward
 from specd.models.hf_config import LlamaArchConfig
@@ -286,10 +286,11 @@ class LlamaRunner:
         return starts
 
     def forward(self, chunks: list[SequenceChunk], *, want_hidden: bool = False,
-                want_aux_hidden: bool = False) -> ForwardOutput:
-        """Append every chunk to its cache in one model call; logits for every new token."""
+                want_aux_hidden: bool = False, last_logits_only: bool = False) -> ForwardOutput:
+        """Append every chunk to its cache in one model call; logits for every new token (or
+        each chunk's last, last_logits_only: the eager path then runs lm_head on those rows only)."""
         with self._kernel_settings():
-            return self._forward(chunks, want_hidden, want_aux_hidden)
+            return self._forward(chunks, want_hidden, want_aux_hidden, last_logits_only)
 
     @contextmanager
     def _kernel_settings(self):
@@ -298,15 +299,15 @@ class LlamaRunner:
         with gemm_backend(self.gemm), pdl_launches(self.pdl), l2_prefetch_scope(self.l2_prefetch):
             yield
 
-    def _forward(self, chunks: list[SequenceChunk], want_hidden: bool, want_aux_hidden: bool
-                 ) -> ForwardOutput:
+    def _forward(self, chunks: list[SequenceChunk], want_hidden: bool, want_aux_hidden: bool,
+                 last_logits_only: bool) -> ForwardOutput:
         held = self._staged
         if held is not None:
             try:
                 staged = self._take_staged(chunks, want_aux_hidden)
                 if staged is not None:  # staged for this batch: the host work is done
                     self.num_staged_forwards += 1
-                    return self._static_run(staged.prepared, chunks, want_hidden)
+                    return self._static_run(staged.prepared, chunks, want_hidden, last_logits_only)
             except BaseException:  # leave the caches as they were before the stage
                 self._staged = None
                 for seq_id, start in zip(held.seq_ids, held.starts):
@@ -318,7 +319,8 @@ class LlamaRunner:
         try:
             layout = self.static.layout(query_lens, starts) if self.static is not None else None
             if layout is not None:
-                return self._static_forward(chunks, starts, slots, layout, want_hidden, want_aux_hidden)
+                return self._static_forward(chunks, starts, slots, layout, want_hidden, want_aux_hidden,
+                                            last_logits_only)
             self.num_eager_forwards += 1
             meta = AttentionMetadata.build(
                 query_lens=query_lens,
@@ -335,20 +337,22 @@ class LlamaRunner:
             with torch.no_grad():
                 hidden, aux = self.model(input_ids, positions, meta, self.kv_cache,
                                          self.aux_layer_ids if want_aux_hidden else ())
-                logits = self.model.compute_logits(hidden)  # [T, vocab] float32
+                offsets = _offsets(query_lens)
+                wanted = hidden.index_select(0, last_rows(offsets, hidden.device)) if last_logits_only else hidden
+                logits = self.model.compute_logits(wanted)  # [T or chunks, vocab] float32
         except BaseException:
             for c, s in zip(chunks, starts):  # leave the caches as they were
                 self.kv_cache.truncate(c.seq_id, s)
             raise
-        return ForwardOutput(logits=logits, offsets=_offsets(query_lens),
-                             hidden_states=hidden if want_hidden else None,
-                             aux_hidden_states=aux)
+        return ForwardOutput(logits=logits, offsets=offsets, hidden_states=hidden if want_hidden else None,
+                             aux_hidden_states=aux, last_logits_only=last_logits_only)
 
     def _static_forward(self, chunks: list[SequenceChunk], starts: list[int], slots: list[list[int]],
-                        layout: tuple[int, int, int], want_hidden: bool, want_aux_hidden: bool) -> ForwardOutput:
+                        layout: tuple[int, int, int], want_hidden: bool, want_aux_hidden: bool,
+                        last_logits_only: bool) -> ForwardOutput:
         """The verify / decode batch through the static buffers (slots already reserved)."""
         prepared = self._prepare_static(chunks, starts, slots, layout, want_aux_hidden)
-        return self._static_run(prepared, chunks, want_hidden)
+        return self._static_run(prepared, chunks, want_hidden, last_logits_only)
 
     def _prepare_static(self, chunks: list[SequenceChunk], starts: list[int], slots: list[list[int]],
                         layout: tuple[int, int, int], want_aux_hidden: bool) -> PreparedBatch:
@@ -357,13 +361,15 @@ class LlamaRunner:
             [self.kv_cache.block_table_view(c.seq_id) for c in chunks],
             tuple(self.aux_layer_ids) if want_aux_hidden else (), layout=layout)
 
-    def _static_run(self, prepared: PreparedBatch, chunks: list[SequenceChunk], want_hidden: bool
-                    ) -> ForwardOutput:
+    def _static_run(self, prepared: PreparedBatch, chunks: list[SequenceChunk], want_hidden: bool,
+                    last_logits_only: bool = False) -> ForwardOutput:
         if self.on_launch is not None:
             self.on_launch()
-        logits, hidden, aux = self.static.run(prepared, want_hidden=want_hidden)
-        return ForwardOutput(logits=logits, offsets=_offsets([len(c.token_ids) for c in chunks]),
-                             hidden_states=hidden if want_hidden else None, aux_hidden_states=aux)
+        offsets = _offsets([len(c.token_ids) for c in chunks])
+        logits, hidden, aux = self.static.run(prepared, want_hidden=want_hidden,
+                                              logit_rows=[o - 1 for o in offsets[1:]] if last_logits_only else None)
+        return ForwardOutput(logits=logits, offsets=offsets, hidden_states=hidden if want_hidden else None,
+                             aux_hidden_states=aux, last_logits_only=last_logits_only)
 
     def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
         """[n] -> [n, hidden] in the model dtype."""

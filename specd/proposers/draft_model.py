@@ -66,9 +66,8 @@ class DraftModelProposer:
             chunks.append(SequenceChunk(r.seq_id, history[self._cached[r.seq_id]:]))
             self._cached[r.seq_id] = len(history)
         for step in range(max(r.num_draft_tokens for r in active)):
-            out = self.runner.forward(chunks)
-            last_rows = torch.tensor([out.offsets[i + 1] - 1 for i in range(len(chunks))])
-            logits = out.logits[last_rows.to(out.logits.device)]  # [B, draft_vocab]
+            # each chunk's last token only: step 1 catches up whole histories (a new sequence's prompt)
+            logits = self.runner.forward(chunks, last_logits_only=True).last_logits()  # [B, draft_vocab]
             bitmask = None if dc is None else dc.masks([r.seq_id for r in active])
             chosen, q = self._choose(logits, active, step, bitmask)
             next_active, chunks = [], []

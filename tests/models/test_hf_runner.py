@@ -44,6 +44,18 @@ def test_logits_match_transformers(kind, checkpoint, hf_model):
     assert runner.num_cached(0) == 11 and runner.num_cached(1) == 5
 
 
+def test_last_logits_only_gives_each_chunks_last_row(checkpoint, hf_model):
+    path = checkpoint("llama")
+    runner, ref_model = make_runner(path), hf_model(path)
+    a, b = prompt(9, 1), prompt(5, 2)
+    runner.add_sequence(0)
+    runner.add_sequence(1)
+    out = runner.forward([SequenceChunk(0, a), SequenceChunk(1, b)], last_logits_only=True)
+    assert out.logits.shape[0] == 2 and out.offsets == [0, 9, 14]
+    ref = torch.stack([reference(ref_model, a)[-1], reference(ref_model, b)[-1]])
+    assert (out.last_logits() - ref).abs().max().item() < TOL
+
+
 @pytest.mark.parametrize("kind,croppable", [("llama", True), ("deepseek_v3", True),
                                             ("qwen3_5", False), ("mistral", False)])
 def test_truncate_then_rerun_equals_fresh(kind, croppable, checkpoint, hf_model):

@@ -135,6 +135,30 @@ def test_hidden_states_only_when_asked(checkpoint):
     assert out.hidden_states is None and out.aux_hidden_states is None
 
 
+@pytest.mark.parametrize("static", [False, True], ids=["eager", "static"])
+def test_last_logits_only_gives_each_chunks_last_row_and_every_hidden_row(static, checkpoint):
+    """A prefill asks for each chunk's last token's logits only (the engine samples one token a
+    sequence): the same rows as the full forward's, one per chunk, with every hidden row kept."""
+    path = checkpoint("llama")
+    chunks = [(0, prompt(13, 1)), (1, prompt(2, 2)), (2, prompt(7, 3))]
+    outs = []
+    for last_only in (False, True):
+        runner = LlamaRunner(path, PytorchEngineConfig(block_size=4, max_batch_size=4, session_len=128,
+                                                       device_type="cpu"), use_static_path=static)
+        for seq_id, _ in chunks:
+            runner.add_sequence(seq_id)
+        outs.append(runner.forward([SequenceChunk(s, t) for s, t in chunks], want_aux_hidden=True,
+                                   last_logits_only=last_only))
+        assert (runner.num_eager_forwards == 0) == static  # 22 rows: a static prefill when asked for
+    full, last = outs
+    assert full.logits.shape[0] == 22 and last.logits.shape[0] == 3 and last.last_logits_only
+    # (eager: lm_head over 3 rows instead of 22 blocks its float32 sums otherwise: rounding apart)
+    torch.testing.assert_close(last.logits, full.logits[[12, 14, 21]], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(last.last_logits(), full.last_logits(), atol=1e-5, rtol=1e-5)
+    assert last.offsets == full.offsets == [0, 13, 15, 22]
+    torch.testing.assert_close(last.aux_hidden_states, full.aux_hidden_states, atol=0, rtol=0)
+
+
 def test_cache_capacity_and_failure_leave_state_unchanged(checkpoint):
     runner = make_runner(checkpoint("llama"), num_gpu_blocks=4, session_len=64)  # 16 tokens of cache
     runner.add_sequence(0)
