@@ -89,6 +89,7 @@ def _prepare_e2e_models(args, work: Path) -> tuple[Path, dict, int]:
         t0 = time.perf_counter()
         write_synthetic_llama(target, SHAPES["8b"], device="cuda")
         print(f"wrote the synthetic 8B target in {time.perf_counter() - t0:.1f} s", flush=True)
+        _release_gpu_memory("writing the 8B target")
 
     def draft_model() -> Path:
         path = work / "draft-llama-1024"
@@ -96,6 +97,7 @@ def _prepare_e2e_models(args, work: Path) -> tuple[Path, dict, int]:
             small = dict(SHAPES["8b"], hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
                          num_attention_heads=8, num_key_value_heads=8, head_dim=128)
             write_synthetic_llama(path, small, device="cuda", seed=1)
+            _release_gpu_memory("writing the draft model")
         return path
 
     def eagle3() -> Path:
@@ -103,10 +105,13 @@ def _prepare_e2e_models(args, work: Path) -> tuple[Path, dict, int]:
 
         path = work / "draft-eagle3-8b"
         if not (path / "config.json").exists():
-            write_tiny_eagle3(path, target, seed=2, init_std=0.02)
+            write_tiny_eagle3(path, target, seed=2, init_std=0.02)  # on the CPU
         return path
 
-    # Written only when their method's turn comes: off and replay never wait for them.
+    # Written only when their method's turn comes: off and replay never wait for them. A write on
+    # the GPU hands the bench process's cached memory back after it: the stacks that start next
+    # size their KV caches from what is free, and in run 67 the bench process still held 8.4 GB
+    # from writing the target while an eagle3 stack's verifier ran out of memory.
     drafts = {"draft_model": draft_model, "eagle3": eagle3}
     return target, drafts, 500
 
