@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from specd.models.sdpa_backends import variable_shape_sdpa
+
 try:  # flash-attn is optional; without it every call takes the PyTorch path
     from flash_attn import flash_attn_varlen_func as _flash_attn_varlen_func
 except Exception:  # ImportError, or a broken CUDA extension
@@ -167,9 +169,10 @@ def torch_paged_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch
     tables = meta.block_tables[:, :max_blocks].long()  # [B, nb]
     k = cache_k[tables].flatten(1, 2)[:, :meta.max_seq_len]  # [B, S, Hkv, D]
     v = cache_v[tables].flatten(1, 2)[:, :meta.max_seq_len]
-    out = F.scaled_dot_product_attention(
-        q_pad.transpose(1, 2), k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype),
-        attn_mask=_mask(meta, sliding_window, q.device), scale=scale,
-        enable_gqa=k.shape[2] != num_heads,
-    )  # [B, Hq, Q, D]
+    with variable_shape_sdpa():  # no cuDNN: a plan per new padded shape (sdpa_backends.py)
+        out = F.scaled_dot_product_attention(
+            q_pad.transpose(1, 2), k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype),
+            attn_mask=_mask(meta, sliding_window, q.device), scale=scale,
+            enable_gqa=k.shape[2] != num_heads,
+        )  # [B, Hq, Q, D]
     return out.transpose(1, 2)[batch_idx, row_idx]  # [num_tokens, Hq, D]

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from specd.models.sdpa_backends import variable_shape_sdpa
 from specd.models.weights import read_tensor, tensor_names
 from specd.proposers.base import DraftProposal, DraftRequest
 from specd.proposers.draft_constraints import mask_logits
@@ -187,6 +188,12 @@ class PairHeadProposer:
 
     @torch.inference_mode()
     def propose(self, requests: list[DraftRequest]) -> list[DraftProposal]:
+        # The head's keys grow by one every draft step: no cuDNN attention, which would build a
+        # plan for each new length (~39 ms on an H100; specd/models/sdpa_backends.py).
+        with variable_shape_sdpa():
+            return self._propose(requests)
+
+    def _propose(self, requests: list[DraftRequest]) -> list[DraftProposal]:
         dc = self.draft_constraints
         for r in requests:
             seq = self._seqs[r.seq_id]

@@ -1,0 +1,148 @@
+"""The EAGLE-3 drafter's own step, in-process: PairHeadProposer.propose (specd/proposers/mtp_common.py)
+over an 8B-shaped head with random weights, as the drafter service runs it each round trip: every
+sequence brings the tokens and target rows its last step committed, then gets k drafts.
+
+Why: through the services on an H100 (BENCHMARKS.md, run 67) the eagle3 drafter took 7.1 ms of
+its own per round trip at batch 1 and 33.5 ms at batch 64, for k = 3, where the head's weights
+(~1 GB in bf16) take ~0.3 ms to read per draft step. This times the step and splits it with
+torch.profiler (--profile), so that the drafter's cost can be read without the services around
+it. Each batch runs twice: as the drafter does (no cuDNN attention, specd/models/sdpa_backends.py)
+and with SDPA's own choice, cuDNN first on Hopper (run 68: 111.7 against 5.0 ms at batch 1).
+
+    python -m bench.drafter_head [--batches 1,64] [--steps 20] [--shape 8b|small] [--device cuda]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+from contextlib import contextmanager, nullcontext
+
+import torch
+from torch.nn.attention import SDPBackend
+
+from specd.models import sdpa_backends
+from specd.proposers.base import DraftRequest
+from specd.proposers.eagle3_head import Eagle3Config, Eagle3Head
+from specd.proposers.mtp_common import PairHeadProposer
+from specd.sampling_params import SamplingParams
+
+SHAPES = {  # the target's shape: the head's layer is one of its layers; the draft vocabulary half of it
+    "8b": dict(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+               intermediate_size=14336, vocab_size=128256),
+    "small": dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                  intermediate_size=128, vocab_size=512),
+}
+
+
+def make_proposer(shape: str, device: torch.device, dtype: torch.dtype, seed: int = 0) -> PairHeadProposer:
+    s = SHAPES[shape]
+    cfg = Eagle3Config(**s, draft_vocab_size=s["vocab_size"] // 2, target_hidden_size=s["hidden_size"],
+                       raw={"rope_theta": 500000.0, "max_position_embeddings": 8192})
+    torch.manual_seed(seed)
+    with torch.device(device):
+        head = Eagle3Head(cfg)
+    for p in head.parameters():
+        if p.ndim == 2:
+            torch.nn.init.normal_(p, std=0.02)
+    head.d2t.copy_(torch.arange(cfg.draft_vocab_size, device=device))  # draft id d is target id 2d
+    proposer = PairHeadProposer(head.to(dtype), device, dtype)
+    proposer.method, proposer.hidden_kind = "eagle3", "aux"
+    return proposer
+
+
+def time_steps(proposer: PairHeadProposer, batch: int, steps: int, k: int, prompt_len: int = 32,
+               tokens_per_step: int = 2, profile: bool = False) -> tuple[list[float], str]:
+    """ms of each propose() after the prompts' (not timed), and the profiler's table when asked."""
+    cfg = proposer.head.cfg
+    device, dtype = proposer.device, proposer.dtype
+    gen = torch.Generator().manual_seed(1)
+    width = 3 * cfg.target_hidden_size
+
+    def rows(n: int) -> torch.Tensor:
+        return torch.randn(n, width, generator=gen).to(dtype)  # the wire's rows arrive on the host
+
+    params = SamplingParams(temperature=0.0)
+    first = []
+    for i in range(batch):
+        proposer.open(i, params)
+        tokens = torch.randint(4, cfg.vocab_size, (prompt_len + 1,), generator=gen).tolist()
+        first.append(DraftRequest(i, tokens, rows(prompt_len), k))
+    proposer.propose(first)
+    times = []
+    table = ""
+
+    def one_step() -> None:
+        requests = [DraftRequest(i, torch.randint(4, cfg.vocab_size, (tokens_per_step,), generator=gen).tolist(),
+                                 rows(tokens_per_step), k) for i in range(batch)]
+        sync()
+        t0 = time.perf_counter()
+        proposer.propose(requests)  # greedy: its .tolist() waits for the device
+        times.append((time.perf_counter() - t0) * 1e3)
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    for _ in range(steps):
+        one_step()
+    if profile:
+        from torch.profiler import ProfilerActivity, profile as torch_profile
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        with torch_profile(activities=activities) as prof:
+            for _ in range(5):
+                one_step()
+        key = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
+        table = prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=60)
+    for i in range(batch):
+        proposer.close(i)
+    return times, table
+
+
+@contextmanager
+def cudnn_attention_allowed():
+    """SDPA's default choice inside (cuDNN first on Hopper), as before sdpa_backends.py: the A/B."""
+    saved = sdpa_backends.VARIABLE_SHAPE_BACKENDS
+    sdpa_backends.VARIABLE_SHAPE_BACKENDS = [SDPBackend.CUDNN_ATTENTION, *saved]
+    try:
+        yield
+    finally:
+        sdpa_backends.VARIABLE_SHAPE_BACKENDS = saved
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batches", default="1,64")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--k", type=int, default=3)
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="8b")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--profile", action="store_true", help="also print torch.profiler's top ops per batch")
+    args = ap.parse_args(argv)
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    proposer = make_proposer(args.shape, device, dtype)
+    print(f"EAGLE-3 head, {args.shape} shape, {dtype}, {device}, k = {args.k}: ms per propose "
+          f"(median of {args.steps}, after the prompts'; min-max); the default against SDPA's own "
+          "choice of kernel (cuDNN first on Hopper), alternated per batch\n")
+    print("| batch | default ms | cuDNN allowed ms | allowed / default |\n|---|---|---|---|")
+    tables = []
+    for batch in (int(b) for b in args.batches.split(",")):
+        cells = []
+        for label, scope in (("default", nullcontext), ("cuDNN allowed", cudnn_attention_allowed)):
+            with scope():
+                times, table = time_steps(proposer, batch, args.steps, args.k, profile=args.profile)
+            cells.append(statistics.median(times))
+            cells.append(f"{statistics.median(times):.2f} ({min(times):.2f}-{max(times):.2f})")
+            tables.append((batch, label, table))
+        print(f"| {batch} | {cells[1]} | {cells[3]} | {cells[2] / cells[0]:.2f}x |", flush=True)
+    for batch, label, table in tables:
+        if table:
+            print(f"\nbatch {batch}, {label}, 5 steps:\n{table}")
+
+
+if __name__ == "__main__":
+    main()
