@@ -34,6 +34,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="largest k a verifier may ask for per sequence and step")
     p.add_argument("--max-batch-size", type=int, default=128,
                    help="draft_model: sequences its KV cache is sized for (all verifiers together)")
+    p.add_argument("--cache-max-entry-count", type=float, default=0.8,
+                   help="draft_model on a GPU: the fraction of free GPU memory its KV cache may take (as "
+                        "the target's flag of that name); `specd serve api_server` passes a tenth when the "
+                        "drafter shares the verifier's GPU")
     p.add_argument("--prompt-lookup-min", type=int, default=1, help="ngram: shortest suffix to match")
     p.add_argument("--prompt-lookup-max", type=int, default=4, help="ngram: longest suffix to match")
     # Bench only (specd/proposers/replay.py); the environment variables let bench/ set them through
@@ -72,6 +76,6 @@ def _run(args: argparse.Namespace) -> int:
     serve_drafter(args.speculative_draft_model or args.model, spec, target_path=args.model,
                   host=args.host, port=args.port, device=args.device, dtype=args.dtype,
                   max_num_draft_tokens=args.max_num_draft_tokens, max_batch_size=args.max_batch_size,
-                  max_workers=args.max_workers, tls=TLSConfig.from_args(args),
+                  cache_max_entry_count=args.cache_max_entry_count, max_workers=args.max_workers, tls=TLSConfig.from_args(args),
                   fast_step_port=args.fast_step_port)
     return 0

@@ -68,6 +68,24 @@ class StackConfig:
                              "--tls-key-file together with --tls-ca-file (the CA that signed them)")
 
 
+# The drafter's KV-cache share of the free GPU memory when it shares the verifier's GPU. The drafter
+# loads first and would take 80% as it does alone (PytorchEngineConfig.cache_max_entry_count),
+# leaving the verifier's activations too little: run 69's draft_model stack, on one H100, gave its
+# drafter 20 GB and the verifier ran out of memory in a batch-128 prefill. A tenth of an 80 GB card
+# holds ~500k tokens of a 4-layer draft model, beyond the ~250k tokens the 8B target's own cache
+# holds beside it; a draft cache that fills costs drafts, not requests (draft_model.py).
+SHARED_GPU_DRAFTER_CACHE_FRACTION = 0.1
+
+
+def shares_a_gpu(device: str, other: str) -> bool:
+    """Whether two torch device names are the same CUDA device ("cuda" is "cuda:0")."""
+    def index(name: str) -> int | None:
+        if name == "cuda":
+            return 0
+        return int(name.split(":", 1)[1]) if name.startswith("cuda:") else None
+    return index(device) is not None and index(device) == index(other)
+
+
 def _free_port() -> int:
     from specd.transport.ports import free_port
 
@@ -107,6 +125,8 @@ class Stack:
                     "--host", "127.0.0.1", "--port", str(port), "--device", c.drafter_device or c.device]
             if c.speculative_draft_model:
                 args += ["--speculative-draft-model", c.speculative_draft_model]
+            if shares_a_gpu(c.drafter_device or c.device, c.device):
+                args += ["--cache-max-entry-count", str(SHARED_GPU_DRAFTER_CACHE_FRACTION)]
             self._spawn("drafter", args + self._server_tls_flags())
             drafter_addr = f"127.0.0.1:{port}"
         grammar_addr = f"127.0.0.1:{_free_port()}"

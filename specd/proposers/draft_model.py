@@ -7,14 +7,19 @@ rolled back when the next committed tokens arrive.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from specd.models.base import SequenceChunk, TargetRunner
+from specd.models.kv_cache import CacheFullError
 from specd.proposers.base import DraftProposal, DraftRequest
 from specd.proposers.draft_constraints import mask_logits
 from specd.random import SALT_DRAFT
 from specd.sampling import SamplingTensors, processed_probs, sample_from_probs
 from specd.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
 
 
 class DraftModelProposer:
@@ -30,6 +35,7 @@ class DraftModelProposer:
         self._cached: dict[int, int] = {}  # committed tokens validly in the draft cache
         self._params: dict[int, SamplingParams] = {}
         self.draft_constraints = None  # DraftConstraints when structured output is enabled
+        self.num_cache_full_steps = 0  # steps cut short because the draft KV cache was full
 
     def open(self, seq_id: int, params: SamplingParams, grammar=None) -> None:
         self.runner.add_sequence(seq_id)
@@ -62,12 +68,24 @@ class DraftModelProposer:
         chunks = []
         for r in active:
             self.runner.truncate(r.seq_id, self._cached[r.seq_id])
-            history = self._history[r.seq_id]
-            chunks.append(SequenceChunk(r.seq_id, history[self._cached[r.seq_id]:]))
-            self._cached[r.seq_id] = len(history)
+            chunks.append(SequenceChunk(r.seq_id, self._history[r.seq_id][self._cached[r.seq_id]:]))
         for step in range(max(r.num_draft_tokens for r in active)):
-            # each chunk's last token only: step 1 catches up whole histories (a new sequence's prompt)
-            logits = self.runner.forward(chunks, last_logits_only=True).last_logits()  # [B, draft_vocab]
+            try:  # each chunk's last token only: step 1 catches up whole histories (a new prompt)
+                logits = self.runner.forward(chunks, last_logits_only=True).last_logits()  # [B, draft_vocab]
+            except CacheFullError:
+                # The draft cache is sized apart from the verifier's (on a shared GPU, from what the
+                # drafter found free): when it cannot take the step, the drafts so far go out and the
+                # caches stay as they were (a later step catches up once finished sequences free
+                # blocks). Fewer drafts cost speed, never output; failing the step would fail the
+                # verifier's requests.
+                self.num_cache_full_steps += 1
+                if self.num_cache_full_steps == 1:
+                    log.warning("draft model: KV cache full at %d sequences; drafting less until it frees up "
+                                "(a larger --cache-max-entry-count gives it more)", len(self._history))
+                break
+            if step == 0:
+                for r in active:
+                    self._cached[r.seq_id] = len(self._history[r.seq_id])
             bitmask = None if dc is None else dc.masks([r.seq_id for r in active])
             chosen, q = self._choose(logits, active, step, bitmask)
             next_active, chunks = [], []
