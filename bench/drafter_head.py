@@ -7,7 +7,7 @@ its own per round trip at batch 1 and 33.5 ms at batch 64, for k = 3, where the 
 (~1 GB in bf16) take ~0.3 ms to read per draft step. This times the step and splits it with
 torch.profiler (--profile), so that the drafter's cost can be read without the services around
 it. Each batch runs twice: as the drafter does (no cuDNN attention, specd/models/sdpa_backends.py)
-and with SDPA's own choice, cuDNN first on Hopper (run 68: 111.7 against 5.0 ms at batch 1).
+and with SDPA's own choice, cuDNN first on Hopper (run 69: 111.7 against 5.0 ms at batch 1).
 
     python -m bench.drafter_head [--batches 1,64] [--steps 20] [--shape 8b|small] [--device cuda]
 """
