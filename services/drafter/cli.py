@@ -76,6 +76,6 @@ def _run(args: argparse.Namespace) -> int:
     serve_drafter(args.speculative_draft_model or args.model, spec, target_path=args.model,
                   host=args.host, port=args.port, device=args.device, dtype=args.dtype,
                   max_num_draft_tokens=args.max_num_draft_tokens, max_batch_size=args.max_batch_size,
-                  cache_max_entry_count=args.cache_max_entry_count, max_workers=args.max_workers, tls=TLSConfig.from_args(args),
-                  fast_step_port=args.fast_step_port)
+                  cache_max_entry_count=args.cache_max_entry_count, max_workers=args.max_workers,
+                  tls=TLSConfig.from_args(args), fast_step_port=args.fast_step_port)
     return 0

@@ -4,9 +4,11 @@ Why: PyTorch prefers cuDNN's attention on Hopper, and cuDNN builds an execution 
 shape: ~39 ms of host time a call on an H100 (torch 2.11; bench/drafter_head.py, BENCHMARKS.md
 run 68). The static path's shapes repeat, so a plan would be built once; the eager paths' do not:
 a prefill's padded lengths change with every admission, and an EAGLE-3 or MTP head's keys grow
-by one every draft step, so nearly each of their calls paid for a plan (the EAGLE-3 drafter's own
-time was 7.1 ms per round trip at batch 1 through the services, run 67). Flash, memory-efficient
-and math kernels need no plan. On CPU the choice is as before (its flash kernel or math).
+by one every draft step, so their calls paid for a plan whenever a shape came up first: an 8B
+EAGLE-3 head's propose took 111.7 ms against 5.0 without cuDNN at batch 1 (run 69, in-process),
+and through the services, where the warm-up had met most lengths, its drafter's own time per
+round trip fell from 7.1 to 5.95 ms (runs 67 and 69). Flash, memory-efficient and math kernels
+need no plan. On CPU the choice is as before (its flash kernel or math).
 """
 
 from __future__ import annotations
