@@ -10,8 +10,9 @@ specd.proposers.base). Drafting k tokens is:
 Catch-up entries are committed (they saw the target's hidden states) and stay in the cache; the
 autoregressive entries are speculative and are cropped when the next committed tokens arrive.
 
-Sequences of one batch are padded to a common length: `BatchKV` lays each sequence's cached
-entries side by side, appends the new ones and gives the mask that keeps sequences apart.
+The head's cache holds a slot per open sequence (head_kv.py): `BatchKV` gathers a batch's cached
+entries side by side, padded to a common length, stores the new ones and gives the mask that keeps
+sequences apart.
 """
 
 from __future__ import annotations
@@ -27,59 +28,11 @@ from specd.models.sdpa_backends import variable_shape_sdpa
 from specd.models.weights import read_tensor, tensor_names
 from specd.proposers.base import DraftProposal, DraftRequest
 from specd.proposers.draft_constraints import mask_logits
+from specd.proposers.head_kv import BatchKV, HeadKVCache
 from specd.random import SALT_DRAFT
 from specd.sampling import (SamplingTensors, apply_repetition_penalty, processed_probs,
                             sample_from_probs)
 from specd.sampling_params import SamplingParams
-
-
-class BatchKV:
-    """Per-sequence caches of one attention layer, padded into a batch for one forward.
-
-    A cache is a list of tensors, each [heads, L, dim] (k and v; MLA's two latents), or None when
-    empty. Keys of the batch are [past padded to max_past | new], so query j of sequence i sees
-    its own past (slots < past_lens[i]) and new slots max_past .. max_past + j.
-    """
-
-    def __init__(self, caches: list[list[torch.Tensor] | None], query_lens: list[int],
-                 device: torch.device) -> None:
-        self.caches = caches
-        self.query_lens = query_lens
-        self.past_lens = [0 if c is None else c[0].shape[1] for c in caches]
-        self.max_past = max(self.past_lens)
-        self.new: tuple[torch.Tensor, ...] | None = None
-        num_q = max(query_lens)
-        past_ok = torch.arange(self.max_past, device=device)[None, :] < torch.tensor(
-            self.past_lens, device=device)[:, None]  # [B, max_past]
-        # Every query sees at least its own slot, so no row is fully masked and padded rows stay
-        # finite; valid queries never see padded keys, which all come after them.
-        causal = torch.ones(num_q, num_q, dtype=torch.bool, device=device).tril()  # [S, S]
-        mask = torch.cat([past_ok[:, None, :].expand(-1, num_q, -1),
-                          causal[None].expand(len(caches), -1, -1)], dim=-1)  # [B, S, past + S]
-        valid_q = torch.arange(num_q, device=device)[None, :] < torch.tensor(
-            query_lens, device=device)[:, None]  # [B, S]
-        mask[:, :, :self.max_past] &= valid_q[:, :, None]
-        self.mask = mask[:, None]  # [B, 1, S, max_past + S] bool, True = attend
-
-    def update(self, *new: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """New entries [B, heads, S, dim] each -> the batch's keys [B, heads, max_past + S, dim]."""
-        self.new = new
-        out = []
-        for t, fresh in enumerate(new):
-            past = fresh.new_zeros(fresh.shape[0], fresh.shape[1], self.max_past, fresh.shape[3])
-            for i, cache in enumerate(self.caches):
-                if cache is not None:
-                    past[i, :, :self.past_lens[i]] = cache[t]
-            out.append(torch.cat([past, fresh], dim=2))
-        return tuple(out)
-
-    def appended(self, i: int) -> list[torch.Tensor]:
-        """Sequence i's cache with its valid new entries appended."""
-        assert self.new is not None, "update() was never called: the head has no attention layer?"
-        fresh = [t[i, :, :self.query_lens[i]] for t in self.new]
-        if self.caches[i] is None:
-            return fresh
-        return [torch.cat([old, f], dim=1) for old, f in zip(self.caches[i], fresh)]
 
 
 class TransformersCache:
@@ -148,8 +101,9 @@ class _SeqState:
     tokens: list[int]  # committed x_0..x_n
     seq_id: int = -1
     pending: torch.Tensor | None = None  # [m, H] head-space hidden rows of pairs not yet cached
-    kv: list[torch.Tensor] | None = None  # [heads, L, dim] each; past num_cached: speculative
-    num_cached: int = 0  # committed pairs in kv
+    slot: int = -1  # in the proposer's HeadKVCache
+    kv_len: int = 0  # positions of the slot in use; past num_cached: speculative
+    num_cached: int = 0  # committed pairs in the cache
     last: torch.Tensor | None = None  # [H] head output at the last committed pair
 
     @property
@@ -174,15 +128,21 @@ class PairHeadProposer:
         self.device = torch.device(device)
         self.dtype = dtype
         self._seqs: dict[int, _SeqState] = {}
+        self._kv = HeadKVCache(self.device)
         self.draft_constraints = None  # DraftConstraints when structured output is enabled
 
     def open(self, seq_id: int, params: SamplingParams, grammar=None) -> None:
-        self._seqs[seq_id] = _SeqState(params=params, tokens=[], seq_id=seq_id)
+        old = self._seqs.get(seq_id)
+        if old is not None:  # reopened (a resync): a fresh state; the old slot goes back
+            self._kv.release(old.slot)
+        self._seqs[seq_id] = _SeqState(params=params, tokens=[], seq_id=seq_id, slot=self._kv.acquire())
         if self.draft_constraints is not None:
             self.draft_constraints.open(seq_id, grammar)
 
     def close(self, seq_id: int) -> None:
-        self._seqs.pop(seq_id, None)
+        state = self._seqs.pop(seq_id, None)
+        if state is not None:
+            self._kv.release(state.slot)
         if self.draft_constraints is not None:
             self.draft_constraints.close(seq_id)
 
@@ -225,8 +185,7 @@ class PairHeadProposer:
         if seq.num_pairs != len(seq.tokens) - 1:
             raise ValueError(f"seq {r.seq_id}: {len(seq.tokens)} committed tokens need "
                              f"{len(seq.tokens) - 1} hidden rows, got {seq.num_pairs}")
-        if seq.kv is not None:
-            seq.kv = [t[:, :seq.num_cached] for t in seq.kv]
+        seq.kv_len = seq.num_cached  # last step's speculative entries are dropped
 
     def _draft(self, seqs: list[_SeqState], ks: list[int], drafts: list[list[int]],
                probs: list[list[torch.Tensor]]) -> None:
@@ -241,10 +200,10 @@ class PairHeadProposer:
                 batch = [seqs[i] for i in rows]
                 ids = torch.tensor([[drafts[i][-1]] for i in rows], device=self.device)  # [B, 1]
                 pos = torch.tensor([[s.num_cached + step - 1] for s in batch], device=self.device)
-                kv = BatchKV([s.kv for s in batch], [1] * len(batch), self.device)
+                kv = BatchKV(self._kv, [s.slot for s in batch], [s.kv_len for s in batch], [1] * len(batch))
                 hidden = self.head(ids, hidden[:, None], pos, kv)[:, 0]  # [B, H]
-                for j, s in enumerate(batch):
-                    s.kv = kv.appended(j)
+                for s in batch:
+                    s.kv_len += 1
             bitmask = None if self.draft_constraints is None else \
                 self.draft_constraints.masks([seqs[i].seq_id for i in rows])
             tokens, q = self._choose(self._logits(hidden, bitmask), [seqs[i] for i in rows],
@@ -283,10 +242,10 @@ class PairHeadProposer:
             ids[i, :m] = torch.tensor(s.tokens[start + 1:start + 1 + m])  # x_{p+1} of pair p
             pos[i, :m] = torch.arange(start, start + m)
             hidden[i, :m] = s.pending
-        kv = BatchKV([s.kv for s in seqs], lens, self.device)
+        kv = BatchKV(self._kv, [s.slot for s in seqs], [s.kv_len for s in seqs], lens)
         out = self.head(ids.to(self.device), hidden, pos.to(self.device), kv)  # [B, S, H]
         for i, s in enumerate(seqs):
-            s.kv = kv.appended(i)
+            s.kv_len += lens[i]
             s.num_cached += lens[i]
             s.pending = None
             s.last = out[i, lens[i] - 1]

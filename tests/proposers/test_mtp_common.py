@@ -8,13 +8,17 @@ import torch
 from torch import nn
 
 from specd.proposers.base import DraftRequest
-from specd.proposers.mtp_common import BatchKV, PairHeadProposer, load_module_tensors
+from specd.proposers.head_kv import BatchKV, HeadKVCache
+from specd.proposers.mtp_common import PairHeadProposer, load_module_tensors
 from specd.sampling_params import SamplingParams
 
 
-def test_batch_kv_mask_and_appended():
-    past0 = [torch.arange(2.0).view(1, 2, 1), -torch.arange(2.0).view(1, 2, 1)]  # k, v: [1, 2, 1]
-    kv = BatchKV([past0, None], query_lens=[1, 3], device=torch.device("cpu"))
+def test_batch_kv_mask_gather_and_store():
+    cache = HeadKVCache("cpu", initial_slots=2, initial_capacity=2)
+    slot0, slot1 = cache.acquire(), cache.acquire()
+    first = BatchKV(cache, [slot0], past_lens=[0], query_lens=[2])  # sequence 0 caches 2 positions
+    first.update(torch.arange(2.0).view(1, 1, 2, 1), -torch.arange(2.0).view(1, 1, 2, 1))
+    kv = BatchKV(cache, [slot0, slot1], past_lens=[2, 0], query_lens=[1, 3])
     want = torch.tensor([
         # seq 0: past 2 slots, 1 query (rows 1, 2 are padding: causal over new slots, no past)
         [[1, 1, 1, 0, 0], [0, 0, 1, 1, 0], [0, 0, 1, 1, 1]],
@@ -26,10 +30,18 @@ def test_batch_kv_mask_and_appended():
     keys, values = kv.update(new_k, -new_k)
     assert keys.shape == (2, 1, 5, 1)
     assert keys[0, 0, :, 0].tolist() == [0, 1, 10, 11, 12] and keys[1, 0, :2, 0].tolist() == [0, 0]
-    k0, v0 = kv.appended(0)
-    assert k0[0, :, 0].tolist() == [0, 1, 10] and v0[0, :, 0].tolist() == [0, -1, -10]
-    k1, _ = kv.appended(1)
-    assert k1[0, :, 0].tolist() == [13, 14, 15]
+    assert values[0, 0, :3, 0].tolist() == [0, -1, -10]
+    # stored: sequence 0's valid entry after its past (the cache grew to 4 positions), sequence 1's three
+    assert cache.capacity == 4
+    k_buf, v_buf = cache.buffers
+    assert k_buf[slot0, :3, 0, 0].tolist() == [0, 1, 10] and v_buf[slot0, :3, 0, 0].tolist() == [0, -1, -10]
+    assert k_buf[slot1, :3, 0, 0].tolist() == [13, 14, 15]
+    # a third sequence grows the slots, keeping what they hold
+    slot2 = cache.acquire()
+    assert cache.num_slots == 4 and slot2 not in (slot0, slot1)
+    assert cache.buffers[0][slot1, :3, 0, 0].tolist() == [13, 14, 15]
+    cache.release(slot0)
+    assert cache.acquire() == slot0
 
 
 class _Experts(nn.Module):
@@ -82,10 +94,10 @@ def test_proposer_bookkeeping():
     proposer.open(0, SamplingParams())
     out = proposer.propose([DraftRequest(0, [1, 2, 3], torch.zeros(2, 4), 3)])[0]
     assert out.token_ids.tolist() == [7, 7, 7] and out.probs is None
-    assert proposer._seqs[0].num_cached == 2 and proposer._seqs[0].kv[0].shape[1] == 4
+    assert proposer._seqs[0].num_cached == 2 and proposer._seqs[0].kv_len == 4
     # no new tokens: the speculative entries are dropped and the last committed output reused
     out = proposer.propose([DraftRequest(0, [], None, 1)])[0]
-    assert out.token_ids.tolist() == [7] and proposer._seqs[0].kv[0].shape[1] == 2
+    assert out.token_ids.tolist() == [7] and proposer._seqs[0].kv_len == 2
     with pytest.raises(ValueError, match="hidden rows"):
         proposer.propose([DraftRequest(0, [5, 6], torch.zeros(1, 4), 1)])
     proposer.close(0)
