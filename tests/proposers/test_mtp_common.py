@@ -8,17 +8,17 @@ import torch
 from torch import nn
 
 from specd.proposers.base import DraftRequest
-from specd.proposers.head_kv import BatchKV, HeadKVCache
+from specd.proposers.head_kv import BLOCK, BatchKV, HeadKVCache
 from specd.proposers.mtp_common import PairHeadProposer, load_module_tensors
 from specd.sampling_params import SamplingParams
 
 
 def test_batch_kv_mask_gather_and_store():
-    cache = HeadKVCache("cpu", initial_slots=2, initial_capacity=2)
-    slot0, slot1 = cache.acquire(), cache.acquire()
-    first = BatchKV(cache, [slot0], past_lens=[0], query_lens=[2])  # sequence 0 caches 2 positions
+    cache = HeadKVCache("cpu", initial_blocks=2)
+    seq0, seq1 = cache.acquire(), cache.acquire()
+    first = BatchKV(cache, [seq0], past_lens=[0], query_lens=[2])  # sequence 0 caches 2 positions
     first.update(torch.arange(2.0).view(1, 1, 2, 1), -torch.arange(2.0).view(1, 1, 2, 1))
-    kv = BatchKV(cache, [slot0, slot1], past_lens=[2, 0], query_lens=[1, 3])
+    kv = BatchKV(cache, [seq0, seq1], past_lens=[2, 0], query_lens=[1, 3])
     want = torch.tensor([
         # seq 0: past 2 slots, 1 query (rows 1, 2 are padding: causal over new slots, no past)
         [[1, 1, 1, 0, 0], [0, 0, 1, 1, 0], [0, 0, 1, 1, 1]],
@@ -29,19 +29,26 @@ def test_batch_kv_mask_gather_and_store():
     new_k = torch.arange(6.0).view(2, 1, 3, 1) + 10
     keys, values = kv.update(new_k, -new_k)
     assert keys.shape == (2, 1, 5, 1)
-    assert keys[0, 0, :, 0].tolist() == [0, 1, 10, 11, 12] and keys[1, 0, :2, 0].tolist() == [0, 0]
-    assert values[0, 0, :3, 0].tolist() == [0, -1, -10]
-    # stored: sequence 0's valid entry after its past (the cache grew to 4 positions), sequence 1's three
-    assert cache.capacity == 4
-    k_buf, v_buf = cache.buffers
-    assert k_buf[slot0, :3, 0, 0].tolist() == [0, 1, 10] and v_buf[slot0, :3, 0, 0].tolist() == [0, -1, -10]
-    assert k_buf[slot1, :3, 0, 0].tolist() == [13, 14, 15]
-    # a third sequence grows the slots, keeping what they hold
-    slot2 = cache.acquire()
-    assert cache.num_slots == 4 and slot2 not in (slot0, slot1)
-    assert cache.buffers[0][slot1, :3, 0, 0].tolist() == [13, 14, 15]
-    cache.release(slot0)
-    assert cache.acquire() == slot0
+    assert keys[0, 0, :, 0].tolist() == [0, 1, 10, 11, 12] and values[0, 0, :3, 0].tolist() == [0, -1, -10]
+    assert keys[1, 0, 2:, 0].tolist() == [13, 14, 15]
+    # stored: read back through a forward that brings one more position each
+    after = BatchKV(cache, [seq0, seq1], past_lens=[3, 3], query_lens=[1, 1])
+    keys, _ = after.update(torch.zeros(2, 1, 1, 1), torch.zeros(2, 1, 1, 1))
+    assert keys[0, 0, :3, 0].tolist() == [0, 1, 10] and keys[1, 0, :3, 0].tolist() == [13, 14, 15]
+
+
+def test_head_kv_cache_pages_grow_and_are_reused():
+    cache = HeadKVCache("cpu", initial_blocks=2)
+    a, b = cache.acquire(), cache.acquire()
+    rows = lambda n, v: torch.full((1, 1, n, 1), float(v))  # noqa: E731
+    BatchKV(cache, [a], [0], [BLOCK + 1]).update(rows(BLOCK + 1, 1))  # two blocks: the pool is full
+    BatchKV(cache, [b], [0], [3]).update(rows(3, 2))  # a third block: the pool doubles, keeping a's
+    assert cache.num_blocks == 4 and cache.pools[0].shape[0] == 4
+    keys, = BatchKV(cache, [a, b], [BLOCK + 1, 3], [1, 1]).update(torch.zeros(2, 1, 1, 1))
+    assert keys[0, 0, :BLOCK + 1, 0].unique().tolist() == [1.0] and keys[1, 0, :3, 0].tolist() == [2.0] * 3
+    cache.release(a)  # its two blocks go back, and the next sequence takes them
+    c = cache.acquire()
+    assert len(cache.reserve(c, 2 * BLOCK)) == 2 and cache.num_blocks == 4
 
 
 class _Experts(nn.Module):
