@@ -10,9 +10,9 @@ specd.proposers.base). Drafting k tokens is:
 Catch-up entries are committed (they saw the target's hidden states) and stay in the cache; the
 autoregressive entries are speculative and are cropped when the next committed tokens arrive.
 
-The head's cache holds a slot per open sequence (head_kv.py): `BatchKV` gathers a batch's cached
-entries side by side, padded to a common length, stores the new ones and gives the mask that keeps
-sequences apart.
+The head's cache is paged, a block list per open sequence (head_kv.py): `BatchKV` gathers a
+batch's cached entries side by side, padded to a common length, stores the new ones and gives the
+mask that keeps sequences apart.
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ class _SeqState:
     tokens: list[int]  # committed x_0..x_n
     seq_id: int = -1
     pending: torch.Tensor | None = None  # [m, H] head-space hidden rows of pairs not yet cached
-    slot: int = -1  # in the proposer's HeadKVCache
+    slot: int = -1  # its handle in the proposer's HeadKVCache
     kv_len: int = 0  # positions of the slot in use; past num_cached: speculative
     num_cached: int = 0  # committed pairs in the cache
     last: torch.Tensor | None = None  # [H] head output at the last committed pair
@@ -133,7 +133,7 @@ class PairHeadProposer:
 
     def open(self, seq_id: int, params: SamplingParams, grammar=None) -> None:
         old = self._seqs.get(seq_id)
-        if old is not None:  # reopened (a resync): a fresh state; the old slot goes back
+        if old is not None:  # reopened (a resync): a fresh state; the old blocks go back
             self._kv.release(old.slot)
         self._seqs[seq_id] = _SeqState(params=params, tokens=[], seq_id=seq_id, slot=self._kv.acquire())
         if self.draft_constraints is not None:
