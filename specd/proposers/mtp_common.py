@@ -102,7 +102,7 @@ class _SeqState:
     seq_id: int = -1
     pending: torch.Tensor | None = None  # [m, H] head-space hidden rows of pairs not yet cached
     slot: int = -1  # its handle in the proposer's HeadKVCache
-    kv_len: int = 0  # positions of the slot in use; past num_cached: speculative
+    kv_len: int = 0  # positions it holds in the cache; past num_cached: speculative
     num_cached: int = 0  # committed pairs in the cache
     last: torch.Tensor | None = None  # [H] head output at the last committed pair
 
