@@ -3,7 +3,7 @@
 One stack (embedded Redis, drafter, grammar, verifier, gateway: services/launcher) per method;
 within it, each batch size B sends B greedy requests at once over the gRPC Generate API (token-id
 prompts, ignore_eos, max_tokens each), in back-to-back waves of B distinct prompts until a round
-holds `min_requests` (waves_for), after an identical warm-up round (CUDA graphs get captured
+holds `min_requests` (bench/e2e_rounds.py), after an identical warm-up round (CUDA graphs get captured
 there; the row is the median of rounds that captured none, see median_round). "off" runs first: its outputs are the target's greedy
 continuations, written as the replay drafter's references; "replay" then drafts them corrupted at
 the rate whose expected acceptance length is `--replay-acceptance` (bench only, see
@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import json
 import os
-import random
-import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from bench.e2e_rounds import generate_waves, make_prompts, waves_for
 
 DRAFT_NAMES = {"eagle3": "draft-eagle3", "draft_model": "draft-llama-small"}
 
@@ -38,82 +38,6 @@ class E2ERow:
     step_ms: dict | None = None  # the verifier's mean ms per step in the median round, by phase
     rounds_captures: list[int] | None = None  # CUDA graphs the verifier captured in each timed round
     requests: int = 0  # in a round: waves of `batch` requests, back to back (waves_for)
-
-
-def make_prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(4, vocab) for _ in range(rng.randint(16, 48))] for _ in range(n)]
-
-
-def waves_for(batch: int, min_requests: int) -> int:
-    """How many back-to-back waves of `batch` requests make a round of at least min_requests.
-
-    Why: the replay drafter draws its corruption once per prompt, so a single request's ~45 steps
-    realize an acceptance length that strays from the expected one: prompt 0 alone realized 2.82
-    at an expected 3.00 (the batch-1 replay rows of runs 48, 49, 55 and 63 in BENCHMARKS.md), so a
-    one-request round timed batch 1 at 2.82, not at the acceptance it names. Eight requests (~350 steps) bring the
-    realized mean within ~0.07 of the expected (one step's tokens have a standard deviation of
-    ~1.2 at acceptance 3, k = 3); batches of min_requests or more keep one wave."""
-    if batch < 1 or min_requests < 1:
-        raise ValueError(f"batch and min_requests: must be >= 1, got {batch} and {min_requests}")
-    return -(-min_requests // batch)
-
-
-def _dead_children(stack) -> list[str]:
-    return [f"{name} exited with code {proc.returncode}" for name, proc in stack.children
-            if proc.poll() is not None]
-
-
-def _generate_all(stack, prompts: list[list[int]], max_tokens: int, timeout_s: float = 900.0
-                  ) -> tuple[float, list]:
-    """Send every prompt at once (gRPC futures); fail fast, cancelling the rest, if a service dies."""
-    import grpc
-
-    from specd.v1 import common_pb2, generate_pb2, generate_pb2_grpc
-
-    with grpc.insecure_channel(f"127.0.0.1:{stack.grpc_port}") as channel:
-        stub = generate_pb2_grpc.GenerateStub(channel)
-        remaining = [len(prompts)]
-        finished = threading.Event()
-        t_end = [0.0]
-        lock = threading.Lock()
-
-        def on_done(_future) -> None:
-            with lock:
-                remaining[0] -= 1
-                if remaining[0] == 0:
-                    t_end[0] = time.perf_counter()
-                    finished.set()
-
-        t0 = time.perf_counter()
-        futures = [stub.Generate.future(generate_pb2.GenerateRequest(
-            token_ids=generate_pb2.TokenIds(ids=prompt), max_tokens=max_tokens, ignore_eos=True,
-            sampling=common_pb2.SamplingParameters(temperature=0.0), has_seed=True), timeout=timeout_s)
-            for prompt in prompts]
-        for f in futures:
-            f.add_done_callback(on_done)
-        try:
-            while not finished.wait(0.5):  # the wall time comes from the last reply, not this poll
-                dead = _dead_children(stack)
-                if dead:
-                    raise RuntimeError(f"a service died mid-run: {'; '.join(dead)}")
-            replies = [f.result() for f in futures]
-        finally:
-            for f in futures:
-                f.cancel()
-        return t_end[0] - t0, replies
-
-
-def _generate_waves(stack, prompts: list[list[int]], batch: int, waves: int, max_tokens: int
-                    ) -> tuple[float, list]:
-    """`waves` waves of `batch` requests, each wave sent when the last one's replies are in; the
-    wall time is the waves' own, summed (the client's turn-around between them is not the stack's)."""
-    wall, replies = 0.0, []
-    for w in range(waves):
-        wave_wall, wave_replies = _generate_all(stack, prompts[w * batch:(w + 1) * batch], max_tokens)
-        wall += wave_wall
-        replies += wave_replies
-    return wall, replies
 
 
 def _row(method: str, batch: int, wall: float, replies) -> E2ERow:
@@ -265,11 +189,11 @@ def run_method(method: str, target: Path, draft: Path | None, batches: list[int]
         start_s = time.perf_counter() - t0
         for batch in batches:
             waves = waves_for(batch, min_requests)
-            _generate_waves(stack, prompts, batch, waves, max_tokens)  # warm-up: graph captures
+            generate_waves(stack, prompts, batch, waves, max_tokens)  # warm-up: graph captures
             timed = []
             while len(timed) < 2 * rounds and sum(not _captured(t[0]) for t in timed) < rounds:
                 before = scrape_step_phases(metrics_port)
-                wall, replies = _generate_waves(stack, prompts, batch, waves, max_tokens)
+                wall, replies = generate_waves(stack, prompts, batch, waves, max_tokens)
                 row = _row(label, batch, wall, replies)
                 row.step_ms = step_split_ms(before, scrape_step_phases(metrics_port))
                 timed.append((row, replies))

@@ -60,6 +60,14 @@ class ForwardOutput:
         return self.logits[last_rows(self.offsets, self.logits.device)]
 
 
+def chunk_offsets(query_lens: list[int]) -> list[int]:
+    """[0, n0, n0 + n1, ...]: where each chunk's rows start in the batch's outputs."""
+    offsets = [0]
+    for n in query_lens:
+        offsets.append(offsets[-1] + n)
+    return offsets
+
+
 def last_rows(offsets: list[int], device: torch.device) -> torch.Tensor:
     """[num_chunks] int64: the row of each chunk's last token, from the chunks' row offsets."""
     return torch.tensor(offsets[1:], device=device) - 1

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from specd.messages import PytorchEngineConfig
-from specd.models.base import check_chunks, ForwardOutput, ModelInfo, SequenceChunk
+from specd.models.base import check_chunks, chunk_offsets, ForwardOutput, ModelInfo, SequenceChunk
 from specd.models.append_plan import AppendPlan
 from specd.models.runner_setup import default_aux_layer_ids, select_device, select_dtype
 
@@ -155,7 +155,7 @@ class HFRunner:
         for c in chunks:
             if not self.can_append(c.seq_id, len(c.token_ids)):
                 raise ValueError(f"sequence {c.seq_id} would exceed session_len={self.session_len}")
-        logits, hidden, aux, offsets = [], [], [], [0]
+        logits, hidden, aux = [], [], []
         for c in chunks:
             seq = self._seq(c.seq_id)
             if not is_croppable(seq.cache):
@@ -168,10 +168,9 @@ class HFRunner:
             if want_aux_hidden:
                 # hidden_states[i] (i < L) is the input of decoder layer i.
                 aux.append(torch.cat([out.hidden_states[i][0] for i in self.aux_layer_ids], dim=-1))
-            offsets.append(offsets[-1] + len(c.token_ids))
         return ForwardOutput(
             logits=torch.cat(logits),
-            offsets=offsets,
+            offsets=chunk_offsets([len(c.token_ids) for c in chunks]),
             hidden_states=torch.cat(hidden) if want_hidden else None,
             aux_hidden_states=torch.cat(aux) if want_aux_hidden else None,
             last_logits_only=last_logits_only,

@@ -30,7 +30,7 @@ import torch
 
 from specd.messages import PytorchEngineConfig
 from specd.models.attention import AttentionMetadata
-from specd.models.base import check_chunks, ForwardOutput, last_rows, ModelInfo, SequenceChunk
+from specd.models.base import check_chunks, chunk_offsets, ForwardOutput, last_rows, ModelInfo, SequenceChunk
 from specd.models.append_plan import AppendPlan
 from specd.models.cuda_graphs import DEFAULT_MAX_PREFILL_ROWS, StaticForward
 from specd.models.hf_config import LlamaArchConfig
@@ -337,7 +337,7 @@ class LlamaRunner:
             with torch.no_grad():
                 hidden, aux = self.model(input_ids, positions, meta, self.kv_cache,
                                          self.aux_layer_ids if want_aux_hidden else ())
-                offsets = _offsets(query_lens)
+                offsets = chunk_offsets(query_lens)
                 wanted = hidden.index_select(0, last_rows(offsets, hidden.device)) if last_logits_only else hidden
                 logits = self.model.compute_logits(wanted)  # [T or chunks, vocab] float32
         except BaseException:
@@ -365,7 +365,7 @@ class LlamaRunner:
                     last_logits_only: bool = False) -> ForwardOutput:
         if self.on_launch is not None:
             self.on_launch()
-        offsets = _offsets([len(c.token_ids) for c in chunks])
+        offsets = chunk_offsets([len(c.token_ids) for c in chunks])
         logits, hidden, aux = self.static.run(prepared, want_hidden=want_hidden,
                                               logit_rows=[o - 1 for o in offsets[1:]] if last_logits_only else None)
         return ForwardOutput(logits=logits, offsets=offsets, hidden_states=hidden if want_hidden else None,
@@ -380,14 +380,6 @@ class LlamaRunner:
         """[n, hidden] -> [n, vocab] float32."""
         with torch.no_grad(), gemm_backend(self.gemm), pdl_launches(self.pdl):
             return self.model.compute_logits(hidden.to(device=self.device, dtype=self.dtype))
-
-
-def _offsets(query_lens: list[int]) -> list[int]:
-    """[0, n0, n0 + n1, ...]: where each chunk's rows start in the batch's outputs."""
-    offsets = [0]
-    for n in query_lens:
-        offsets.append(offsets[-1] + n)
-    return offsets
 
 
 @dataclass(frozen=True)

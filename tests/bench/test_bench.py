@@ -139,7 +139,7 @@ def test_the_row_is_the_median_of_the_rounds_without_a_graph_capture():
 
 
 def test_a_round_holds_at_least_min_requests_in_waves_of_the_batch():
-    from bench.e2e import waves_for
+    from bench.e2e_rounds import waves_for
 
     assert [waves_for(b, 8) for b in (1, 2, 3, 7, 8, 64, 128)] == [8, 4, 3, 2, 1, 1, 1]
     assert waves_for(1, 1) == 1
