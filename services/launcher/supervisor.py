@@ -249,6 +249,10 @@ def run_stack(config: StackConfig) -> int:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_signal)
+    # Also SIGINT, explicitly: a process that starts with SIGINT ignored (`specd serve ... &` in a
+    # script: bash ignores it in background jobs) gets no KeyboardInterrupt from Python, and
+    # scripts/demo.sh's Ctrl-C trap waited forever on a stack that never heard it.
+    signal.signal(signal.SIGINT, on_signal)
     try:
         stack.start()
         return stack.wait()
