@@ -31,7 +31,7 @@ def _dead_children(stack) -> list[str]:
 
 
 def generate_all(stack, prompts: list[list[int]], max_tokens: int, timeout_s: float = 900.0
-                  ) -> tuple[float, list]:
+                 ) -> tuple[float, list]:
     """Send every prompt at once (gRPC futures); fail fast, cancelling the rest, if a service dies."""
     import grpc
 
@@ -71,7 +71,7 @@ def generate_all(stack, prompts: list[list[int]], max_tokens: int, timeout_s: fl
 
 
 def generate_waves(stack, prompts: list[list[int]], batch: int, waves: int, max_tokens: int
-                    ) -> tuple[float, list]:
+                   ) -> tuple[float, list]:
     """`waves` waves of `batch` requests, each sent when the last one's replies are in; the wall
     time is the waves' own, summed (the client's turn-around between them is not the stack's)."""
     wall, replies = 0.0, []
