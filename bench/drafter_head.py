@@ -6,10 +6,12 @@ Why: through the services on an H100 (BENCHMARKS.md, run 67) the eagle3 drafter 
 its own per round trip at batch 1 and 33.5 ms at batch 64, for k = 3, where the head's weights
 (~1 GB in bf16) take ~0.3 ms to read per draft step. This times the step and splits it with
 torch.profiler (--profile), so that the drafter's cost can be read without the services around
-it. Each batch runs twice: as the drafter does (no cuDNN attention, specd/models/sdpa_backends.py)
-and with SDPA's own choice, cuDNN first on Hopper (run 69: 111.7 against 5.0 ms at batch 1).
+it. Each batch runs through the fixed-shape forwards the drafter takes on CUDA (CUDA graphs,
+specd/proposers/head_graphs.py) and through the eager ones (BatchKV), and with --cudnn also eager
+with SDPA's own kernel choice, cuDNN first on Hopper (run 69: 111.7 against 5.0 ms at batch 1;
+the drafter allows no cuDNN attention, specd/models/sdpa_backends.py).
 
-    python -m bench.drafter_head [--batches 1,64] [--steps 20] [--shape 8b|small] [--device cuda]
+    python -m bench.drafter_head [--batches 1,64] [--steps 20] [--shape 8b|small] [--device cuda] [--cudnn]
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ SHAPES = {  # the target's shape: the head's layer is one of its layers; the dra
 }
 
 
-def make_proposer(shape: str, device: torch.device, dtype: torch.dtype, seed: int = 0) -> PairHeadProposer:
+def make_head(shape: str, device: torch.device, dtype: torch.dtype, seed: int = 0) -> Eagle3Head:
     s = SHAPES[shape]
     cfg = Eagle3Config(**s, draft_vocab_size=s["vocab_size"] // 2, target_hidden_size=s["hidden_size"],
                        raw={"rope_theta": 500000.0, "max_position_embeddings": 8192})
@@ -48,7 +50,12 @@ def make_proposer(shape: str, device: torch.device, dtype: torch.dtype, seed: in
         if p.ndim == 2:
             torch.nn.init.normal_(p, std=0.02)
     head.d2t.copy_(torch.arange(cfg.draft_vocab_size, device=device))  # draft id d is target id 2d
-    proposer = PairHeadProposer(head.to(dtype), device, dtype)
+    return head.to(dtype)
+
+
+def make_proposer(head: Eagle3Head, device: torch.device, dtype: torch.dtype, static_steps: bool
+                  ) -> PairHeadProposer:
+    proposer = PairHeadProposer(head, device, dtype, static_steps=static_steps)
     proposer.method, proposer.hidden_kind = "eagle3", "aux"
     return proposer
 
@@ -121,24 +128,37 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--shape", choices=sorted(SHAPES), default="8b")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--profile", action="store_true", help="also print torch.profiler's top ops per batch")
+    ap.add_argument("--cudnn", action="store_true", help="also eager with SDPA's own kernel choice (cuDNN first)")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    proposer = make_proposer(args.shape, device, dtype)
+    head = make_head(args.shape, device, dtype)
+    variants = [("static", make_proposer(head, device, dtype, True), nullcontext),
+                ("eager", make_proposer(head, device, dtype, False), nullcontext)]
+    if args.cudnn:
+        variants.append(("eager, cuDNN allowed", variants[1][1], cudnn_attention_allowed))
+    graphs = "CUDA graphs" if device.type == "cuda" else "no graphs on CPU: the same buffers, eagerly"
     print(f"EAGLE-3 head, {args.shape} shape, {dtype}, {device}, k = {args.k}: ms per propose "
-          f"(median of {args.steps}, after the prompts'; min-max); the default against SDPA's own "
-          "choice of kernel (cuDNN first on Hopper), alternated per batch\n")
-    print("| batch | default ms | cuDNN allowed ms | allowed / default |\n|---|---|---|---|")
+          f"(median of {args.steps}, after the prompts'; min-max), alternated per batch. static: "
+          f"the fixed-shape forwards ({graphs}); eager: BatchKV's\n")
+    names = [name for name, _, _ in variants]
+    print("| batch | " + " | ".join(f"{n} ms" for n in names) + " | "
+          + " | ".join(f"{n} / static" for n in names[1:]) + " |")
+    print("|---" * (2 * len(names)) + "|")
     tables = []
     for batch in (int(b) for b in args.batches.split(",")):
-        cells = []
-        for label, scope in (("default", nullcontext), ("cuDNN allowed", cudnn_attention_allowed)):
+        medians, cells = [], []
+        for label, proposer, scope in variants:
             with scope():
                 times, table = time_steps(proposer, batch, args.steps, args.k, profile=args.profile)
-            cells.append(statistics.median(times))
-            cells.append(f"{statistics.median(times):.2f} ({min(times):.2f}-{max(times):.2f})")
+            medians.append(statistics.median(times))
+            cells.append(f"{medians[-1]:.2f} ({min(times):.2f}-{max(times):.2f})")
             tables.append((batch, label, table))
-        print(f"| {batch} | {cells[1]} | {cells[3]} | {cells[2] / cells[0]:.2f}x |", flush=True)
+        ratios = [f"{m / medians[0]:.2f}x" for m in medians[1:]]
+        print(f"| {batch} | " + " | ".join(cells + ratios) + " |", flush=True)
+    static = variants[0][1].graphs
+    print(f"\nstatic: {static.num_static_forwards} fixed-shape forwards, {static.num_captures} graphs "
+          f"captured in {static.capture_seconds:.2f} s, {static.num_capture_failures} capture failures")
     for batch, label, table in tables:
         if table:
             print(f"\nbatch {batch}, {label}, 5 steps:\n{table}")

@@ -27,6 +27,7 @@ def build_proposer(spec: SpeculativeConfig, target_path: Path, target_vocab_size
         return ReplayProposer(load_references(spec.replay_references), target_vocab_size,
                               spec.replay_corrupt_rate)
     draft_path = resolve_model_path(spec.model) if spec.model else target_path
+    static_steps = False if engine_config.eager_mode else None  # the heads' CUDA graphs (CUDA)
     if spec.method == "draft_model":
         from specd.models.loader import load_target_runner
         from specd.proposers.draft_model import DraftModelProposer
@@ -35,13 +36,14 @@ def build_proposer(spec: SpeculativeConfig, target_path: Path, target_vocab_size
     if spec.method == "eagle3":
         from specd.proposers.eagle3 import Eagle3Proposer
 
-        return Eagle3Proposer(draft_path, target_path, device=device, dtype=dtype)
+        return Eagle3Proposer(draft_path, target_path, device=device, dtype=dtype, static_steps=static_steps)
     if spec.method == "deepseek_mtp":
         from specd.proposers.deepseek_mtp import DeepseekMTPProposer
 
-        return DeepseekMTPProposer(draft_path, device=device, dtype=dtype, target_path=target_path)
+        return DeepseekMTPProposer(draft_path, device=device, dtype=dtype, target_path=target_path,
+                                   static_steps=static_steps)
     if spec.method == "qwen3_5_mtp":
         from specd.proposers.qwen3_5_mtp import Qwen35MTPProposer
 
-        return Qwen35MTPProposer(draft_path, device=device, dtype=dtype)
+        return Qwen35MTPProposer(draft_path, device=device, dtype=dtype, static_steps=static_steps)
     raise ValueError(f"method: unknown speculative method {spec.method!r}")

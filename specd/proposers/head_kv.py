@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 BLOCK = 16  # positions a block
+SCRATCH_BLOCK = 0  # no sequence's: padding rows of a fixed-shape batch write here (StaticBatchKV)
 
 
 class HeadKVCache:
@@ -28,14 +29,17 @@ class HeadKVCache:
 
     The pools are allocated at the first `materialize` (their shapes and dtype come from the
     head's tensors); the block count doubles when the free blocks run out, keeping what they hold.
+    `generation` counts the allocations: a CUDA graph holds the pools it was captured with.
     Handles (acquire / release) name the sequences; `reserve` gives a handle blocks for a length.
     """
 
     def __init__(self, device: torch.device | str, initial_blocks: int = 64) -> None:
         self.device = torch.device(device)
         self.pools: list[torch.Tensor] | None = None
-        self.num_blocks = initial_blocks
-        self._free_blocks = list(range(initial_blocks))[::-1]  # pop() gives the lowest first
+        self.generation = 0
+        self.num_blocks = max(2, initial_blocks)
+        # pop() gives the lowest first; SCRATCH_BLOCK is never handed out
+        self._free_blocks = [b for b in range(self.num_blocks - 1, -1, -1) if b != SCRATCH_BLOCK]
         self._tables: dict[int, list[int]] = {}  # handle -> its blocks, in position order
         self._next_handle = 0
 
@@ -61,14 +65,22 @@ class HeadKVCache:
         """The pools, allocated after `new` ([B, heads, S, dim] each) or grown to num_blocks."""
         if self.pools is None:
             self.pools = [t.new_zeros(self.num_blocks, BLOCK, t.shape[1], t.shape[3]) for t in new]
-        elif self.pools[0].shape[0] < self.num_blocks:
-            grown = []
-            for pool in self.pools:
-                bigger = pool.new_zeros(self.num_blocks, *pool.shape[1:])
-                bigger[:pool.shape[0]] = pool
-                grown.append(bigger)
-            self.pools = grown
+            self.generation += 1
+        else:
+            self.grow()
         return self.pools
+
+    def grow(self) -> None:
+        """Reallocate the pools (keeping their contents) if reserve took them past their size."""
+        if self.pools is None or self.pools[0].shape[0] >= self.num_blocks:
+            return
+        grown = []
+        for pool in self.pools:
+            bigger = pool.new_zeros(self.num_blocks, *pool.shape[1:])
+            bigger[:pool.shape[0]] = pool
+            grown.append(bigger)
+        self.pools = grown
+        self.generation += 1
 
 
 class BatchKV:
@@ -126,4 +138,45 @@ class BatchKV:
             out.append(torch.cat([past[:, :self.max_past].transpose(1, 2), fresh], dim=2))
             valid = fresh[:, :, 0] if self._row_b is None else fresh[self._row_b, :, self._row_j]  # [N, heads, dim]
             pool.view(-1, heads, dim).index_copy_(0, self._dest, valid)
+        return tuple(out)
+
+
+class StaticBatchKV:
+    """BatchKV over fixed shapes, every index computed on the device: what a CUDA graph replays.
+
+    table [B, NB] int64: each sequence's blocks (padding: SCRATCH_BLOCK); past_lens, query_lens
+    [B] int64 (a padding row: 0 and 0); Q new positions a row. Keys are [NB * BLOCK past slots |
+    Q new], the mask as BatchKV's (max_past = NB * BLOCK). New entries past a row's query_len
+    (and all of a padding row's) are written to the scratch block, not to the sequence's.
+    """
+
+    def __init__(self, cache: HeadKVCache, table: torch.Tensor, past_lens: torch.Tensor,
+                 query_lens: torch.Tensor, num_q: int) -> None:
+        self.cache = cache
+        batch, width = table.shape
+        self.max_past = width * BLOCK
+        self._table = table.reshape(-1)
+        new = torch.arange(num_q, device=table.device)  # [Q]
+        pos = past_lens[:, None] + new  # [B, Q]
+        valid_q = new[None, :] < query_lens[:, None]  # [B, Q]
+        block = table.gather(1, (pos // BLOCK).clamp(max=width - 1))
+        dest = torch.where(valid_q, block * BLOCK + pos % BLOCK, SCRATCH_BLOCK * BLOCK + new)
+        self._dest = dest.reshape(-1)  # [B * Q]
+        past_ok = torch.arange(self.max_past, device=table.device)[None, :] < past_lens[:, None]
+        causal = torch.ones(num_q, num_q, dtype=torch.bool, device=table.device).tril()
+        mask = torch.cat([past_ok[:, None, :] & valid_q[:, :, None],
+                          causal[None].expand(batch, -1, -1)], dim=-1)  # [B, Q, past + Q]
+        self.mask = mask[:, None]  # [B, 1, Q, max_past + Q] bool, True = attend
+
+    def update(self, *new: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """New entries [B, heads, Q, dim] each -> the batch's keys [B, heads, NB * BLOCK + Q, dim]."""
+        out = []
+        batch, _, num_q, _ = new[0].shape
+        for pool, fresh in zip(self.cache.materialize(new), new):
+            fresh = fresh.to(pool.dtype)
+            heads, dim = pool.shape[2], pool.shape[3]
+            past = pool.index_select(0, self._table).view(batch, self.max_past, heads, dim)
+            out.append(torch.cat([past.transpose(1, 2), fresh], dim=2))
+            rows = fresh.transpose(1, 2).reshape(batch * num_q, heads, dim)
+            pool.view(-1, heads, dim).index_copy_(0, self._dest, rows)
         return tuple(out)

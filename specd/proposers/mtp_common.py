@@ -12,7 +12,10 @@ autoregressive entries are speculative and are cropped when the next committed t
 
 The head's cache is paged, a block list per open sequence (head_kv.py): `BatchKV` gathers a
 batch's cached entries side by side, padded to a common length, stores the new ones and gives the
-mask that keeps sequences apart.
+mask that keeps sequences apart. On CUDA the forwards go through fixed shapes replayed as CUDA
+graphs (head_graphs.py; `static_steps`), the eager path taking what does not fit them. A batch of
+greedy requests without a grammar keeps its drafts on the device until the last step: one wait a
+propose, not one a draft step.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from specd.models.sdpa_backends import variable_shape_sdpa
 from specd.models.weights import read_tensor, tensor_names
 from specd.proposers.base import DraftProposal, DraftRequest
 from specd.proposers.draft_constraints import mask_logits
+from specd.proposers.head_graphs import HeadGraphs
 from specd.proposers.head_kv import BatchKV, HeadKVCache
 from specd.random import SALT_DRAFT
 from specd.sampling import (SamplingTensors, apply_repetition_penalty, processed_probs,
@@ -118,17 +122,23 @@ class PairHeadProposer:
     head.forward(ids [B, S], hidden [B, S, H], positions [B, S], kv: BatchKV) -> [B, S, H]: the
         hidden state fed back at the next position.
     head.logits(hidden [N, H]) -> [N, target_vocab] float32 (-inf outside the draft vocabulary).
+    static_steps: the forwards through head_graphs.py's fixed shapes (CUDA graphs on CUDA); None:
+    on CUDA. False on CUDA is the eager mode.
     """
 
     method: str
     hidden_kind: str
 
-    def __init__(self, head: nn.Module, device: torch.device | str, dtype: torch.dtype) -> None:
+    def __init__(self, head: nn.Module, device: torch.device | str, dtype: torch.dtype,
+                 static_steps: bool | None = None) -> None:
         self.head = head.eval()
         self.device = torch.device(device)
         self.dtype = dtype
         self._seqs: dict[int, _SeqState] = {}
-        self._kv = HeadKVCache(self.device)
+        # 1,024 blocks of an 8B head's k and v: 64 MiB; each growth costs the graphs a recapture.
+        self._kv = HeadKVCache(self.device, initial_blocks=1024 if self.device.type == "cuda" else 64)
+        static = self.device.type == "cuda" if static_steps is None else static_steps
+        self.graphs = HeadGraphs(self.head, self._kv, dtype) if static else None
         self.draft_constraints = None  # DraftConstraints when structured output is enabled
 
     def open(self, seq_id: int, params: SamplingParams, grammar=None) -> None:
@@ -155,9 +165,10 @@ class PairHeadProposer:
 
     def _propose(self, requests: list[DraftRequest]) -> list[DraftProposal]:
         dc = self.draft_constraints
-        for r in requests:
+        projected = self._project([r.new_hidden_states for r in requests])
+        for r, rows in zip(requests, projected):
             seq = self._seqs[r.seq_id]
-            self._ingest(seq, r)
+            self._ingest(seq, r, rows)
             if dc is not None:
                 dc.begin(r.seq_id, seq.tokens[len(seq.tokens) - r.num_output_tokens:])
         active = [r for r in requests if r.num_draft_tokens > 0]
@@ -175,12 +186,26 @@ class PairHeadProposer:
             out.append(DraftProposal(token_ids, torch.stack(q).cpu() if sampled else None))
         return out
 
-    def _ingest(self, seq: _SeqState, r: DraftRequest) -> None:
-        """Append committed tokens and hidden rows; drop last step's speculative cache entries."""
+    def _project(self, hidden_states: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+        """Each request's target rows [n, H*] in the head's space [n, H] (None where it has none):
+        one copy to the device and one projection for the batch where the widths agree."""
+        given = [h for h in hidden_states if h is not None and h.shape[0] > 0]
+        for h in given:
+            assert h.ndim == 2, "new_hidden_states must be [n, H*]"
+        if not given:
+            return [None] * len(hidden_states)
+        if len({h.shape[1] for h in given}) == 1:
+            rows = torch.cat(given) if len(given) > 1 else given[0]
+            parts = iter(self.head.project_target(rows.to(self.device, self.dtype)).split([h.shape[0] for h in given]))
+        else:  # each one alone: project_target names the width it wants
+            parts = iter([self.head.project_target(h.to(self.device, self.dtype)) for h in given])
+        return [next(parts) if h is not None and h.shape[0] > 0 else None for h in hidden_states]
+
+    def _ingest(self, seq: _SeqState, r: DraftRequest, rows: torch.Tensor | None) -> None:
+        """Append committed tokens and (projected) hidden rows; drop last step's speculative
+        cache entries."""
         seq.tokens.extend(r.new_token_ids)
-        if r.new_hidden_states is not None and r.new_hidden_states.shape[0] > 0:
-            assert r.new_hidden_states.ndim == 2, "new_hidden_states must be [n, H*]"
-            rows = self.head.project_target(r.new_hidden_states.to(self.device, self.dtype))
+        if rows is not None:
             seq.pending = rows if seq.pending is None else torch.cat([seq.pending, rows])
         if seq.num_pairs != len(seq.tokens) - 1:
             raise ValueError(f"seq {r.seq_id}: {len(seq.tokens)} committed tokens need "
@@ -189,19 +214,21 @@ class PairHeadProposer:
 
     def _draft(self, seqs: list[_SeqState], ks: list[int], drafts: list[list[int]],
                probs: list[list[torch.Tensor]]) -> None:
-        self._catch_up([s for s in seqs if s.pending is not None])
+        caught = [s for s in seqs if s.pending is not None]
+        caught_last = self._catch_up(caught)
         for s in seqs:
             if s.last is None:
                 raise ValueError("a sequence needs at least one hidden row before drafting")
+        # [B, H]; caught is seqs itself when as long (a subsequence of it)
+        hidden = caught_last if len(caught) == len(seqs) else torch.stack([s.last for s in seqs])
+        if self.draft_constraints is None and all(s.params.is_greedy for s in seqs):
+            self._draft_greedy(seqs, ks, drafts, hidden)
+            return
         rows = list(range(len(seqs)))
-        hidden = torch.stack([s.last for s in seqs])  # [B, H]
         for step in range(max(ks)):
             if step > 0:  # pair (g, d_{step}) at position n + step - 1, speculative
                 batch = [seqs[i] for i in rows]
-                ids = torch.tensor([[drafts[i][-1]] for i in rows], device=self.device)  # [B, 1]
-                pos = torch.tensor([[s.num_cached + step - 1] for s in batch], device=self.device)
-                kv = BatchKV(self._kv, [s.slot for s in batch], [s.kv_len for s in batch], [1] * len(batch))
-                hidden = self.head(ids, hidden[:, None], pos, kv)[:, 0]  # [B, H]
+                hidden = self._forward(batch, [1] * len(batch), [[drafts[i][-1]] for i in rows], hidden)
                 for s in batch:
                     s.kv_len += 1
             bitmask = None if self.draft_constraints is None else \
@@ -222,33 +249,70 @@ class PairHeadProposer:
                 break
             hidden = hidden[keep]
 
+    def _draft_greedy(self, seqs: list[_SeqState], ks: list[int], drafts: list[list[int]],
+                      hidden: torch.Tensor) -> None:
+        """Greedy drafts without a grammar: each step's argmax feeds the next on the device, and
+        the host reads them all once at the end. Every sequence takes max(ks) steps (the extra
+        entries are speculative, dropped at the next ingest); each keeps its own k."""
+        steps = []  # [B] int64 on the device, a step each
+        for step in range(max(ks)):
+            if step > 0:
+                hidden = self._forward(seqs, [1] * len(seqs), steps[-1], hidden)
+                for s in seqs:
+                    s.kv_len += 1
+            steps.append(self.head.logits(hidden).argmax(dim=-1))
+        table = torch.stack(steps, dim=1).tolist()  # [B, max(ks)]
+        for i, k in enumerate(ks):
+            drafts[i].extend(table[i][:k])
+
     def _logits(self, hidden: torch.Tensor, bitmask: torch.Tensor | None) -> torch.Tensor:
         """Draft logits in the target vocabulary, masked by the grammar rows when given."""
         if bitmask is not None and hasattr(self.head, "masked_logits"):
             return self.head.masked_logits(hidden, bitmask)  # EAGLE-3 masks in its draft vocabulary
         return mask_logits(self.head.logits(hidden), bitmask)
 
-    def _catch_up(self, seqs: list[_SeqState]) -> None:
-        """One padded forward over every sequence's uncached committed pairs."""
+    def _catch_up(self, seqs: list[_SeqState]) -> torch.Tensor | None:
+        """One forward over every sequence's uncached committed pairs; the head's output at each
+        one's last pair [n, H] (None without sequences)."""
         if not seqs:
-            return
+            return None
         lens = [s.pending.shape[0] for s in seqs]
-        num_q = max(lens)
-        ids = torch.zeros(len(seqs), num_q, dtype=torch.long)
-        pos = torch.zeros(len(seqs), num_q, dtype=torch.long)
-        hidden = seqs[0].pending.new_zeros(len(seqs), num_q, seqs[0].pending.shape[1])  # [B,S,H]
-        for i, s in enumerate(seqs):
-            start, m = s.num_cached, lens[i]
-            ids[i, :m] = torch.tensor(s.tokens[start + 1:start + 1 + m])  # x_{p+1} of pair p
-            pos[i, :m] = torch.arange(start, start + m)
-            hidden[i, :m] = s.pending
-        kv = BatchKV(self._kv, [s.slot for s in seqs], [s.kv_len for s in seqs], lens)
-        out = self.head(ids.to(self.device), hidden, pos.to(self.device), kv)  # [B, S, H]
+        ids = [s.tokens[s.num_cached + 1:s.num_cached + 1 + m] for s, m in zip(seqs, lens)]  # x_{p+1}
+        rows = torch.cat([s.pending for s in seqs]) if len(seqs) > 1 else seqs[0].pending
+        last = self._forward(seqs, lens, ids, rows).clone()  # a static output is overwritten later
         for i, s in enumerate(seqs):
             s.kv_len += lens[i]
             s.num_cached += lens[i]
             s.pending = None
-            s.last = out[i, lens[i] - 1]
+            s.last = last[i]
+        return last
+
+    def _forward(self, seqs: list[_SeqState], query_lens: list[int], ids: list[list[int]] | torch.Tensor,
+                 rows: torch.Tensor) -> torch.Tensor:
+        """The head over query_lens[i] new pairs of seqs[i] at positions kv_len.. (ids: their
+        x_{p+1}, host lists or a device tensor [n] when each brings one; rows [sum, H]: their
+        hidden inputs in order) -> its output at each sequence's last new pair [n, H]."""
+        handles, past = [s.slot for s in seqs], [s.kv_len for s in seqs]
+        if self.graphs is not None:
+            out = self.graphs.forward(handles, past, query_lens, ids, rows)
+            if out is not None:
+                return out
+        n, num_q = len(seqs), max(query_lens)
+        if num_q == 1:
+            hidden = rows[:, None]  # [B, 1, H]
+        else:  # padded to [B, S, H]
+            index = torch.tensor([i * num_q + j for i, m in enumerate(query_lens) for j in range(m)])
+            hidden = rows.new_zeros(n * num_q, rows.shape[1]).index_copy_(0, index.to(self.device), rows)
+            hidden = hidden.view(n, num_q, -1)
+        if isinstance(ids, torch.Tensor):
+            ids = ids.view(n, 1)
+        else:
+            ids = torch.tensor([t + [0] * (num_q - len(t)) for t in ids], device=self.device)
+        pos = (torch.tensor(past)[:, None] + torch.arange(num_q)).to(self.device)  # [B, S]
+        out = self.head(ids, hidden, pos, BatchKV(self._kv, handles, past, query_lens))  # [B, S, H]
+        if num_q == 1:
+            return out[:, 0]
+        return out[torch.arange(n), torch.tensor(query_lens) - 1]
 
     def _choose(self, logits: torch.Tensor, seqs: list[_SeqState], drafts: list[list[int]]
                 ) -> tuple[list[int], torch.Tensor | None]:

@@ -37,11 +37,12 @@ def test_the_paged_twin_attends_without_cudnn(monkeypatch):
 
 
 def test_the_eagle3_drafter_attends_without_cudnn(monkeypatch):
-    from bench.drafter_head import cudnn_attention_allowed, make_proposer, time_steps
+    from bench.drafter_head import cudnn_attention_allowed, make_head, make_proposer, time_steps
     from specd.proposers import eagle3_head
 
     seen = spy_on_sdpa(monkeypatch, eagle3_head)
-    proposer = make_proposer("small", torch.device("cpu"), torch.float32)
+    cpu = torch.device("cpu")
+    proposer = make_proposer(make_head("small", cpu, torch.float32), cpu, torch.float32, static_steps=False)
     times, _ = time_steps(proposer, batch=2, steps=2, k=3)
     assert len(times) == 2 and all(t > 0 for t in times)
     # the prompts' catch-up and every draft step after the first: 1 + 2 + 2 x (1 + 2) calls

@@ -179,6 +179,13 @@ def check_batch_equals_alone(make_proposer, rows_fn, seed: int = 0, num_steps: i
             alone[i].seqs[i].tokens = list(batched.seqs[i].tokens)  # commit the same tokens
 
 
+@pytest.fixture(params=[False, True], ids=["eager", "static"])
+def static_steps(request):
+    """Both forward paths of the heads: eager, and the fixed shapes CUDA graphs replay (on CPU
+    they run eagerly through the same buffers: specd/proposers/head_graphs.py)."""
+    return request.param
+
+
 @pytest.fixture(scope="session")
 def sim():
     """The helpers above, for test modules (conftest is not importable under importlib mode)."""

@@ -91,8 +91,8 @@ def test_writer_layout(target_dir, target):
     assert len(target.model.layers) == NUM_LAYERS
 
 
-def test_matches_full_recompute(sim, target_dir, reference, rows_fn):
-    proposer = DeepseekMTPProposer(target_dir, dtype=DTYPE)
+def test_matches_full_recompute(sim, target_dir, reference, rows_fn, static_steps):
+    proposer = DeepseekMTPProposer(target_dir, dtype=DTYPE, static_steps=static_steps)
     assert (proposer.method, proposer.hidden_kind) == ("deepseek_mtp", "final")
     params = [SamplingParams(), SamplingParams(temperature=0.8, top_p=0.95, seed=3),
               SamplingParams(temperature=1.1, min_p=0.05, repetition_penalty=1.3, seed=5)]
@@ -102,8 +102,9 @@ def test_matches_full_recompute(sim, target_dir, reference, rows_fn):
     sim.check_sampled_probs(verifier)
 
 
-def test_batch_equals_alone(sim, target_dir, rows_fn):
-    sim.check_batch_equals_alone(lambda: DeepseekMTPProposer(target_dir, dtype=DTYPE), rows_fn)
+def test_batch_equals_alone(sim, target_dir, rows_fn, static_steps):
+    sim.check_batch_equals_alone(
+        lambda: DeepseekMTPProposer(target_dir, dtype=DTYPE, static_steps=static_steps), rows_fn)
 
 
 def test_falls_back_to_target_embeddings_and_head(tmp_path, sim, target_dir, reference, rows_fn):

@@ -123,27 +123,37 @@ def test_loads_borrowing_target_embeddings(draft_dir, target_dir, target):
                                target.model.embed_tokens.weight.to(DTYPE))
 
 
-def test_matches_full_recompute(sim, draft_dir, target_dir, target, rows_fn):
-    proposer = Eagle3Proposer(draft_dir, target_dir, dtype=DTYPE)
+def test_matches_full_recompute(sim, draft_dir, target_dir, target, rows_fn, static_steps):
+    proposer = Eagle3Proposer(draft_dir, target_dir, dtype=DTYPE, static_steps=static_steps)
     ref = NaiveEagle3(draft_dir, target)
     params = [SamplingParams(), SamplingParams(temperature=0.8, top_p=0.95, seed=3),
               SamplingParams(temperature=1.2, top_k=30, repetition_penalty=1.2, seed=4)]
     prompts = [[10, 11, 12, 13], [40] * 2, [99]]
     verifier = sim.check_against_reference(proposer, ref, rows_fn, params, prompts, num_steps=6,
                                            seed=0)
+    assert not static_steps or proposer.graphs.num_static_forwards > 0
     t2d = load_file(str(draft_dir / "model.safetensors"))["t2d"]
     sim.check_sampled_probs(verifier, allowed=t2d)
     for s in verifier.seqs.values():  # every draft is a draftable target id
         assert all(bool(t2d[t]) for drafts, _ in s.history for t in drafts)
 
 
-def test_batch_equals_alone(sim, draft_dir, target_dir, rows_fn):
-    sim.check_batch_equals_alone(lambda: Eagle3Proposer(draft_dir, target_dir, dtype=DTYPE),
-                                 rows_fn)
+def test_greedy_batch_matches_full_recompute(sim, draft_dir, target_dir, target, rows_fn, static_steps):
+    """All greedy: the drafts stay on the device between steps, every sequence at its own k."""
+    proposer = Eagle3Proposer(draft_dir, target_dir, dtype=DTYPE, static_steps=static_steps)
+    prompts = [[10, 11, 12, 13], [40] * 2, [99], list(range(100, 130))]
+    sim.check_against_reference(proposer, NaiveEagle3(draft_dir, target), rows_fn,
+                                [SamplingParams()] * len(prompts), prompts, num_steps=8, seed=5)
+    assert not static_steps or proposer.graphs.num_static_forwards > 0
 
 
-def test_zero_draft_tokens_ingests_only(sim, draft_dir, target_dir, target, rows_fn):
-    proposer = Eagle3Proposer(draft_dir, target_dir, dtype=DTYPE)
+def test_batch_equals_alone(sim, draft_dir, target_dir, rows_fn, static_steps):
+    sim.check_batch_equals_alone(
+        lambda: Eagle3Proposer(draft_dir, target_dir, dtype=DTYPE, static_steps=static_steps), rows_fn)
+
+
+def test_zero_draft_tokens_ingests_only(sim, draft_dir, target_dir, target, rows_fn, static_steps):
+    proposer = Eagle3Proposer(draft_dir, target_dir, dtype=DTYPE, static_steps=static_steps)
     tokens = [3, 50, 60, 70, 80]
     proposer.open(0, SamplingParams())
     rows = rows_fn(tokens + [90, 91])

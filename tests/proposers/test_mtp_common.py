@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from specd.proposers.base import DraftRequest
-from specd.proposers.head_kv import BLOCK, BatchKV, HeadKVCache
+from specd.proposers.head_graphs import MAX_STATIC_QUERY as MAX_Q, HeadGraphs
+from specd.proposers.head_kv import BLOCK, SCRATCH_BLOCK, BatchKV, HeadKVCache, StaticBatchKV
 from specd.proposers.mtp_common import PairHeadProposer, load_module_tensors
 from specd.sampling_params import SamplingParams
 
@@ -37,18 +39,63 @@ def test_batch_kv_mask_gather_and_store():
     assert keys[0, 0, :3, 0].tolist() == [0, 1, 10] and keys[1, 0, :3, 0].tolist() == [13, 14, 15]
 
 
-def test_head_kv_cache_pages_grow_and_are_reused():
+def test_static_batch_kv_attends_and_stores_as_batch_kv():
+    """Same past and new entries: the fixed-shape view (padded table, a padding row, a short
+    chunk) gives each valid query the same attention and stores the same entries."""
+    torch.manual_seed(0)
+    heads, dim = 2, 4
+    caches = [HeadKVCache("cpu", initial_blocks=8) for _ in range(2)]
+    for cache in caches:  # the same past: 20 and 3 positions
+        a, b = cache.acquire(), cache.acquire()
+    past = [torch.randn(1, heads, n, dim) for n in (20, 3)]
+    for cache in caches:
+        for handle, p in zip((a, b), past):
+            BatchKV(cache, [handle], [0], [p.shape[2]]).update(p, -p)
+    new = torch.randn(2, heads, 3, dim)
+    query = torch.randn(2, heads, 3, dim)
+    eager = BatchKV(caches[0], [a, b], [20, 3], [3, 1])
+    want = F.scaled_dot_product_attention(query, *eager.update(new, -new), attn_mask=eager.mask)
+    width = 4  # blocks: more than the 2 the longest needs
+    table = torch.full((3, width), SCRATCH_BLOCK)
+    for row, (handle, n) in enumerate(((a, 23), (b, 4))):
+        blocks = caches[1].reserve(handle, n)
+        table[row, :len(blocks)] = torch.tensor(blocks)
+    static = StaticBatchKV(caches[1], table, torch.tensor([20, 3, 0]), torch.tensor([3, 1, 0]), 3)
+    padded = lambda t: torch.cat([t, torch.randn(1, heads, 3, dim)])  # noqa: E731 - a padding row
+    got = F.scaled_dot_product_attention(padded(query), *static.update(padded(new), -padded(new)),
+                                         attn_mask=static.mask)
+    torch.testing.assert_close(got[0], want[0])
+    torch.testing.assert_close(got[1, :, :1], want[1, :, :1])  # sequence 1 brought one query
+    for p, q in zip(caches[0].pools, caches[1].pools):  # stored alike, scratch aside
+        torch.testing.assert_close(p[1:], q[1:])
+
+
+def test_head_graphs_fall_back_and_recapture_after_the_pools_move():
     cache = HeadKVCache("cpu", initial_blocks=2)
+    graphs = HeadGraphs(_EchoHead(), cache, torch.float32)
+    handle = cache.acquire()
+    assert graphs.forward([handle], [0], [MAX_Q + 1], [[0] * (MAX_Q + 1)], torch.zeros(MAX_Q + 1, 4)) is None
+    BatchKV(cache, [handle], [0], [MAX_Q + 1]).update(torch.zeros(1, 1, MAX_Q + 1, 4))  # the eager path's
+    generation = cache.generation
+    out = graphs.forward([handle], [MAX_Q + 1], [2], [[1, 2]], torch.arange(8.0).view(2, 4))
+    assert out.tolist() == [[4.0, 5.0, 6.0, 7.0]] and graphs.num_static_forwards == 1
+    assert len(graphs._layouts) == 1
+    graphs.forward([handle], [4 * BLOCK], [1], [[0]], torch.zeros(1, 4))  # 5 blocks: the pool of 4 grows
+    assert cache.generation > generation and len(graphs._layouts) == 1  # the old layout dropped
+
+
+def test_head_kv_cache_pages_grow_and_are_reused():
+    cache = HeadKVCache("cpu", initial_blocks=3)  # blocks 1 and 2 (0 is the scratch block)
     a, b = cache.acquire(), cache.acquire()
     rows = lambda n, v: torch.full((1, 1, n, 1), float(v))  # noqa: E731
     BatchKV(cache, [a], [0], [BLOCK + 1]).update(rows(BLOCK + 1, 1))  # two blocks: the pool is full
     BatchKV(cache, [b], [0], [3]).update(rows(3, 2))  # a third block: the pool doubles, keeping a's
-    assert cache.num_blocks == 4 and cache.pools[0].shape[0] == 4
+    assert cache.num_blocks == 6 and cache.pools[0].shape[0] == 6
     keys, = BatchKV(cache, [a, b], [BLOCK + 1, 3], [1, 1]).update(torch.zeros(2, 1, 1, 1))
     assert keys[0, 0, :BLOCK + 1, 0].unique().tolist() == [1.0] and keys[1, 0, :3, 0].tolist() == [2.0] * 3
     cache.release(a)  # its two blocks go back, and the next sequence takes them
     c = cache.acquire()
-    assert len(cache.reserve(c, 2 * BLOCK)) == 2 and cache.num_blocks == 4
+    assert len(cache.reserve(c, 2 * BLOCK)) == 2 and cache.num_blocks == 6
 
 
 class _Experts(nn.Module):

@@ -80,8 +80,8 @@ def test_writer_layout(target_dir, target):
     assert len(target.model.layers) == 4  # transformers loads the target, ignoring mtp.*
 
 
-def test_matches_full_recompute(sim, target_dir, reference, rows_fn):
-    proposer = Qwen35MTPProposer(target_dir, dtype=DTYPE)
+def test_matches_full_recompute(sim, target_dir, reference, rows_fn, static_steps):
+    proposer = Qwen35MTPProposer(target_dir, dtype=DTYPE, static_steps=static_steps)
     assert (proposer.method, proposer.hidden_kind) == ("qwen3_5_mtp", "final")
     params = [SamplingParams(), SamplingParams(temperature=0.8, top_p=0.95, seed=3),
               SamplingParams(temperature=1.1, top_k=40, repetition_penalty=1.3, seed=5)]
@@ -91,8 +91,9 @@ def test_matches_full_recompute(sim, target_dir, reference, rows_fn):
     sim.check_sampled_probs(verifier)
 
 
-def test_batch_equals_alone(sim, target_dir, rows_fn):
-    sim.check_batch_equals_alone(lambda: Qwen35MTPProposer(target_dir, dtype=DTYPE), rows_fn)
+def test_batch_equals_alone(sim, target_dir, rows_fn, static_steps):
+    sim.check_batch_equals_alone(
+        lambda: Qwen35MTPProposer(target_dir, dtype=DTYPE, static_steps=static_steps), rows_fn)
 
 
 def test_multimodal_checkpoint_layout(tmp_path, sim, target_dir, reference, rows_fn):
