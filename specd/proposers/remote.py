@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import grpc
 import torch
 
-from specd.proposers.base import DraftProposal, DraftRequest, HiddenKind
+from specd.proposers.base import DraftProposal, DraftRequest, HiddenKind, hidden_rows_to_host
 from specd.proposers.drafter_discovery import DrafterDiscovery
 from specd.proposers.drafter_membership import DrafterMembership, _contract
 from specd.proposers.drafter_stream import (DrafterError, DrafterRejectedError, DrafterStream,
@@ -216,7 +216,8 @@ class RemoteProposer(DrafterMembership):
             if owner is not None:  # parked sequences: no drafts, their tokens are not needed
                 groups.setdefault(owner.address, []).append(i)
         targets = [d for a, d in self._drafters.items() if a in groups or d.pending_open or d.pending_close]
-        sent = {d.address: self._send(d, [requests[i] for i in groups.get(d.address, [])]) for d in targets}
+        wire = hidden_rows_to_host(requests, self.hidden_dtype) if self.hidden_kind != "none" else requests
+        sent = {d.address: self._send(d, [wire[i] for i in groups.get(d.address, [])]) for d in targets}
         self._in_flight = PendingDrafts(self, requests, groups, targets, sent, t0)
         return self._in_flight
 

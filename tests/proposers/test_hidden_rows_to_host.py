@@ -1,0 +1,25 @@
+"""hidden_rows_to_host: a batch's hidden rows in one copy, each request keeping its own."""
+
+from __future__ import annotations
+
+import torch
+
+from specd.proposers.base import DraftRequest, hidden_rows_to_host
+
+
+def test_rows_split_back_per_request_in_the_wire_dtype():
+    rows = [torch.randn(3, 8), None, torch.randn(1, 8), torch.randn(0, 8)]
+    requests = [DraftRequest(i, [1] * 3, r, 2) for i, r in enumerate(rows)]
+    out = hidden_rows_to_host(requests, torch.bfloat16)
+    assert [r.seq_id for r in out] == [0, 1, 2, 3] and out[1].new_hidden_states is None
+    for r, want in zip(out, rows):
+        if want is not None:
+            assert r.new_hidden_states.dtype == torch.bfloat16 and r.new_hidden_states.shape == want.shape
+            assert torch.equal(r.new_hidden_states, want.to(torch.bfloat16))
+    assert requests[0].new_hidden_states.dtype == torch.float32  # the engine's requests are left alone
+
+
+def test_unlike_rows_are_left_to_the_codec():
+    requests = [DraftRequest(0, [1], torch.randn(1, 8), 1), DraftRequest(1, [1], torch.randn(1, 4), 1)]
+    assert hidden_rows_to_host(requests) is requests
+    assert hidden_rows_to_host([DraftRequest(0, [1], None, 1)])[0].new_hidden_states is None
