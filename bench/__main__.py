@@ -172,6 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--replay-acceptance", type=float, default=3.0,
                     help="replay drafter's expected acceptance length (tokens per step)")
     ap.add_argument("--device", default=None, help="default cuda when available, else cpu")
+    ap.add_argument("--drafter-device", default=None, help="the e2e drafters' device (default: --device's)")
     ap.add_argument("--compile", nargs="?", const="default", default=None, metavar="MODE",
                     help="step: add the graphs + torch.compile column (MODE: default | "
                          "max-autotune-no-cudagraphs)")
@@ -262,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
             max_tokens=args.max_tokens or (12 if args.small else 128), k=args.k, device=device,
             replay_acceptance=args.replay_acceptance, work_dir=work, vocab_for_prompts=vocab,
             on_row=lambda r, i: write_e2e_results(r, i, out), compile_mode=args.e2e_compile,
-            min_requests=args.e2e_min_requests or (1 if args.small else 8))
+            min_requests=args.e2e_min_requests or (1 if args.small else 8), drafter_device=args.drafter_device)
         sections.append(write_e2e_results(rows, info, out))
         print(sections[-1], flush=True)
     (out / "summary.md").write_text("\n".join(sections))

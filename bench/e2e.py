@@ -160,7 +160,8 @@ def median_round(timed: list[tuple]) -> tuple:
 
 def run_method(method: str, target: Path, draft: Path | None, batches: list[int], prompts, max_tokens: int,
                k: int, device: str, extra_env: dict | None = None, log_level: str = "warning",
-               rounds: int = 3, min_requests: int = 1) -> tuple[list[E2ERow], dict]:
+               rounds: int = 3, min_requests: int = 1, drafter_device: str | None = None
+               ) -> tuple[list[E2ERow], dict]:
     """Per batch size: one warm-up round, then timed rounds until `rounds` of them captured no CUDA
     graph (at most 2 * rounds); the row is the median round of those (median_round). A round is
     waves_for(batch, min_requests) waves of `batch` requests (prompts holds enough of them)."""
@@ -179,7 +180,7 @@ def run_method(method: str, target: Path, draft: Path | None, batches: list[int]
                          grpc_port=free_port(), speculative_algorithm=spec,
                          speculative_draft_model=str(draft) if draft else None,
                          speculative_num_draft_tokens=k, max_batch_size=max(batches), device=device,
-                         log_level=log_level, extra_env=dict(extra_env or {}), enable_metrics=True,
+                         drafter_device=drafter_device, log_level=log_level, extra_env=dict(extra_env or {}), enable_metrics=True,
                          verifier_metrics_port=metrics_port)
     stack = Stack(config)
     rows, outputs, start_s = [], {}, None
@@ -271,9 +272,10 @@ def format_row(r: E2ERow) -> str:
 def run_e2e_bench(target: Path, drafts: dict, methods: list[str], batches: list[int],
                   max_tokens: int, k: int, device: str, replay_acceptance: float, work_dir: Path,
                   vocab_for_prompts: int, on_row=None, compile_mode: str | None = None,
-                  min_requests: int = 1) -> tuple[list[E2ERow], dict]:
+                  min_requests: int = 1, drafter_device: str | None = None) -> tuple[list[E2ERow], dict]:
     """Every method over every batch size; "off" always runs first (references, baseline). A round
-    at batch B sends at least min_requests requests, in waves of B (waves_for).
+    at batch B sends at least min_requests requests, in waves of B (waves_for). drafter_device:
+    where the drafters run (None: the verifier's device, the drafter then takes a tenth of it).
 
     compile_mode: the verifiers torch.compile their static path (SPECD_COMPILE); None: off.
     """
@@ -283,6 +285,7 @@ def run_e2e_bench(target: Path, drafts: dict, methods: list[str], batches: list[
     prompts = make_prompts(max(b * waves_for(b, min_requests) for b in batches), vocab_for_prompts)
     rows: list[E2ERow] = []
     info: dict = {"k": k, "max_tokens": max_tokens, "device": device, "stack_start_s": {},
+                  "drafter_device": drafter_device or device,
                   "min_requests": min_requests,
                   "compile_mode": compile_mode, "pdl": os.environ.get("SPECD_PDL", "default")}
     off: dict[int, E2ERow] = {}
@@ -298,7 +301,7 @@ def run_e2e_bench(target: Path, drafts: dict, methods: list[str], batches: list[
         draft = drafts.get(base_method(method)[0])
         draft = draft() if callable(draft) else draft  # written on first use (the 8B suite's heads)
         method_rows, extra = run_method(method, target, draft, batches, prompts, max_tokens, k, device, env,
-                                        min_requests=min_requests)
+                                        min_requests=min_requests, drafter_device=drafter_device)
         info["stack_start_s"][method] = extra["stack_start_s"]
         if method == "off":
             info["off_outputs"] = extra["outputs"]
@@ -316,7 +319,7 @@ def run_e2e_bench(target: Path, drafts: dict, methods: list[str], batches: list[
 def write_e2e_results(rows: list[E2ERow], info: dict, out_dir: Path) -> str:
     lines = [f"end to end through the services, k = {info['k']}, {info['max_tokens']} output tokens per "
              f"request (greedy, ignore_eos), a round at least {info.get('min_requests', 1)} requests in waves "
-             f"of the batch, device {info['device']}, compile {info.get('compile_mode') or 'off'}, "
+             f"of the batch, device {info['device']} (drafters: {info.get('drafter_device', info['device'])}), compile {info.get('compile_mode') or 'off'}, "
              f"SPECD_PDL {info.get('pdl', 'default')}; stack start s: {info['stack_start_s']}",
              "", HEADER, "|---|---|---|---|---|---|---|---|---|"]
     lines += [format_row(r) for r in rows]
