@@ -197,5 +197,12 @@ class Eagle3Head(nn.Module):
         out = draft.new_full((draft.shape[0], self.cfg.vocab_size), float("-inf"))
         return out.index_copy_(1, target_ids, draft)
 
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, H] -> [N] int64: the argmax of `logits`, taken in the draft vocabulary and mapped
+        through d2t, without the [N, vocab] float32 scatter (target ids rise with draft ids, so a
+        tie resolves to the same token)."""
+        ids = self.lm_head(self.norm(hidden)).argmax(dim=-1)  # [N] draft ids
+        return ids + self.d2t[ids]
+
     def masked_logits(self, hidden: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
         return self.logits(hidden, bitmask)

@@ -260,7 +260,8 @@ class PairHeadProposer:
                 hidden = self._forward(seqs, [1] * len(seqs), steps[-1], hidden)
                 for s in seqs:
                     s.kv_len += 1
-            steps.append(self.head.logits(hidden).argmax(dim=-1))
+            steps.append(self.head.greedy_tokens(hidden) if hasattr(self.head, "greedy_tokens")
+                         else self.head.logits(hidden).argmax(dim=-1))
         table = torch.stack(steps, dim=1).tolist()  # [B, max(ks)]
         for i, k in enumerate(ks):
             drafts[i].extend(table[i][:k])

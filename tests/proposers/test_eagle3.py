@@ -183,3 +183,9 @@ def test_bfloat16_runs(draft_dir, target_dir, rows_fn):
     out = proposer.propose([DraftRequest(0, tokens, rows_fn(tokens)[:3].to(torch.bfloat16), 4)])[0]
     assert out.token_ids.shape == (4,)
     assert out.probs.shape == (4, 512) and out.probs.dtype == torch.float32
+
+
+def test_greedy_tokens_are_the_logits_argmax(draft_dir, target_dir):
+    head = Eagle3Proposer(draft_dir, target_dir, dtype=DTYPE).head
+    hidden = torch.randn(64, 64, dtype=DTYPE, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(head.greedy_tokens(hidden), head.logits(hidden).argmax(dim=-1))
