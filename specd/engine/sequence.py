@@ -65,6 +65,8 @@ class Sequence:
     def take_undrafted(self) -> tuple[list[int], torch.Tensor | None]:
         """Hand the drafter what it has not seen yet, and forget it here."""
         tokens, self.undrafted_token_ids = self.undrafted_token_ids, []
-        hidden = torch.cat(self.undrafted_hidden, dim=0) if self.undrafted_hidden else None
-        self.undrafted_hidden = []
+        pieces, self.undrafted_hidden = self.undrafted_hidden, []
+        # One piece (a step's rows, the usual case) goes as it is: a copy of it is a device call a
+        # sequence, 128 a step at batch 128 (BENCHMARKS.md, run 73's trace).
+        hidden = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0) if pieces else None
         return tokens, hidden

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from specd.proposers.base import DraftRequest, hidden_rows_to_host
@@ -23,3 +24,11 @@ def test_unlike_rows_are_left_to_the_codec():
     requests = [DraftRequest(0, [1], torch.randn(1, 8), 1), DraftRequest(1, [1], torch.randn(1, 4), 1)]
     assert hidden_rows_to_host(requests) is requests
     assert hidden_rows_to_host([DraftRequest(0, [1], None, 1)])[0].new_hidden_states is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the pinned copy is the CUDA path")
+def test_device_rows_come_back_through_pinned_memory():
+    rows = [torch.randn(2, 8, device="cuda"), torch.randn(3, 8, device="cuda")]
+    out = hidden_rows_to_host([DraftRequest(i, [1], r, 1) for i, r in enumerate(rows)])
+    for r, want in zip(out, rows):
+        assert r.new_hidden_states.device.type == "cpu" and torch.equal(r.new_hidden_states, want.cpu())
