@@ -38,6 +38,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="draft_model on a GPU: the fraction of free GPU memory its KV cache may take (as "
                         "the target's flag of that name); `specd serve api_server` passes a tenth when the "
                         "drafter shares the verifier's GPU")
+    p.add_argument("--eager-mode", action="store_true",
+                   help="no CUDA graphs for the drafter's steps (draft_model's, the EAGLE-3 / MTP heads')")
     p.add_argument("--prompt-lookup-min", type=int, default=1, help="ngram: shortest suffix to match")
     p.add_argument("--prompt-lookup-max", type=int, default=4, help="ngram: longest suffix to match")
     # Bench only (specd/proposers/replay.py); the environment variables let bench/ set them through
@@ -77,5 +79,5 @@ def _run(args: argparse.Namespace) -> int:
                   host=args.host, port=args.port, device=args.device, dtype=args.dtype,
                   max_num_draft_tokens=args.max_num_draft_tokens, max_batch_size=args.max_batch_size,
                   cache_max_entry_count=args.cache_max_entry_count, max_workers=args.max_workers,
-                  tls=TLSConfig.from_args(args), fast_step_port=args.fast_step_port)
+                  tls=TLSConfig.from_args(args), fast_step_port=args.fast_step_port, eager_mode=args.eager_mode)
     return 0

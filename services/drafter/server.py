@@ -48,13 +48,15 @@ def _draft_constraints(target):
 
 def load_drafter(model_path: str | Path, spec: SpeculativeConfig, target_path: str | Path | None = None,
                  *, device: str = "cpu", dtype: str = "auto", max_num_draft_tokens: int = 32,
-                 max_batch_size: int = 128, cache_max_entry_count: float = 0.8) -> DrafterServicer:
+                 max_batch_size: int = 128, cache_max_entry_count: float = 0.8,
+                 eager_mode: bool = False) -> DrafterServicer:
     """Build the proposer `spec` names and wrap it in a servicer.
 
     model_path: the draft checkpoint for eagle3 / draft_model when spec.model is empty (spec.model
     wins when set); for MTP and ngram pass the target. target_path: the target checkpoint
     (default: model_path). max_batch_size sizes draft_model's KV cache (all streams together), and
-    cache_max_entry_count caps it at that fraction of the GPU memory free at load.
+    cache_max_entry_count caps it at that fraction of the GPU memory free at load. eager_mode: no
+    CUDA graphs (draft_model's steps, the EAGLE-3 / MTP heads' forwards).
     """
     from specd.models.runner_setup import select_dtype
     from specd.models.model_path import resolve_model_path
@@ -69,7 +71,7 @@ def load_drafter(model_path: str | Path, spec: SpeculativeConfig, target_path: s
     if dev.type == "cuda" and dev.index is not None:
         torch.cuda.set_device(dev)  # the draft runner places itself on the current CUDA device
     engine_config = PytorchEngineConfig(dtype=dtype, device_type=dev.type, max_batch_size=max_batch_size,
-                                        cache_max_entry_count=cache_max_entry_count)
+                                        cache_max_entry_count=cache_max_entry_count, eager_mode=eager_mode)
     proposer = build_proposer(spec, target, vocab_size, engine_config, dev, select_dtype(engine_config, dev))
     proposer.draft_constraints = _draft_constraints(target)
     hidden_size = {"none": 0, "final": int(text["hidden_size"]),
@@ -101,12 +103,12 @@ def serve_drafter(model_path: str | Path, spec: SpeculativeConfig, target_path: 
                   host: str = "0.0.0.0", port: int = DEFAULT_PORT, device: str = "cpu", *,
                   dtype: str = "auto", max_num_draft_tokens: int = 32, max_batch_size: int = 128,
                   cache_max_entry_count: float = 0.8, max_workers: int = 32, grace_s: float = 5.0,
-                  tls: TLSConfig = PLAINTEXT, fast_step_port: int = 0) -> None:
+                  tls: TLSConfig = PLAINTEXT, fast_step_port: int = 0, eager_mode: bool = False) -> None:
     """Load, serve until SIGTERM or SIGINT, then stop gracefully (blocks; call from the main thread)."""
     t0 = time.perf_counter()
     servicer = load_drafter(model_path, spec, target_path, device=device, dtype=dtype,
                             max_num_draft_tokens=max_num_draft_tokens, max_batch_size=max_batch_size,
-                            cache_max_entry_count=cache_max_entry_count)
+                            cache_max_entry_count=cache_max_entry_count, eager_mode=eager_mode)
     running = start_server(servicer, host, port, max_workers, tls, fast_step_port)
     logger.info("event=drafter_serving method=%s host=%s port=%d fast_step_port=%d device=%s load_s=%.2f",
                 servicer.proposer.method, host, running.port, servicer.fast_step_port, device,

@@ -303,3 +303,21 @@ def test_step_timing_batch_of_8(drafters):
         pending.result()
         rt = remote.last_round_trip
         assert remote.num_round_trips == 22 and rt.waited < 0.05 < remote.last_rpc_seconds
+
+
+@pytest.mark.parametrize("eager_mode", [False, True])
+def test_eager_mode_reaches_the_proposer(monkeypatch, tiny_models, eager_mode):
+    """`specd drafter --eager-mode` turns the drafter's CUDA graphs off: the engine config it builds
+    the proposer with says so (the graphs themselves are CUDA's: tests/proposers/test_head_graphs_cuda.py)."""
+    import specd.proposers.factory as factory
+
+    seen = []
+
+    def spy(spec, target, vocab, engine_config, device, dtype):
+        seen.append(engine_config.eager_mode)
+        return build_proposer(spec, target, vocab, engine_config, device, dtype)
+
+    monkeypatch.setattr(factory, "build_proposer", spy)
+    servicer = load_drafter(tiny_models["draft-eagle3"], spec_for(tiny_models, "eagle3"),
+                            tiny_models["target-llama"], eager_mode=eager_mode)
+    assert seen == [eager_mode] and servicer.proposer.method == "eagle3"
