@@ -33,6 +33,8 @@ def add_parser(sub) -> None:
     api.add_argument("--model-name", dest="served_model_name", default=None)
     api.add_argument("--device", default="cpu", help="verifier device: cpu | cuda | cuda:N")
     api.add_argument("--drafter-device", default=None, help="default: the verifier's device")
+    api.add_argument("--eager-mode", action="store_true",
+                     help="no CUDA graphs (the verifier's steps and the drafter's), as lmdeploy's flag")
     api.add_argument("--max-queue-depth", type=int, default=1024,
                      help="429 while this many requests are queued or running")
     api.add_argument("--api-keys", type=str, nargs="*", default=None,
@@ -59,7 +61,8 @@ def _run(args: argparse.Namespace) -> int:
         speculative_num_draft_tokens=args.speculative_num_draft_tokens,
         max_batch_size=args.max_batch_size, session_len=args.session_len, tp=args.tp,
         enable_metrics=args.enable_metrics, served_model_name=args.served_model_name,
-        device=args.device, drafter_device=args.drafter_device, max_queue_depth=args.max_queue_depth,
+        device=args.device, drafter_device=args.drafter_device, eager_mode=args.eager_mode,
+        max_queue_depth=args.max_queue_depth,
         api_keys=tuple(parse_keys(args.api_keys)), request_timeout=args.request_timeout,
         max_request_bytes=args.max_request_bytes, tls=TLSConfig.from_args(args), log_level=args.log_level)
     return run_stack(config)

@@ -44,6 +44,7 @@ class StackConfig:
     served_model_name: str | None = None
     device: str = "cpu"
     drafter_device: str | None = None
+    eager_mode: bool = False  # no CUDA graphs, in the verifier and the drafter
     drafter_port: int = 0
     verifier_admin_port: int = 0
     verifier_metrics_port: int = 0
@@ -127,6 +128,8 @@ class Stack:
                 args += ["--speculative-draft-model", c.speculative_draft_model]
             if shares_a_gpu(c.drafter_device or c.device, c.device):
                 args += ["--cache-max-entry-count", str(SHARED_GPU_DRAFTER_CACHE_FRACTION)]
+            if c.eager_mode:
+                args += ["--eager-mode"]
             self._spawn("drafter", args + self._server_tls_flags())
             drafter_addr = f"127.0.0.1:{port}"
         grammar_addr = f"127.0.0.1:{_free_port()}"
@@ -143,6 +146,8 @@ class Stack:
                 "--grammar", grammar_addr]
         if c.session_len:
             args += ["--session-len", str(c.session_len)]
+        if c.eager_mode:
+            args += ["--eager-mode"]
         if drafter_addr:
             args += ["--drafter", drafter_addr, "--speculative-algorithm", c.speculative_algorithm,
                      "--speculative-num-draft-tokens", str(c.speculative_num_draft_tokens)]

@@ -56,6 +56,7 @@ class VerifierConfig:
     drafter_refresh_s: float = 10.0  # re-resolve the drafter names this often (0: only at start)
     tls: TLSConfig = PLAINTEXT  # CA (and client certificate) for the drafter and grammar channels
     async_emit: bool = True  # result round trips overlap the next engine step (a writer thread)
+    eager_mode: bool = False  # no CUDA graphs for the target's steps
 
     def __post_init__(self) -> None:
         if self.tp != 1:
@@ -81,7 +82,8 @@ class VerifierConfig:
 
     def engine_config(self) -> PytorchEngineConfig:
         return PytorchEngineConfig(tp=self.tp, session_len=self.session_len, max_batch_size=self.max_batch_size,
-                                   block_size=self.block_size, device_type=self.device.split(":")[0])
+                                   block_size=self.block_size, device_type=self.device.split(":")[0],
+                                   eager_mode=self.eager_mode)
 
     def speculative_config(self) -> SpeculativeConfig | None:
         if not self.speculative_algorithm or self.speculative_num_draft_tokens == 0:

@@ -35,6 +35,23 @@ def test_the_stack_caps_the_drafters_cache_on_the_verifiers_gpu(monkeypatch, dra
         assert "--cache-max-entry-count" not in args
 
 
+@pytest.mark.parametrize("eager_mode", [False, True])
+def test_eager_mode_reaches_the_verifier_and_the_drafter(monkeypatch, eager_mode):
+    spawned: dict[str, list[str]] = {}
+    monkeypatch.setattr(Stack, "_spawn", lambda self, name, args, env=None: spawned.setdefault(name, args))
+    monkeypatch.setattr(Stack, "_wait_grpc_health", lambda self, *a, **k: None)
+    monkeypatch.setattr(Stack, "_wait_http_health", lambda self, *a, **k: None)
+    Stack(StackConfig(model="m", redis_url="redis://127.0.0.1:1", speculative_algorithm="eagle3",
+                      speculative_draft_model="d", device="cuda", eager_mode=eager_mode)).start()
+    assert [("--eager-mode" in spawned[name]) for name in ("verifier", "drafter")] == [eager_mode] * 2
+    from services.verifier.server import VerifierConfig
+    from specd.cli import build_parser
+
+    parsed = build_parser().parse_args(spawned["verifier"])  # the command line the verifier gets
+    config = VerifierConfig(model="m", redis_url="redis://x", eager_mode=parsed.eager_mode)
+    assert config.engine_config().eager_mode is eager_mode
+
+
 def test_a_full_draft_cache_gives_fewer_drafts_not_an_error(tiny_models):
     def proposer(num_blocks: int) -> DraftModelProposer:
         runner = load_target_runner(tiny_models["draft-llama-small"], PytorchEngineConfig(
