@@ -179,6 +179,20 @@ def check_batch_equals_alone(make_proposer, rows_fn, seed: int = 0, num_steps: i
             alone[i].seqs[i].tokens = list(batched.seqs[i].tokens)  # commit the same tokens
 
 
+@pytest.fixture(scope="session")
+def llama_target_dir(tmp_path_factory):
+    """A tiny Llama target (8 layers: EAGLE-3 reads layers 2, 4 and 5) saved by transformers."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path = tmp_path_factory.mktemp("target-llama")
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=8,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                      rms_norm_eps=1e-5, initializer_range=0.1, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).save_pretrained(str(path))
+    return path
+
+
 @pytest.fixture(params=[False, True], ids=["eager", "static"])
 def static_steps(request):
     """Both forward paths of the heads: eager, and the fixed shapes CUDA graphs replay (on CPU

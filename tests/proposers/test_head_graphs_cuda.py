@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 from specd.proposers.eagle3 import Eagle3Proposer
 from specd.sampling_params import SamplingParams
@@ -21,14 +21,8 @@ PROMPTS = [[10, 11, 12, 13], [40] * 2, [99], list(range(100, 150))]
 
 
 @pytest.fixture(scope="module")
-def target_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("target-llama")
-    cfg = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=8,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-                      rms_norm_eps=1e-5, initializer_range=0.1, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    LlamaForCausalLM(cfg).save_pretrained(str(path))
-    return path
+def target_dir(llama_target_dir):
+    return llama_target_dir
 
 
 @pytest.fixture(scope="module")
