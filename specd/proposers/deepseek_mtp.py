@@ -148,7 +148,7 @@ class DeepseekMTPProposer(PairHeadProposer):
 
     def __init__(self, mtp_path: str | Path, device: torch.device | str = "cpu",
                  dtype: torch.dtype = torch.float32, target_path: str | Path | None = None,
-                 static_steps: bool | None = None) -> None:
+                 **head_options) -> None:
         head = load_deepseek_mtp_head(mtp_path, target_path)
         self.vocab_size = head.shared_head.head.out_features
         router = getattr(head.layer.mlp, "gate", None)  # MoE layers only
@@ -157,4 +157,4 @@ class DeepseekMTPProposer(PairHeadProposer):
         head = head.to(device=device, dtype=dtype)
         if router is not None:  # the router stays float32, as transformers keeps it
             router.float().load_state_dict(router_state)
-        super().__init__(head, device, dtype, static_steps)
+        super().__init__(head, device, dtype, **head_options)

@@ -76,9 +76,9 @@ class Eagle3Proposer(PairHeadProposer):
 
     def __init__(self, draft_path: str | Path, target_path: str | Path,
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-                 static_steps: bool | None = None) -> None:
+                 **head_options) -> None:
         head, cfg = load_eagle3_head(draft_path, target_path)
         num_layers = target_text_config(target_path)["num_hidden_layers"]
         self.aux_layer_ids = cfg.aux_layer_ids or default_aux_layer_ids(num_layers)
         self.vocab_size = cfg.vocab_size
-        super().__init__(head.to(device=device, dtype=dtype), device, dtype, static_steps)
+        super().__init__(head.to(device=device, dtype=dtype), device, dtype, **head_options)

@@ -27,7 +27,9 @@ def build_proposer(spec: SpeculativeConfig, target_path: Path, target_vocab_size
         return ReplayProposer(load_references(spec.replay_references), target_vocab_size,
                               spec.replay_corrupt_rate)
     draft_path = resolve_model_path(spec.model) if spec.model else target_path
-    static_steps = False if engine_config.eager_mode else None  # the heads' CUDA graphs (CUDA)
+    # the heads' CUDA graphs (on CUDA), bucketed up to the batch the drafter serves
+    head_options = dict(static_steps=False if engine_config.eager_mode else None,
+                        max_batch_size=engine_config.max_batch_size)
     if spec.method == "draft_model":
         from specd.models.loader import load_target_runner
         from specd.proposers.draft_model import DraftModelProposer
@@ -36,14 +38,14 @@ def build_proposer(spec: SpeculativeConfig, target_path: Path, target_vocab_size
     if spec.method == "eagle3":
         from specd.proposers.eagle3 import Eagle3Proposer
 
-        return Eagle3Proposer(draft_path, target_path, device=device, dtype=dtype, static_steps=static_steps)
+        return Eagle3Proposer(draft_path, target_path, device=device, dtype=dtype, **head_options)
     if spec.method == "deepseek_mtp":
         from specd.proposers.deepseek_mtp import DeepseekMTPProposer
 
         return DeepseekMTPProposer(draft_path, device=device, dtype=dtype, target_path=target_path,
-                                   static_steps=static_steps)
+                                   **head_options)
     if spec.method == "qwen3_5_mtp":
         from specd.proposers.qwen3_5_mtp import Qwen35MTPProposer
 
-        return Qwen35MTPProposer(draft_path, device=device, dtype=dtype, static_steps=static_steps)
+        return Qwen35MTPProposer(draft_path, device=device, dtype=dtype, **head_options)
     raise ValueError(f"method: unknown speculative method {spec.method!r}")

@@ -139,7 +139,7 @@ class Qwen35MTPProposer(PairHeadProposer):
     hidden_kind = "final"
 
     def __init__(self, target_path: str | Path, device: torch.device | str = "cpu",
-                 dtype: torch.dtype = torch.float32, static_steps: bool | None = None) -> None:
+                 dtype: torch.dtype = torch.float32, **head_options) -> None:
         head = load_qwen3_5_mtp_head(target_path)
         self.vocab_size = head.lm_head.out_features
-        super().__init__(head.to(device=device, dtype=dtype), device, dtype, static_steps)
+        super().__init__(head.to(device=device, dtype=dtype), device, dtype, **head_options)

@@ -156,3 +156,11 @@ def test_proposer_bookkeeping():
         proposer.propose([DraftRequest(0, [5, 6], torch.zeros(1, 4), 1)])
     proposer.close(0)
     assert 0 not in proposer._seqs
+
+
+def test_the_fixed_shapes_take_batches_up_to_max_batch_size():
+    wide = PairHeadProposer(_EchoHead(), "cpu", torch.float32, static_steps=True, max_batch_size=200)
+    assert wide.graphs.buckets[-1] == 200 and wide.graphs.layout([0] * 150, [1] * 150) == (200, 1, 1)
+    default = PairHeadProposer(_EchoHead(), "cpu", torch.float32, static_steps=True)
+    assert default.graphs.layout([0] * 150, [1] * 150) is None  # the eager path takes it
+    assert PairHeadProposer(_EchoHead(), "cpu", torch.float32).graphs is None  # CPU: eager by default
