@@ -61,6 +61,7 @@ def load_drafter(model_path: str | Path, spec: SpeculativeConfig, target_path: s
     from specd.models.runner_setup import select_dtype
     from specd.models.model_path import resolve_model_path
     from specd.proposers.factory import build_proposer
+    from specd.proposers.warm_up import warm_up
 
     target = resolve_model_path(str(target_path or model_path))
     if not spec.model and target_path is not None and Path(model_path) != Path(target_path):
@@ -77,6 +78,9 @@ def load_drafter(model_path: str | Path, spec: SpeculativeConfig, target_path: s
     hidden_size = {"none": 0, "final": int(text["hidden_size"]),
                    "aux": len(getattr(proposer, "aux_layer_ids", None) or []) * int(text["hidden_size"])
                    }[proposer.hidden_kind]
+    # One-time costs (CUDA graphs, KV pools) before SERVING, not inside a verifier's step deadline.
+    warm_up(proposer, hidden_width=hidden_size,
+            num_draft_tokens=max(1, min(spec.num_speculative_tokens, max_num_draft_tokens)))
     return DrafterServicer(proposer, vocab_size=vocab_size, hidden_size=hidden_size,
                            max_num_draft_tokens=max_num_draft_tokens)
 
