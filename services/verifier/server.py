@@ -224,6 +224,7 @@ def serve(config: VerifierConfig) -> int:
     from services.verifier.metrics import VerifierMetrics
     from services.verifier.worker import VerifierWorker, WorkerConfig
     from specd.engine.builder import build_engine
+    from specd.engine.warm_up import warm_up_engine
     from specd.models.loader import load_tokenizer
 
     shutdown = _Shutdown()
@@ -251,6 +252,7 @@ def serve(config: VerifierConfig) -> int:
                               tokenizer=tokenizer, proposer=proposer,
                               grammar_backend=build_grammar_backend(config))
         attach_draft_masking(engine, config)
+        warm_up_engine(engine)  # graph captures and kernel setup before the first request, not in it
         log.info("model loaded", extra={"model": config.model, "max_batch_size": engine.max_batch_size,
                                         "max_model_len": engine.max_model_len,
                                         "speculative_algorithm": config.speculative_algorithm,

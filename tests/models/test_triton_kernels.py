@@ -185,3 +185,15 @@ def test_fused_static_forward_equals_the_pytorch_body():
     """)
     assert out.strip().endswith("ok"), out
 
+
+
+def test_kernel_applies_only_to_blocks_of_whole_key_tiles(monkeypatch):
+    """KV blocks under 16 tokens (a valid --cache-block-seq-len) leave the kernel for the PyTorch
+    body: on CUDA the kernel's tile assertion failed the first forward (found on an H100)."""
+    import torch
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    q = torch.zeros(1, 4, 16, dtype=torch.float16)
+    for block_size, applies in [(1, False), (8, False), (16, True), (64, True), (256, True)]:
+        cache_k = torch.zeros(3, block_size, 2, 16, dtype=torch.float16)
+        assert paged_decode_attention.kernel_applies(q, cache_k) is applies, block_size

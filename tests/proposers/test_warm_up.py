@@ -33,7 +33,8 @@ def make(tiny_models, method):
     spec = SpeculativeConfig(method=method, num_speculative_tokens=K,
                              model=str(tiny_models[draft_name]) if draft_name else "")
     text = target_text_config(target)
-    proposer = build_proposer(spec, target, int(text["vocab_size"]), PytorchEngineConfig(block_size=8),
+    config = PytorchEngineConfig(block_size=8, device_type="cpu")
+    proposer = build_proposer(spec, target, int(text["vocab_size"]), config,
                               torch.device("cpu"), torch.float32)
     width = {"none": 0, "final": 1, "aux": len(getattr(proposer, "aux_layer_ids", None) or [])}[proposer.hidden_kind]
     return proposer, width * int(text["hidden_size"])

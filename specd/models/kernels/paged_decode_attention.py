@@ -264,12 +264,15 @@ def serves_query_len(query_len: int) -> bool:
 
 
 def kernel_applies(q: torch.Tensor, cache_k: torch.Tensor) -> bool:
-    """Triton present, CUDA (or the interpreter), fp16/bf16, a power-of-two head_dim >= 16."""
+    """Triton present, CUDA (or the interpreter), fp16/bf16, a power-of-two head_dim >= 16, KV
+    blocks of a multiple of 16 tokens (the key tile; a smaller --cache-block-seq-len takes the
+    PyTorch body instead of failing at the first forward)."""
     head_dim = q.shape[-1]
+    block_size = cache_k.shape[1] if cache_k.ndim == 4 else 0
     return (triton is not None and (q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
             and q.dtype in (torch.float16, torch.bfloat16) and cache_k.dtype == q.dtype
             and head_dim >= 16 and head_dim & (head_dim - 1) == 0 and q.stride(-1) == 1
-            and cache_k.is_contiguous())
+            and cache_k.is_contiguous() and block_size >= 16 and block_size % min(64, block_size) == 0)
 
 
 def paged_decode_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor,
