@@ -229,16 +229,26 @@ def _trace_summary(trace_dir: Path) -> str:
 # The verifier's loop by phase (services/verifier/metrics.py): draft and verify are the engine's
 # verbs (host time: the forward runs on the device meanwhile; launch is verify's part before the
 # forward is queued, on the critical path), device_wait the commit's wait for the
-# device, commit the rest of the commit (and sending drafts ahead), emit the result writes, prefill
+# device, commit the rest of the commit (of it: sending the next step's draft requests ahead, and
+# staging the next verify batch), emit the result writes, prefill
 # the admitted requests' forward and first tokens, rest the stream read, deadlines, the loop.
 STEP_PHASES = ("draft", "verify", "launch", "device_wait", "commit", "emit", "prefill", "rest")
 HEADER = ("| method | batch | output tokens | wall s | tokens/s (rounds) | TPOT ms | acceptance length "
           "(expected) | tokens/s vs off | verifier ms per step: draft / verify (of it: launch) / device wait / "
-          "commit / emit / prefill / rest (steps; prefill forwards, of them eager; graphs captured in each "
+          "commit (of it: sending the next drafts' requests / staging the next verify) / emit / prefill / "
+          "rest (steps; prefill forwards, of them eager; graphs captured in each "
           "timed round, when any; remote drafters: a round trip's queued / transit / drafter / waited ms; the "
           "device's clock from the verify step's start to its forward's launch / end / its sampling's end; the "
           "host's ms in the launch mark; the forward's own device time, launch to end, staged / unstaged "
           "batches (forwards)) |")
+
+
+def _of_it(step_ms: dict, phase: str) -> str:
+    """A phase's parts, where the verifier reports them: verify's launch, commit's send / stage."""
+    parts = {"verify": ("launch",), "commit": ("send_ahead", "stage")}.get(phase, ())
+    if not parts or not all(p in step_ms for p in parts):
+        return ""
+    return " (" + " / ".join(f"{step_ms[p]:.2f}" for p in parts) + ")"
 
 
 def format_row(r: E2ERow) -> str:
@@ -261,9 +271,7 @@ def format_row(r: E2ERow) -> str:
                  if r.step_ms.get(FORWARD + k + " n")]
         device += "; forward's own, by batch: " + " / ".join(kinds) if kinds else ""
     split = ("-" if not r.step_ms else
-             " / ".join(f"{r.step_ms.get(p, 0):.2f}" + (f" ({r.step_ms['launch']:.2f})" if p == "verify"
-                                                         and "launch" in r.step_ms else "")
-                        for p in STEP_PHASES if p != "launch")
+             " / ".join(f"{r.step_ms.get(p, 0):.2f}" + _of_it(r.step_ms, p) for p in STEP_PHASES if p != "launch")
              + f" ({r.step_ms.get('steps', 0)}{prefills}{captures}{round_trip}{device})")
     return (f"| {r.method} | {r.batch} | {r.output_tokens} | {r.wall_s:.2f} | {r.tokens_per_s:.1f}{rounds} | "
             f"{r.tpot_ms:.2f} | {r.acceptance_length:.2f}{expected} | {speedup} | {split} |")

@@ -43,6 +43,8 @@ class StepRecord:
     forward_kind: str = ""  # "staged" / "unstaged": the verify forward's batch ("": none marked)
     forward_own_seconds: float = 0.0  # that forward on the device's clock, its launch to its end
     commit_seconds: float = 0.0  # engine commit verb (and sending drafts ahead), device wait excluded
+    send_ahead_seconds: float = 0.0  # of commit: the next step's draft requests sent
+    stage_seconds: float = 0.0  # of commit: the next verify batch staged
     prefill_seconds: float = 0.0  # of the engine's admit: the admitted requests' forward and first tokens
     num_prefills: int = 0  # admission forwards in the step (0 or 1)
     num_eager_prefills: int = 0  # of them, outside the runner's static path (CUDA graphs)
@@ -103,7 +105,8 @@ class VerifierMetrics:
                                       "device_forward (to the forward's end), device_step (to the "
                                       "sampling's end); launch_mark: the host's seconds in the "
                                       "launch mark (another thread's GIL turn right before the "
-                                      "forward's launch)",
+                                      "forward's launch); of commit: send_ahead (the next step's "
+                                      "draft requests sent) and stage (the next verify batch staged)",
                                       ["phase"], buckets=STEP_BUCKETS, registry=r)
         self.verify_forward_seconds = Histogram(
             "specd:verify_forward_device_seconds", "The verify forward's own time on the device's "
@@ -146,7 +149,7 @@ class VerifierMetrics:
         self._phases = {p: self.step_seconds.labels(phase=p)
                         for p in ("draft", "verify", "launch", "other", "device_wait", "commit", "emit",
                                   "prefill", "rest", "device_launch", "device_forward", "device_step",
-                                  "launch_mark")}
+                                  "launch_mark", "send_ahead", "stage")}
 
     def serve(self, port: int, addr: str = "0.0.0.0"):
         """Serve /metrics over HTTP (a daemon thread); returns (server, thread)."""
@@ -164,6 +167,8 @@ class VerifierMetrics:
             self._phases["other"].observe(record.other_seconds)
             self._phases["device_wait"].observe(record.device_wait_seconds)
             self._phases["commit"].observe(record.commit_seconds)
+            self._phases["send_ahead"].observe(record.send_ahead_seconds)
+            self._phases["stage"].observe(record.stage_seconds)
             self._phases["emit"].observe(record.emit_seconds)
             self._phases["prefill"].observe(record.prefill_seconds)
             self._phases["rest"].observe(record.rest_seconds)

@@ -213,6 +213,7 @@ class VerifierWorker(Admission, Emission):
         elif step.num_forward_unstaged:
             record.forward_kind, record.forward_own_seconds = "unstaged", step.forward_unstaged
         record.commit_seconds = step.commit - step.device_wait
+        record.send_ahead_seconds, record.stage_seconds = step.send_ahead, step.stage
         record.prefill_seconds = step.prefill
         record.num_prefills = stats.num_prefills - prefills0
         record.num_eager_prefills = stats.num_eager_prefills - eager0

@@ -163,10 +163,14 @@ class SpecEngine:
         verdict = self.verify(batch, proposals)
         t3 = time.perf_counter()
         finished += self.commit(batch, proposals, verdict)
+        t_sent = time.perf_counter()
         self.drafting.send_ahead([s for s in self.running if not s.is_finished])
+        t_staged = time.perf_counter()
         self.stage_next_verify(at_step_end=True)
         t4 = time.perf_counter()
         timings = self.stats.timings
+        timings.send_ahead += t_staged - t_sent
+        timings.stage += t4 - t_staged
         timings.admit += t1 - t_collect
         timings.draft += (t2 - t1) + (t_collect - t0)
         timings.verify += t3 - t2

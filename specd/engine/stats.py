@@ -18,6 +18,8 @@ class StepTimings:
     verify: float = 0.0
     commit: float = 0.0  # device_wait included
     device_wait: float = 0.0  # of commit: blocked on the device's results (the step's one sync)
+    send_ahead: float = 0.0  # of commit: the next step's draft requests sent (rows to the host, the write)
+    stage: float = 0.0  # of commit: the next verify batch staged in the runner (staging.py)
     launch: float = 0.0  # of verify: the host's work before the forward is queued on the device
     prefill: float = 0.0  # of admit: the admitted requests' forward and first tokens (to their sync)
     # On the device's clock (device_clock.py), from each verify step's start: to its forward's

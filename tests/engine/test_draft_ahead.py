@@ -109,3 +109,25 @@ def test_batch_changes_between_send_and_use(target):
         engine.step()
     for seq, expected in zip(seqs[1:] + [late], want[1:7]):
         assert seq.output_token_ids == expected
+
+
+def test_commit_times_its_send_and_stage_parts(target):
+    """Sending the next step's requests is timed as a part of commit (the verifier's "send_ahead"
+    phase): a send that takes 20 ms shows there, not elsewhere."""
+    import time
+
+    class SlowSend(AsyncNgram):
+        def propose_async(self, requests):
+            time.sleep(0.02)
+            return super().propose_async(requests)
+
+    plain = build_engine(target, CONFIG, SpeculativeConfig(method="ngram", num_speculative_tokens=3))
+    proposer = SlowSend(plain.proposer)
+    engine = build_engine(target, CONFIG, SpeculativeConfig(method="ngram", num_speculative_tokens=3),
+                          proposer=proposer)
+    prompts, params = make_requests(512, seed=5)
+    engine.generate(prompts, params)
+    t = engine.stats.timings
+    assert proposer.num_async >= 2
+    assert 0.02 * proposer.num_async <= t.send_ahead < 0.02 * proposer.num_async + 0.5
+    assert t.send_ahead + t.stage <= t.commit and t.stage >= 0

@@ -151,3 +151,20 @@ def test_the_forward_by_batch_kind_is_scraped_and_printed():
     assert _value(m, "specd:emit_duration_seconds_count") == 4  # every step's emit, forward or not
     row = format_row(E2ERow("replay", 1, 128, 0.3, 400.0, 2.5, 2.8, step_ms=split))
     assert "; forward's own, by batch: staged 5.90 (2) / unstaged 5.50 (1))" in row
+
+
+def test_commit_parts_are_phases_and_the_bench_prints_them():
+    from bench.e2e import E2ERow, format_row
+    from services.verifier.metrics import StepRecord
+
+    m = VerifierMetrics()
+    m.observe_step(StepRecord(engine_seconds=0.01, total_seconds=0.01, commit_seconds=0.004,
+                              send_ahead_seconds=0.003, stage_seconds=0.0005))
+    assert _value(m, 'specd:step_duration_seconds_sum{phase="send_ahead"}') == pytest.approx(0.003)
+    assert _value(m, 'specd:step_duration_seconds_sum{phase="stage"}') == pytest.approx(0.0005)
+    split = {"draft": 1.0, "verify": 2.0, "device_wait": 3.0, "commit": 4.0, "send_ahead": 3.0, "stage": 0.5,
+             "emit": 0.1, "prefill": 0.0, "rest": 0.2, "steps": 10}
+    row = E2ERow("eagle3", 128, 1024, 1.0, 1000.0, 40.0, 1.0, step_ms=split)
+    assert "| 1.00 / 2.00 / 3.00 / 4.00 (3.00 / 0.50) / 0.10 / 0.00 / 0.20 (10" in format_row(row)
+    assert "4.00 / 0.10" in format_row(E2ERow("off", 1, 128, 0.8, 160.0, 6.2, 1.0,
+                                              step_ms={k: v for k, v in split.items() if k != "stage"}))
