@@ -78,6 +78,7 @@ def scrape_step_phases(port: int) -> dict[str, tuple[float, float]]:
 
 ROUND_TRIP = "round trip "  # scrape keys of the drafter round trip's parts (mean ms per round trip)
 ROUND_TRIP_PARTS = ("queued", "transit", "handle", "waited")
+SEND_PARTS = ("to_host", "encode", "write")  # the round trip's send, on the verifier's engine thread
 FORWARD = "forward "  # scrape keys of the verify forward's own device time by batch kind (mean ms per forward)
 FORWARD_KINDS = ("staged", "unstaged")
 
@@ -237,7 +238,8 @@ HEADER = ("| method | batch | output tokens | wall s | tokens/s (rounds) | TPOT 
           "(expected) | tokens/s vs off | verifier ms per step: draft / verify (of it: launch) / device wait / "
           "commit (of it: sending the next drafts' requests / staging the next verify) / emit / prefill / "
           "rest (steps; prefill forwards, of them eager; graphs captured in each "
-          "timed round, when any; remote drafters: a round trip's queued / transit / drafter / waited ms; the "
+          "timed round, when any; remote drafters: a round trip's queued / transit / drafter / waited ms, its "
+          "send's rows to the host / messages built / written ms; the "
           "device's clock from the verify step's start to its forward's launch / end / its sampling's end; the "
           "host's ms in the launch mark; the forward's own device time, launch to end, staged / unstaged "
           "batches (forwards)) |")
@@ -262,6 +264,8 @@ def format_row(r: E2ERow) -> str:
     round_trip = ""
     if r.step_ms and any(r.step_ms.get(ROUND_TRIP + p) for p in ROUND_TRIP_PARTS):
         round_trip = "; round trip " + " / ".join(f"{r.step_ms.get(ROUND_TRIP + p, 0):.2f}" for p in ROUND_TRIP_PARTS)
+        if any(ROUND_TRIP + p in r.step_ms for p in SEND_PARTS):
+            round_trip += "; its send " + " / ".join(f"{r.step_ms.get(ROUND_TRIP + p, 0):.2f}" for p in SEND_PARTS)
     device = ""
     if r.step_ms and r.step_ms.get("device_step"):
         device = (f"; device clock: launch {r.step_ms.get('device_launch', 0):.2f} / forward "

@@ -66,12 +66,18 @@ class DraftRoundTrip:
     from the engine's send until gRPC's sender thread took the request (it needs the GIL, which
     the engine thread holds while it works); transit, from then until the answer reached the
     reader thread, less handle, the drafter's own time for the step (its propose inside); waited,
-    how long the engine then blocked collecting it (the step's draft phase, when sent ahead)."""
+    how long the engine then blocked collecting it (the step's draft phase, when sent ahead).
+    The send, on the engine thread (the verifier's commit): to_host, the step's hidden rows
+    copied to the host (a wait for the device); encode, the step messages built; write, their
+    serialisation and hand-off (the fast path's socket write; gRPC: the hand-off wait)."""
 
     queued: float
     transit: float
     handle: float
     waited: float
+    to_host: float = 0.0
+    encode: float = 0.0
+    write: float = 0.0
 
 
 class RemoteProposer(DrafterMembership):
@@ -104,6 +110,7 @@ class RemoteProposer(DrafterMembership):
                              "<= reconnect_max_backoff_s")
         self.deadline_s = deadline_s
         self.hidden_dtype = hidden_dtype
+        self._write_seconds = 0.0  # of the step being sent: in DrafterStream.send (the send split)
         self.credentials = credentials  # TLS for the drafter channels; None: plaintext
         self.reconnect_timeout_s = reconnect_timeout_s
         self.reconnect_backoff_s = reconnect_backoff_s
@@ -216,9 +223,14 @@ class RemoteProposer(DrafterMembership):
             if owner is not None:  # parked sequences: no drafts, their tokens are not needed
                 groups.setdefault(owner.address, []).append(i)
         targets = [d for a, d in self._drafters.items() if a in groups or d.pending_open or d.pending_close]
+        t_rows = time.perf_counter()
         wire = hidden_rows_to_host(requests, self.hidden_dtype) if self.hidden_kind != "none" else requests
+        t_encode = time.perf_counter()
+        self._write_seconds = 0.0
         sent = {d.address: self._send(d, [wire[i] for i in groups.get(d.address, [])]) for d in targets}
+        t_sent = time.perf_counter()
         self._in_flight = PendingDrafts(self, requests, groups, targets, sent, t0)
+        self._in_flight.send_split = (t_encode - t_rows, t_sent - t_encode - self._write_seconds, self._write_seconds)
         return self._in_flight
 
     def _settle(self) -> None:
@@ -271,7 +283,8 @@ class RemoteProposer(DrafterMembership):
             self.last_round_trip = DraftRoundTrip(
                 queued=max(0.0, last.last_left_at - pending.sent_at),
                 transit=max(0.0, last.last_arrived_at - last.last_left_at - handle),
-                handle=handle, waited=done - collect_at)
+                handle=handle, waited=done - collect_at, to_host=pending.send_split[0],
+                encode=pending.send_split[1], write=pending.send_split[2])
             self.num_round_trips += 1
         return out
 
@@ -349,7 +362,9 @@ class RemoteProposer(DrafterMembership):
                 tensor_to_pb(hidden if self.hidden_dtype is None else hidden.to(self.hidden_dtype),
                              item.new_hidden_states)
         step_id = drafter.next_step_id
+        t0 = time.perf_counter()
         drafter.send(message)
+        self._write_seconds += time.perf_counter() - t0
         return step_id
 
 
@@ -364,6 +379,7 @@ class PendingDrafts:
         self.groups, self.targets, self.sent, self.sent_at = groups, targets, sent, sent_at
         self._proposals: list[DraftProposal] | None = None
         self._error: BaseException | None = None  # what receiving raised: raised again, not retried
+        self.send_split = (0.0, 0.0, 0.0)  # seconds: rows to the host, messages built, written
 
     def result(self) -> list[DraftProposal]:
         if self._proposals is None and self._error is None:

@@ -297,6 +297,9 @@ def test_step_timing_batch_of_8(drafters):
         assert remote.num_round_trips == 21 and rt is not None
         assert min(rt.queued, rt.transit, rt.waited) >= 0 and rt.handle >= remote.last_draft_seconds
         assert rt.queued + rt.transit + rt.handle <= remote.last_rpc_seconds
+        # its send: every part measured, all within the time until the request left
+        assert min(rt.to_host, rt.encode, rt.write) >= 0 and rt.encode > 0 and rt.write > 0
+        assert rt.to_host + rt.encode + rt.write <= rt.queued + rt.write + 1e-6
         # sent ahead and collected 50 ms later: the wait is what is left of the round trip
         pending = remote.propose_async([DraftRequest(i, [11], torch.randn(1, width), 3) for i in range(8)])
         time.sleep(0.05)

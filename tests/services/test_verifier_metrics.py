@@ -168,3 +168,18 @@ def test_commit_parts_are_phases_and_the_bench_prints_them():
     assert "| 1.00 / 2.00 / 3.00 / 4.00 (3.00 / 0.50) / 0.10 / 0.00 / 0.20 (10" in format_row(row)
     assert "4.00 / 0.10" in format_row(E2ERow("off", 1, 128, 0.8, 160.0, 6.2, 1.0,
                                               step_ms={k: v for k, v in split.items() if k != "stage"}))
+
+
+def test_the_round_trips_send_parts_are_observed_and_printed():
+    from bench.e2e import E2ERow, format_row
+    from specd.proposers.remote import DraftRoundTrip
+
+    m = VerifierMetrics()
+    m.observe_round_trip(1, DraftRoundTrip(queued=0.001, transit=0.002, handle=0.003, waited=0.0005,
+                                           to_host=0.0004, encode=0.0012, write=0.0021))
+    assert _value(m, 'specd:drafter_round_trip_seconds_sum{part="write"}') == pytest.approx(0.0021)
+    split = {"verify": 1.0, "steps": 4, "round trip queued": 1.0, "round trip transit": 2.0,
+             "round trip handle": 3.0, "round trip waited": 0.5, "round trip to_host": 0.4,
+             "round trip encode": 1.2, "round trip write": 2.1}
+    assert "; round trip 1.00 / 2.00 / 3.00 / 0.50; its send 0.40 / 1.20 / 2.10" in format_row(
+        E2ERow("eagle3", 64, 1024, 1.0, 1000.0, 10.0, 1.0, step_ms=split))
