@@ -196,11 +196,23 @@ class PairHeadProposer:
         if not given:
             return [None] * len(hidden_states)
         if len({h.shape[1] for h in given}) == 1:
-            rows = torch.cat(given) if len(given) > 1 else given[0]
-            parts = iter(self.head.project_target(rows.to(self.device, self.dtype)).split([h.shape[0] for h in given]))
+            rows = self._rows_to_device(given)
+            parts = iter(self.head.project_target(rows).split([h.shape[0] for h in given]))
         else:  # each one alone: project_target names the width it wants
             parts = iter([self.head.project_target(h.to(self.device, self.dtype)) for h in given])
         return [next(parts) if h is not None and h.shape[0] > 0 else None for h in hidden_states]
+
+    def _rows_to_device(self, given: list[torch.Tensor]) -> torch.Tensor:
+        """The batch's target rows [N, H*] on the head's device, in its dtype. Host rows for a CUDA
+        head are gathered into pinned memory and copied without a wait: a pageable copy is staged
+        through the driver (~1.3 GB/s measured for the verifier's device-to-host twin, run 73)."""
+        if self.device.type == "cuda" and all(not h.is_cuda for h in given) and len({h.dtype for h in given}) == 1:
+            host = torch.empty((sum(h.shape[0] for h in given), given[0].shape[1]), dtype=given[0].dtype,
+                               pin_memory=True)
+            torch.cat(given, out=host)
+            return host.to(self.device, non_blocking=True).to(self.dtype)
+        rows = torch.cat(given) if len(given) > 1 else given[0]
+        return rows.to(self.device, self.dtype)
 
     def _ingest(self, seq: _SeqState, r: DraftRequest, rows: torch.Tensor | None) -> None:
         """Append committed tokens and (projected) hidden rows; drop last step's speculative

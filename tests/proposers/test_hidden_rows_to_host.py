@@ -32,3 +32,16 @@ def test_device_rows_come_back_through_pinned_memory():
     out = hidden_rows_to_host([DraftRequest(i, [1], r, 1) for i, r in enumerate(rows)])
     for r, want in zip(out, rows):
         assert r.new_hidden_states.device.type == "cpu" and torch.equal(r.new_hidden_states, want.cpu())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the pinned copy is the CUDA path")
+def test_a_cuda_head_takes_host_rows_through_pinned_memory(tiny_models):
+    """The drafter's side: rows off the wire (host, bf16) reach a CUDA head in order, in its dtype."""
+    from specd.proposers.eagle3 import Eagle3Proposer
+
+    head = Eagle3Proposer(tiny_models["draft-eagle3"], tiny_models["target-llama"], device=torch.device("cuda"),
+                          dtype=torch.float32)
+    given = [torch.randn(n, 24).bfloat16() for n in (2, 1, 3)]
+    got = head._rows_to_device(given)
+    assert got.is_cuda and got.dtype == torch.float32
+    assert torch.equal(got.cpu(), torch.cat(given).float())
