@@ -167,14 +167,7 @@ class SpecEngine:
         self.drafting.send_ahead([s for s in self.running if not s.is_finished])
         t_staged = time.perf_counter()
         self.stage_next_verify(at_step_end=True)
-        t4 = time.perf_counter()
-        timings = self.stats.timings
-        timings.send_ahead += t_staged - t_sent
-        timings.stage += t4 - t_staged
-        timings.admit += t1 - t_collect
-        timings.draft += (t2 - t1) + (t_collect - t0)
-        timings.verify += t3 - t2
-        timings.commit += t4 - t3
+        self.stats.timings.add_step(t0, t_collect, t1, t2, t3, t_sent, t_staged, time.perf_counter())
         self.stats.num_steps += 1
         return finished
 

@@ -37,6 +37,18 @@ class StepTimings:
     forward_unstaged: float = 0.0
     num_forward_unstaged: int = 0
 
+    def add_step(self, start: float, collected: float, admitted: float, drafted: float, verified: float,
+                 committed: float, sent: float, end: float) -> None:
+        """One engine step's verbs from its perf_counter marks: the drafts sent ahead collected
+        (from start), admission, drafting, verify, then commit with its tails (sending the next
+        step's requests, staging the next verify) to the end."""
+        self.draft += (collected - start) + (drafted - admitted)
+        self.admit += admitted - collected
+        self.verify += verified - drafted
+        self.commit += end - verified
+        self.send_ahead += sent - committed
+        self.stage += end - sent
+
     def copy(self) -> "StepTimings":
         return replace(self)
 
