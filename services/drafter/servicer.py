@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass, field
 
 import grpc
+import torch
 from google.protobuf.message import DecodeError
 
 from services.common.step_streams import StepError, invalid, serve_steps
@@ -103,7 +104,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             method=self.proposer.method, hidden_kind=HIDDEN_KIND_TO_PB[self.proposer.hidden_kind],
             aux_layer_ids=list(getattr(self.proposer, "aux_layer_ids", None) or []),
             vocab_size=self.vocab_size, hidden_size=self.hidden_size,
-            max_num_draft_tokens=self.max_num_draft_tokens, fast_step_port=self.fast_step_port)
+            max_num_draft_tokens=self.max_num_draft_tokens, fast_step_port=self.fast_step_port,
+            takes_step_hidden_states=True)
 
     def DraftSteps(self, request_iterator, context):
         stream = self.open_stream(context.peer())
@@ -144,7 +146,9 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                 self.num_sequences_opened += 1
             if len({item.seq_id for item in request.sequences}) != len(request.sequences):
                 raise invalid("sequences: a seq id appears twice in one step")
-            requests = [self._draft_request(stream, item) for item in request.sequences]
+            step_rows = self._step_rows(request)
+            requests = [self._draft_request(stream, item, step_rows[i] if step_rows else None)
+                        for i, item in enumerate(request.sequences)]
             t1 = time.perf_counter()
             proposals = self.proposer.propose(requests) if requests else []
             t2 = time.perf_counter()
@@ -160,8 +164,23 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         response.handle_time_us = int((time.perf_counter() - t0) * 1e6)
         return response
 
-    def _draft_request(self, stream: _Stream, item: drafter_pb2.SequenceDraftInput) -> DraftRequest:
-        """Validate one sequence's input against its state and the proposer's contract."""
+    def _step_rows(self, request: drafter_pb2.DraftStepRequest) -> list[torch.Tensor | None] | None:
+        """Each sequence's share of the step's one hidden-rows tensor (None: the step has none;
+        None for a sequence that brings its own new_hidden_states)."""
+        if not request.HasField("hidden_states") or self.proposer.hidden_kind == "none":
+            return None
+        rows = tensor_from_pb(request.hidden_states)
+        counts = [item.num_hidden_rows for item in request.sequences if not item.HasField("new_hidden_states")]
+        if rows.ndim != 2 or sum(counts) != rows.shape[0]:
+            raise invalid(f"hidden_states: shape {list(rows.shape)} for {sum(counts)} rows (num_hidden_rows of "
+                          f"the sequences without their own); expected [{sum(counts)}, H*]")
+        shares = iter(rows.split(counts))
+        return [None if item.HasField("new_hidden_states") else next(shares) for item in request.sequences]
+
+    def _draft_request(self, stream: _Stream, item: drafter_pb2.SequenceDraftInput,
+                       step_rows: torch.Tensor | None = None) -> DraftRequest:
+        """Validate one sequence's input against its state and the proposer's contract (step_rows:
+        its share of the step's hidden_states)."""
         state = stream.seqs.get(item.seq_id)
         if state is None:
             raise invalid(f"sequences: unknown seq id {item.seq_id} (open it first)")
@@ -174,7 +193,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             raise invalid(f"new_token_ids: seq {item.seq_id} has ids outside [0, {self.vocab_size})")
         hidden = None
         if self.proposer.hidden_kind != "none":
-            hidden = tensor_from_pb(item.new_hidden_states) if item.HasField("new_hidden_states") else None
+            hidden = tensor_from_pb(item.new_hidden_states) if item.HasField("new_hidden_states") else step_rows
             # base.py's alignment: one hidden row fewer than tokens overall.
             want_rows = len(tokens) - (1 if state.num_tokens == 0 and tokens else 0)
             got_rows = 0 if hidden is None else hidden.shape[0]

@@ -43,11 +43,12 @@ import torch
 
 from specd.proposers.base import DraftProposal, DraftRequest, HiddenKind, hidden_rows_to_host
 from specd.proposers.drafter_discovery import DrafterDiscovery
+from specd.proposers.draft_step_request import draft_step_request
 from specd.proposers.drafter_membership import DrafterMembership, _contract
 from specd.proposers.drafter_stream import (DrafterError, DrafterRejectedError, DrafterStream,
                                             DrafterUnavailableError, HashRing, sampling_params_to_pb)
 from specd.sampling_params import SamplingParams
-from specd.transport.tensor_codec import tensor_from_pb, tensor_to_pb
+from specd.transport.tensor_codec import tensor_from_pb
 from specd.v1 import drafter_pb2
 
 __all__ = ["DrafterError", "DrafterRejectedError", "DrafterUnavailableError", "HashRing",
@@ -346,21 +347,10 @@ class RemoteProposer(DrafterMembership):
     # ---- helpers -----------------------------------------------------------------------------
     def _send(self, drafter: DrafterStream, requests: list[DraftRequest]) -> int:
         """Build and queue one step message; returns its step id."""
-        message = drafter_pb2.DraftStepRequest(close=drafter.pending_close)
-        for seq_id, (params, grammar) in drafter.pending_open.items():
-            message.open.add(seq_id=seq_id, params=sampling_params_to_pb(params),
-                             grammar_kind=grammar.kind if grammar else "",
-                             grammar_source=grammar.source if grammar else "")
+        message = draft_step_request(requests, opens=drafter.pending_open, closes=drafter.pending_close,
+                                     with_hidden=self.hidden_kind != "none", hidden_dtype=self.hidden_dtype,
+                                     one_tensor=drafter.info.takes_step_hidden_states)
         drafter.pending_open, drafter.pending_close = {}, []
-        for r in requests:
-            item = message.sequences.add(seq_id=r.seq_id, new_token_ids=r.new_token_ids,
-                                         num_draft_tokens=r.num_draft_tokens,
-                                         num_output_tokens=r.num_output_tokens)
-            if r.new_hidden_states is not None and self.hidden_kind != "none":
-                hidden = r.new_hidden_states  # [n, H*]
-                assert hidden.ndim == 2, f"new_hidden_states: must be [n, H*], got {tuple(hidden.shape)}"
-                tensor_to_pb(hidden if self.hidden_dtype is None else hidden.to(self.hidden_dtype),
-                             item.new_hidden_states)
         step_id = drafter.next_step_id
         t0 = time.perf_counter()
         drafter.send(message)

@@ -187,15 +187,19 @@ def _steps(stub, *messages):
 
 
 @pytest.mark.parametrize("case", ["unknown_seq", "k_too_large", "hidden_width", "hidden_rows",
-                                  "token_out_of_vocab", "duplicate_open"])
+                                  "hidden_step_rows", "hidden_step_width", "token_out_of_vocab", "duplicate_open"])
 def test_malformed_step_ends_only_its_stream(drafters, case):
     method = "eagle3" if case.startswith("hidden") else "ngram"
     server = drafters(method)
     width = server.servicer.hidden_size or 8
-    hidden = {"hidden_width": torch.zeros(2, width + 1), "hidden_rows": torch.zeros(3, width)}.get(
-        case, torch.zeros(2, width))
+    hidden = {"hidden_width": torch.zeros(2, width + 1), "hidden_rows": torch.zeros(3, width),
+              "hidden_step_width": torch.zeros(2, width + 1)}.get(case, torch.zeros(2, width))
     seq = drafter_pb2.SequenceDraftInput(seq_id=1, new_token_ids=[5, 6, 7], num_draft_tokens=2)
-    if method == "eagle3":
+    step_rows = None
+    if case.startswith("hidden_step"):  # the step's one tensor (proto: DraftStepRequest.hidden_states)
+        seq.num_hidden_rows = 3 if case == "hidden_step_rows" else 2
+        step_rows = tensor_to_pb(hidden)
+    elif method == "eagle3":
         tensor_to_pb(hidden, seq.new_hidden_states)
     if case == "unknown_seq":
         seq.seq_id = 7
@@ -204,11 +208,13 @@ def test_malformed_step_ends_only_its_stream(drafters, case):
     if case == "token_out_of_vocab":
         seq.new_token_ids.append(10**6)
     message = drafter_pb2.DraftStepRequest(open=[_open(1)] + ([_open(1)] if case == "duplicate_open" else []),
-                                           sequences=[seq])
+                                           sequences=[seq], hidden_states=step_rows)
     want_code, want_text = {"unknown_seq": (grpc.StatusCode.INVALID_ARGUMENT, "unknown seq id 7"),
                             "k_too_large": (grpc.StatusCode.INVALID_ARGUMENT, "num_draft_tokens"),
                             "hidden_width": (grpc.StatusCode.INVALID_ARGUMENT, f"expects {width}"),
                             "hidden_rows": (grpc.StatusCode.INVALID_ARGUMENT, "expected 2 rows"),
+                            "hidden_step_rows": (grpc.StatusCode.INVALID_ARGUMENT, "hidden_states: shape [2, "),
+                            "hidden_step_width": (grpc.StatusCode.INVALID_ARGUMENT, f"expects {width}"),
                             "token_out_of_vocab": (grpc.StatusCode.INVALID_ARGUMENT, "outside"),
                             "duplicate_open": (grpc.StatusCode.FAILED_PRECONDITION, "already open")}[case]
     with grpc.insecure_channel(server.address) as channel:
@@ -226,6 +232,36 @@ def test_malformed_step_ends_only_its_stream(drafters, case):
     while server.servicer.num_open_sequences and time.monotonic() < deadline:
         time.sleep(0.01)
     assert server.servicer.num_open_sequences == 0  # both streams' sequences were closed
+
+
+def test_both_wire_forms_of_hidden_rows_draft_alike(drafters):
+    """A sequence's rows in its own tensor (new_hidden_states) or as its share of the step's one
+    tensor (hidden_states + num_hidden_rows), also mixed in one step: the same drafts."""
+    server = drafters("eagle3")
+    width = server.servicer.hidden_size
+    gen = torch.Generator().manual_seed(3)
+    prompt_rows, next_rows = torch.randn(3, width, generator=gen), torch.randn(2, width, generator=gen)
+    tokens = [[5, 6, 7, 8], [9, 10]]
+
+    def seq(seq_id, step, own):
+        item = drafter_pb2.SequenceDraftInput(seq_id=seq_id, new_token_ids=tokens[step], num_draft_tokens=3)
+        rows = (prompt_rows, next_rows)[step]
+        if own:
+            tensor_to_pb(rows, item.new_hidden_states)
+        else:
+            item.num_hidden_rows = rows.shape[0]
+        return item
+
+    messages = [drafter_pb2.DraftStepRequest(step_id=step, open=[_open(1), _open(2), _open(3)] if step == 0 else [],
+                                             sequences=[seq(1, step, True), seq(2, step, False), seq(3, step, False)],
+                                             hidden_states=tensor_to_pb(torch.cat([(prompt_rows, next_rows)[step]] * 2)))
+                for step in (0, 1)]
+    with grpc.insecure_channel(server.address) as channel:
+        answers = _steps(drafter_pb2_grpc.DrafterStub(channel), *messages)
+    for answer in answers:
+        drafts = [list(s.token_ids) for s in answer.sequences]
+        assert len(drafts[0]) == 3 and drafts[0] == drafts[1] == drafts[2]
+    assert server.servicer.Info(drafter_pb2.DrafterInfoRequest(), None).takes_step_hidden_states
 
 
 def test_rejected_step_raises_drafter_rejected_error(drafters):

@@ -63,3 +63,25 @@ def test_sampling_params_survive_the_wire():
         assert torch.tensor(getattr(back, name)).float() == torch.tensor(getattr(params, name)).float()
     assert (back.top_k, back.seed) == (params.top_k, params.seed)
     assert sampling_params_from_pb(common_pb2.SamplingParameters()).top_p == 1.0
+
+
+def test_step_request_sends_one_rows_tensor_where_it_can():
+    from specd.proposers.base import DraftRequest
+    from specd.proposers.draft_step_request import draft_step_request
+
+    rows = [torch.randn(3, 8), None, torch.randn(1, 8)]
+    requests = [DraftRequest(i, [1, 2, 3], r, 2) for i, r in enumerate(rows)]
+    one = draft_step_request(requests, opens={}, closes=[4], with_hidden=True, hidden_dtype=torch.bfloat16)
+    assert one.HasField("hidden_states") and list(one.close) == [4]
+    assert torch.equal(tensor_from_pb(one.hidden_states), torch.cat([rows[0], rows[2]]).bfloat16())
+    assert [s.num_hidden_rows for s in one.sequences] == [3, 0, 1]
+    assert not any(s.HasField("new_hidden_states") for s in one.sequences)
+    # a drafter that does not read the step's tensor, or rows of unlike widths: one tensor a sequence
+    unlike = requests[:2] + [DraftRequest(2, [1], torch.randn(1, 4), 2)]
+    for message in (draft_step_request(requests, opens={}, closes=[], with_hidden=True, one_tensor=False),
+                    draft_step_request(unlike, opens={}, closes=[], with_hidden=True)):
+        assert not message.HasField("hidden_states")
+        assert [s.HasField("new_hidden_states") for s in message.sequences] == [True, False, True]
+        assert torch.equal(tensor_from_pb(message.sequences[0].new_hidden_states), rows[0])
+    none = draft_step_request(requests, opens={}, closes=[], with_hidden=False)
+    assert not none.HasField("hidden_states") and not any(s.HasField("new_hidden_states") for s in none.sequences)

@@ -1,0 +1,50 @@
+"""One drafting step as the wire's DraftStepRequest (the verifier's side of proto/specd/v1/drafter.proto).
+
+The step's hidden rows travel as one [N, H*] tensor (`hidden_states`, each sequence naming its
+`num_hidden_rows`) where the drafter says it reads that form (Info.takes_step_hidden_states) and
+the rows are alike; else one tensor a sequence (`new_hidden_states`). Why one: encoding and decoding
+a tensor a sequence cost 3.6 ms at batch 128 of 8B EAGLE-3 rows on the 2-core CI machine, one
+tensor 2.0 ms, and both ends of a step wait for it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specd.proposers.base import DraftRequest
+from specd.proposers.drafter_stream import sampling_params_to_pb
+from specd.sampling_params import SamplingParams
+from specd.transport.tensor_codec import tensor_to_pb
+from specd.v1 import drafter_pb2
+
+
+def draft_step_request(requests: list[DraftRequest], *, opens: dict[int, tuple[SamplingParams, object]],
+                       closes: list[int], with_hidden: bool, hidden_dtype: torch.dtype | None = None,
+                       one_tensor: bool = True) -> drafter_pb2.DraftStepRequest:
+    """The message (step_id unset) for `requests`, after closing `closes` and opening `opens` (seq
+    id -> (params, grammar or None)). with_hidden: the drafter takes hidden rows (else none are
+    sent); hidden_dtype: cast them to it; one_tensor: the drafter reads the step's one tensor."""
+    message = drafter_pb2.DraftStepRequest(close=closes)
+    for seq_id, (params, grammar) in opens.items():
+        message.open.add(seq_id=seq_id, params=sampling_params_to_pb(params),
+                         grammar_kind=grammar.kind if grammar else "",
+                         grammar_source=grammar.source if grammar else "")
+    rows = [r.new_hidden_states for r in requests if r.new_hidden_states is not None] if with_hidden else []
+    for hidden in rows:
+        assert hidden.ndim == 2, f"new_hidden_states: must be [n, H*], got {tuple(hidden.shape)}"
+    if hidden_dtype is not None:
+        rows = [hidden.to(hidden_dtype) for hidden in rows]
+    one_tensor = bool(rows) and one_tensor and len({(h.shape[1], h.dtype, h.device) for h in rows}) == 1
+    if one_tensor:
+        tensor_to_pb(torch.cat(rows) if len(rows) > 1 else rows[0], message.hidden_states)
+    shares = iter(rows)
+    for r in requests:
+        item = message.sequences.add(seq_id=r.seq_id, new_token_ids=r.new_token_ids,
+                                     num_draft_tokens=r.num_draft_tokens, num_output_tokens=r.num_output_tokens)
+        if r.new_hidden_states is not None and with_hidden:
+            hidden = next(shares)  # [n, H*]
+            if one_tensor:
+                item.num_hidden_rows = hidden.shape[0]
+            else:
+                tensor_to_pb(hidden, item.new_hidden_states)
+    return message
