@@ -18,12 +18,18 @@ from torch import nn
 
 from specd.models import skinny_gemm
 from specd.models.skinny_gemm import skinny_linear
+from specd.models.thread_setting import ThreadSetting
 
 # "auto": the kernel where it applies (skinny_gemm.kernel_applies), else F.linear; "torch": always
 # F.linear. A CUDA graph keeps whatever was chosen when it was captured.
 GEMM_ENV = "SPECD_GEMM"
 GEMM_BACKENDS = ("auto", "torch")
-_active_backend = "torch"
+_BACKEND = ThreadSetting("torch")  # outside a runner's scope: F.linear (thread_setting.py)
+
+
+def active_backend() -> str:
+    """The GEMM backend in force on this thread."""
+    return _BACKEND.get()
 
 
 def resolve_gemm_backend(name: str | None) -> str:
@@ -41,24 +47,22 @@ class gemm_backend:
         self.name = resolve_gemm_backend(name)
 
     def __enter__(self) -> None:
-        global _active_backend
-        self._saved, _active_backend = _active_backend, self.name
+        self._saved = _BACKEND.swap(self.name)
 
     def __exit__(self, *exc) -> None:
-        global _active_backend
-        _active_backend = self._saved
+        _BACKEND.swap(self._saved)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """The model's linear: skinny_linear under the "auto" backend, F.linear under "torch"."""
-    if _active_backend == "auto":
+    if _BACKEND.get() == "auto":
         return skinny_linear(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
 def takes_skinny_kernel(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether linear(x, weight) would run the skinny kernel now (backend and operands)."""
-    return _active_backend == "auto" and skinny_gemm.kernel_applies(x.reshape(-1, x.shape[-1]), weight)
+    return _BACKEND.get() == "auto" and skinny_gemm.kernel_applies(x.reshape(-1, x.shape[-1]), weight)
 
 
 class Linear(nn.Linear):

@@ -18,6 +18,19 @@ from specd.transport.tensor_codec import tensor_to_pb
 from specd.v1 import drafter_pb2
 
 
+def joined_rows(rows: list[torch.Tensor]) -> torch.Tensor:
+    """rows ([n_i, W] each, alike) as one [sum n_i, W] tensor: a view where they lie back to back
+    in one buffer, as hidden_rows_to_host leaves them (its pinned copy, split), else a copy."""
+    first, width = rows[0], rows[0].shape[1]
+    offset = first.storage_offset()
+    for r in rows:
+        if (not r.is_contiguous() or r.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+                or r.storage_offset() != offset):
+            return torch.cat(rows)
+        offset += r.shape[0] * width
+    return first.as_strided((sum(r.shape[0] for r in rows), width), (width, 1))
+
+
 def draft_step_request(requests: list[DraftRequest], *, opens: dict[int, tuple[SamplingParams, object]],
                        closes: list[int], with_hidden: bool, hidden_dtype: torch.dtype | None = None,
                        one_tensor: bool = True) -> drafter_pb2.DraftStepRequest:
@@ -36,7 +49,7 @@ def draft_step_request(requests: list[DraftRequest], *, opens: dict[int, tuple[S
         rows = [hidden.to(hidden_dtype) for hidden in rows]
     one_tensor = bool(rows) and one_tensor and len({(h.shape[1], h.dtype, h.device) for h in rows}) == 1
     if one_tensor:
-        tensor_to_pb(torch.cat(rows) if len(rows) > 1 else rows[0], message.hidden_states)
+        tensor_to_pb(joined_rows(rows), message.hidden_states)
     shares = iter(rows)
     for r in requests:
         item = message.sequences.add(seq_id=r.seq_id, new_token_ids=r.new_token_ids,

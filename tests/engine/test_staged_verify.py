@@ -253,18 +253,18 @@ def test_a_layout_met_first_by_the_stage_is_prepared_under_the_runners_settings(
     prepare = StaticForward.prepare
 
     def spy(self, *args, **kwargs):
-        seen.append((linear._active_backend, pdl._active_mode, l2_prefetch._active))
+        seen.append((linear.active_backend(), pdl.active_mode(), l2_prefetch.active_plan()))
         return prepare(self, *args, **kwargs)
     monkeypatch.setattr(StaticForward, "prepare", spy)
     runner.gemm, runner.pdl = "auto", "auto"  # not the settings outside any runner's scope
-    outside = (linear._active_backend, pdl._active_mode, l2_prefetch._active)
+    outside = (linear.active_backend(), pdl.active_mode(), l2_prefetch.active_plan())
     assert outside[:2] == ("torch", "off")
     assert runner.stage([SequenceChunk(0, [21, 0, 0, 0]), SequenceChunk(1, [31, 0])])
     runner.forward([SequenceChunk(0, [21, 22, 23, 24]), SequenceChunk(1, [31, 32])])  # takes the stage
     runner.forward([SequenceChunk(0, [25]), SequenceChunk(1, [33])])  # unstaged: prepared in forward
     assert runner.num_staged_forwards == 1
     assert seen == [("auto", "auto", runner.l2_prefetch)] * 2
-    assert (linear._active_backend, pdl._active_mode, l2_prefetch._active) == outside  # restored
+    assert (linear.active_backend(), pdl.active_mode(), l2_prefetch.active_plan()) == outside  # restored
 
 
 @pytest.mark.parametrize("other_call", [

@@ -23,13 +23,13 @@ def test_modes_are_validated_and_read_from_the_environment(monkeypatch):
 
 
 def test_scope_restores_the_outer_mode():
-    assert pdl._active_mode == "off"  # outside any runner: plain launches
+    assert pdl.active_mode() == "off"  # outside any runner: plain launches
     with pdl.pdl_launches("auto"):
-        assert pdl._active_mode == "auto"
+        assert pdl.active_mode() == "auto"
         with pdl.pdl_launches("off"):
-            assert pdl._active_mode == "off"
-        assert pdl._active_mode == "auto"
-    assert pdl._active_mode == "off"
+            assert pdl.active_mode() == "off"
+        assert pdl.active_mode() == "auto"
+    assert pdl.active_mode() == "off"
 
 
 def test_never_on_cpu_and_launch_options_follow():
@@ -44,3 +44,40 @@ def test_probe_on_the_device_matches_its_capability():
     with pdl.pdl_launches("auto"):
         on = pdl.use_pdl(torch.zeros(2, device="cuda"))
     assert on == (torch.cuda.get_device_capability()[0] >= 9)  # the probe ran eager and captured
+
+
+def test_runner_scopes_on_two_threads_neither_see_nor_leak_each_other():
+    """The GEMM backend, PDL mode and prefetch plan apply to the thread that set them: two runners
+    forwarding on two threads, their scopes entered and left interleaved (A in, B in, A out, B
+    out: as module globals B's exit restored A's value), leave both threads at the defaults."""
+    import threading
+
+    from specd.models import linear
+    from specd.models.kernels import l2_prefetch
+
+    def settings():
+        return linear.active_backend(), pdl.active_mode(), l2_prefetch.active_plan()
+
+    defaults = settings()
+    plan = l2_prefetch.PrefetchPlan.parse("o=32")
+    a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
+    seen = {}
+
+    def runner_a():
+        with linear.gemm_backend("auto"), pdl.pdl_launches("auto"), l2_prefetch.l2_prefetch_scope(plan):
+            a_in.set()
+            b_in.wait(5)
+            seen["a inside"] = settings()
+        a_out.set()
+        seen["a after"] = settings()
+
+    thread = threading.Thread(target=runner_a)
+    thread.start()
+    a_in.wait(5)
+    seen["b before"] = settings()  # A's scope is not this thread's
+    with linear.gemm_backend("torch"), pdl.pdl_launches("off"):
+        b_in.set()
+        a_out.wait(5)
+    thread.join(5)
+    assert seen["b before"] == defaults and seen["a inside"] == ("auto", "auto", plan)
+    assert seen["a after"] == defaults and settings() == defaults

@@ -85,3 +85,18 @@ def test_step_request_sends_one_rows_tensor_where_it_can():
         assert torch.equal(tensor_from_pb(message.sequences[0].new_hidden_states), rows[0])
     none = draft_step_request(requests, opens={}, closes=[], with_hidden=False)
     assert not none.HasField("hidden_states") and not any(s.HasField("new_hidden_states") for s in none.sequences)
+
+
+def test_rows_back_to_back_join_without_a_copy():
+    from specd.proposers.draft_step_request import joined_rows
+
+    whole = torch.randn(6, 4)
+    parts = list(whole.split([2, 0, 3, 1]))
+    view = joined_rows(parts)
+    assert torch.equal(view, whole) and view.data_ptr() == whole.data_ptr()  # no copy
+    assert torch.equal(joined_rows(parts[2:]), whole[2:]) and joined_rows(parts[2:]).data_ptr() == whole[2:].data_ptr()
+    gapped = [whole[:2], whole[3:]]  # a row left out between them: copied
+    assert torch.equal(joined_rows(gapped), torch.cat(gapped)) and joined_rows(gapped).data_ptr() != whole.data_ptr()
+    apart = [torch.randn(2, 4), torch.randn(1, 4)]
+    assert torch.equal(joined_rows(apart), torch.cat(apart))
+    assert torch.equal(joined_rows([whole[4:], whole[:4]]), torch.cat([whole[4:], whole[:4]]))  # out of order

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specd.models.kernels.pdl import use_pdl
+from specd.models.thread_setting import ThreadSetting
 
 try:
     import triton
@@ -112,7 +113,7 @@ def resolve_plan(spec: str | PrefetchPlan | None) -> PrefetchPlan:
     return PrefetchPlan.parse(spec if spec is not None else os.environ.get(L2_PREFETCH_ENV, "off"))
 
 
-_active = PrefetchPlan()
+_PLAN = ThreadSetting(PrefetchPlan())  # outside a runner's scope: no prefetch (thread_setting.py)
 
 
 class l2_prefetch_scope:
@@ -123,16 +124,15 @@ class l2_prefetch_scope:
         self.plan = plan
 
     def __enter__(self) -> None:
-        global _active
-        self._saved, _active = _active, self.plan
+        self._saved = _PLAN.swap(self.plan)
 
     def __exit__(self, *exc) -> None:
-        global _active
-        _active = self._saved
+        _PLAN.swap(self._saved)
 
 
 def active_plan() -> PrefetchPlan:
-    return _active
+    """The prefetch plan in force on this thread."""
+    return _PLAN.get()
 
 
 @dataclass(frozen=True)
@@ -154,7 +154,7 @@ class PrefetchTarget:
 
 def target_for(product: str, weight: torch.Tensor | None, plan: PrefetchPlan | None = None) -> PrefetchTarget | None:
     """The prefetch a GEMM issues for `product`'s weight under the plan (None: nothing)."""
-    plan = plan or _active
+    plan = plan or _PLAN.get()
     mb = plan.megabytes.get(product, 0.0)
     if weight is None or mb <= 0 or not weight.is_cuda or weight.element_size() != 2 or not weight.is_contiguous():
         return None

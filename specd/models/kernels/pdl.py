@@ -38,6 +38,8 @@ import os
 
 import torch
 
+from specd.models.thread_setting import ThreadSetting
+
 logger = logging.getLogger(__name__)
 
 try:
@@ -48,7 +50,7 @@ except Exception:  # ImportError, or a broken install
 
 PDL_ENV = "SPECD_PDL"
 _MODES = ("auto", "off")
-_active_mode = "off"  # outside a runner's scope: plain launches
+_MODE = ThreadSetting("off")  # outside a runner's scope: plain launches (thread_setting.py)
 _supported: dict[int, bool] = {}  # CUDA device index -> PDL launches work here
 
 
@@ -68,17 +70,20 @@ class pdl_launches:
         self.mode = resolve_pdl_mode(mode)
 
     def __enter__(self) -> None:
-        global _active_mode
-        self._saved, _active_mode = _active_mode, self.mode
+        self._saved = _MODE.swap(self.mode)
 
     def __exit__(self, *exc) -> None:
-        global _active_mode
-        _active_mode = self._saved
+        _MODE.swap(self._saved)
+
+
+def active_mode() -> str:
+    """The PDL mode in force on this thread."""
+    return _MODE.get()
 
 
 def use_pdl(tensor: torch.Tensor) -> bool:
     """Whether a kernel over `tensor` launches with PDL now (the scope's mode, the device, Triton)."""
-    if _active_mode != "auto" or not tensor.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
+    if _MODE.get() != "auto" or not tensor.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
         return False
     index = tensor.device.index if tensor.device.index is not None else torch.cuda.current_device()
     if index not in _supported:

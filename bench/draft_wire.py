@@ -1,0 +1,109 @@
+"""The drafter wire's host cost for a step's hidden rows (EAGLE-3 at 8B: 3 x 4096 bf16 a token),
+old against new, side by side in one run:
+
+- codec: the step message built and serialized on the verifier (draft_step_request), parsed and
+  its rows decoded and joined on the drafter, with a tensor a sequence (`new_hidden_states`)
+  against the step's one tensor (`hidden_states` + `num_hidden_rows`);
+- frame: a frame of the message's size sent over loopback TCP to a reader process, the header
+  joined to the payload and the payload copied again on reading (the old step_frames) against
+  header and payload written apart and read without the copy (step_frames now). The sender's
+  time is what the verifier's engine thread spends; the reader answers one byte per frame.
+
+Why: through the services on an H100 the verifier's "commit" (which sends the next step's
+requests) took 11.8 ms a step at batch 128 with an EAGLE-3 drafter, against 0.6 ms without
+drafts (BENCHMARKS.md, run 74). CPU only; medians over --repeats.
+
+    python -m bench.draft_wire [--batches 64,128] [--rows 1,4] [--width 12288] [--repeats 15]
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import socket
+import statistics
+import time
+
+import torch
+
+from specd.proposers.base import DraftRequest
+from specd.proposers.draft_step_request import draft_step_request
+from specd.transport import step_frames
+from specd.transport.tensor_codec import tensor_from_pb
+from specd.v1 import drafter_pb2
+
+
+def codec_ms(requests: list[DraftRequest], one_tensor: bool, repeats: int) -> float:
+    """Median ms of build + serialize + parse + decode (the rows joined, as the head takes them)."""
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        payload = draft_step_request(requests, opens={}, closes=[], with_hidden=True,
+                                     one_tensor=one_tensor).SerializeToString()
+        message = drafter_pb2.DraftStepRequest()
+        message.ParseFromString(payload)
+        if one_tensor:
+            rows = tensor_from_pb(message.hidden_states).split([s.num_hidden_rows for s in message.sequences])
+        else:
+            rows = [tensor_from_pb(s.new_hidden_states) for s in message.sequences]
+        torch.cat(rows)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+def _old_send(sock: socket.socket, payload: bytes) -> None:
+    sock.sendall(step_frames.HEADER.pack(step_frames.MESSAGE, len(payload)) + payload)
+
+
+def _reader(port: int, copy: bool) -> None:
+    sock = socket.create_connection(("127.0.0.1", port))
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    while (frame := step_frames.read_frame(sock)) is not None:
+        if copy:
+            bytes(frame[1])  # the old read returned a copy of the buffer
+        sock.sendall(b"k")
+
+
+def frame_ms(size: int, old: bool, repeats: int) -> float:
+    """Median ms the sender spends writing one frame of `size` bytes to a reader process."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    reader = mp.get_context("spawn").Process(target=_reader, args=(listener.getsockname()[1], old), daemon=True)
+    reader.start()
+    conn, _ = listener.accept()
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    payload, times = b"x" * size, []
+    send = _old_send if old else step_frames.send_message
+    with conn, listener:
+        for _ in range(repeats):
+            time.sleep(0.01)  # the reader idle, as a drafter between steps
+            t0 = time.perf_counter()
+            send(conn, payload)
+            times.append(time.perf_counter() - t0)
+            conn.recv(1)
+    reader.kill()
+    return statistics.median(times) * 1e3
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batches", default="64,128")
+    parser.add_argument("--rows", default="1,4", help="hidden rows a sequence a step (accepted tokens + 1)")
+    parser.add_argument("--width", type=int, default=3 * 4096)
+    parser.add_argument("--repeats", type=int, default=15)
+    args = parser.parse_args(argv)
+    print("| batch | rows a sequence | MB a step | codec: a tensor a sequence ms | one tensor ms | ratio | "
+          "frame send: joined + read copy ms | apart, no copy ms | ratio |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for batch in (int(b) for b in args.batches.split(",")):
+        for n in (int(r) for r in args.rows.split(",")):
+            whole = torch.randn(batch * n, args.width).bfloat16()
+            requests = [DraftRequest(i, [1] * n, rows, 3) for i, rows in enumerate(whole.split(n))]
+            size = len(draft_step_request(requests, opens={}, closes=[], with_hidden=True).SerializeToString())
+            per_seq, one = codec_ms(requests, False, args.repeats), codec_ms(requests, True, args.repeats)
+            joined, apart = frame_ms(size, True, args.repeats), frame_ms(size, False, args.repeats)
+            print(f"| {batch} | {n} | {size / 1e6:.1f} | {per_seq:.2f} | {one:.2f} | {per_seq / one:.2f}x | "
+                  f"{joined:.2f} | {apart:.2f} | {joined / apart:.2f}x |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
