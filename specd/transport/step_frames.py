@@ -26,8 +26,8 @@ CODE = struct.Struct(">I")
 MAX_FRAME_BYTES = 256 << 20  # as the gRPC servers' message limit
 # Frames up to this size go out in one write (one packet); larger ones (a step's hidden rows: 3 MB
 # at batch 128 for an 8B EAGLE-3 head, 12 MB at acceptance 4) as header and payload, since joining
-# them copied the payload on the engine thread (a 12.6 MB frame: 13.8 ms to send with the copy and
-# the copy on reading, 5.9 ms without either, on the 2-core CI machine).
+# them copied the payload on the engine thread (bench/draft_wire.py on the 2-core CI machine: a 3.1
+# MB frame 1.08-1.41 -> 0.74-0.80 ms to send; at 12.6 MB the reader's draining bounds both, 5.4-6.8 ms).
 ONE_WRITE_BYTES = 64 << 10
 STATUS_BY_VALUE = {code.value[0]: code for code in grpc.StatusCode}
 
