@@ -2,9 +2,10 @@
 
 The step's hidden rows travel as one [N, H*] tensor (`hidden_states`, each sequence naming its
 `num_hidden_rows`) where the drafter says it reads that form (Info.takes_step_hidden_states) and
-the rows are alike; else one tensor a sequence (`new_hidden_states`). Why one: encoding and decoding
-a tensor a sequence cost 3.6 ms at batch 128 of 8B EAGLE-3 rows on the 2-core CI machine, one
-tensor 2.0 ms, and both ends of a step wait for it.
+the rows are alike; else one tensor a sequence (`new_hidden_states`). Why one: building, encoding
+and decoding a tensor a sequence took 3.5-6.1 ms at batch 128 of 8B EAGLE-3 rows (one a sequence)
+on the 2-core CI machine, one tensor 1.7-3.7 ms (bench/draft_wire.py), and both ends of a step
+wait for it.
 """
 
 from __future__ import annotations
