@@ -12,11 +12,13 @@ with SDPA's own kernel choice, cuDNN first on Hopper (run 69: 111.7 against 5.0 
 the drafter allows no cuDNN attention, specd/models/sdpa_backends.py).
 
     python -m bench.drafter_head [--batches 1,64] [--steps 20] [--shape 8b|small] [--device cuda] [--cudnn]
+        [--profile [--trace DIR]]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -61,8 +63,10 @@ def make_proposer(head: Eagle3Head, device: torch.device, dtype: torch.dtype, st
 
 
 def time_steps(proposer: PairHeadProposer, batch: int, steps: int, k: int, prompt_len: int = 32,
-               tokens_per_step: int = 2, profile: bool = False) -> tuple[list[float], str]:
-    """ms of each propose() after the prompts' (not timed), and the profiler's table when asked."""
+               tokens_per_step: int = 2, profile: bool = False, trace: str | None = None
+               ) -> tuple[list[float], str]:
+    """ms of each propose() after the prompts' (not timed), and the profiler's table when asked
+    (its Chrome trace written to `trace` when given)."""
     cfg = proposer.head.cfg
     device, dtype = proposer.device, proposer.dtype
     gen = torch.Generator().manual_seed(1)
@@ -102,8 +106,11 @@ def time_steps(proposer: PairHeadProposer, batch: int, steps: int, k: int, promp
         with torch_profile(activities=activities) as prof:
             for _ in range(5):
                 one_step()
-        key = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
-        table = prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=60)
+        if trace:
+            prof.export_chrome_trace(trace)
+        keys = (["cuda_time_total"] if device.type == "cuda" else []) + ["self_cpu_time_total"]
+        table = "\n".join(prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=60)
+                          for key in keys)  # the device's view, then the host's
     for i in range(batch):
         proposer.close(i)
     return times, table
@@ -128,8 +135,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--shape", choices=sorted(SHAPES), default="8b")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--profile", action="store_true", help="also print torch.profiler's top ops per batch")
+    ap.add_argument("--trace", default="", help="with --profile: a folder for each run's Chrome trace")
     ap.add_argument("--cudnn", action="store_true", help="also eager with SDPA's own kernel choice (cuDNN first)")
     args = ap.parse_args(argv)
+    if args.trace:
+        os.makedirs(args.trace, exist_ok=True)
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     head = make_head(args.shape, device, dtype)
@@ -150,7 +160,8 @@ def main(argv: list[str] | None = None) -> None:
         medians, cells = [], []
         for label, proposer, scope in variants:
             with scope():
-                times, table = time_steps(proposer, batch, args.steps, args.k, profile=args.profile)
+                trace = f"{args.trace}/b{batch}-{label.split(',')[0]}.json" if args.trace else None
+                times, table = time_steps(proposer, batch, args.steps, args.k, profile=args.profile, trace=trace)
             medians.append(statistics.median(times))
             cells.append(f"{medians[-1]:.2f} ({min(times):.2f}-{max(times):.2f})")
             tables.append((batch, label, table))
