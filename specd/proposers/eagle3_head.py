@@ -120,11 +120,8 @@ class Eagle3Attention(nn.Module):
         v = self.v_proj(x).view(batch, seq, self.num_kv_heads, -1).transpose(1, 2)
         cos, sin = cos[:, None], sin[:, None]
         q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-        k, v = kv.update(k, v)  # [B, nkv, past + S, d]
-        groups = self.num_heads // self.num_kv_heads
-        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=kv.mask)  # [B, nh, S, d]
-        return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
+        out = kv.attend(q, k, v, self.head_dim ** -0.5)  # [B, S, nh, d]; k, v stored
+        return self.o_proj(out.reshape(batch, seq, -1))
 
 
 class Eagle3Midlayer(nn.Module):

@@ -19,9 +19,24 @@ once cuDNN's plans were gone.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+
+from specd.models.kernels import paged_decode_attention
+from specd.models.static_attention import StaticAttentionMetadata, static_paged_attention
 
 BLOCK = 16  # positions a block
 SCRATCH_BLOCK = 0  # no sequence's: padding rows of a fixed-shape batch write here (StaticBatchKV)
+
+
+def masked_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """Grouped-query attention of q [B, Hq, S, D] over gathered keys, values [B, Hkv, L, D] under a
+    bool mask [B, 1, S, L] (True = attend) -> [B, S, Hq, D]. What BatchKV and the training's
+    views (specd/train/ttt.py) run; with a mask SDPA takes no enable_gqa on a fused kernel, so the
+    keys are repeated per query head."""
+    groups = q.shape[1] // keys.shape[1]
+    keys, values = keys.repeat_interleave(groups, dim=1), values.repeat_interleave(groups, dim=1)
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale).transpose(1, 2)
 
 
 class HeadKVCache:
@@ -140,14 +155,20 @@ class BatchKV:
             pool.view(-1, heads, dim).index_copy_(0, self._dest, valid)
         return tuple(out)
 
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        """q [B, Hq, S, D], new k, v [B, Hkv, S, D] -> attention [B, S, Hq, D]; the new entries stored."""
+        return masked_attention(q, *self.update(k, v), self.mask, scale)
+
 
 class StaticBatchKV:
     """BatchKV over fixed shapes, every index computed on the device: what a CUDA graph replays.
 
     table [B, NB] int64: each sequence's blocks (padding: SCRATCH_BLOCK); past_lens, query_lens
-    [B] int64 (a padding row: 0 and 0); Q new positions a row. Keys are [NB * BLOCK past slots |
-    Q new], the mask as BatchKV's (max_past = NB * BLOCK). New entries past a row's query_len
-    (and all of a padding row's) are written to the scratch block, not to the sequence's.
+    [B] int64 (a padding row: 0 and 0); Q new positions a row. `update`: keys are [NB * BLOCK past
+    slots | Q new], the mask as BatchKV's (max_past = NB * BLOCK). `attend`: the new entries are
+    stored first and each row reads its keys straight from the pools, the verifier's static layout
+    (specd/models/static_attention.py). New entries past a row's query_len (and all of a padding
+    row's) are written to the scratch block, not to the sequence's.
     """
 
     def __init__(self, cache: HeadKVCache, table: torch.Tensor, past_lens: torch.Tensor,
@@ -162,6 +183,8 @@ class StaticBatchKV:
         block = table.gather(1, (pos // BLOCK).clamp(max=width - 1))
         dest = torch.where(valid_q, block * BLOCK + pos % BLOCK, SCRATCH_BLOCK * BLOCK + new)
         self._dest = dest.reshape(-1)  # [B * Q]
+        self._meta = StaticAttentionMetadata(ctx_lens=past_lens, block_tables=table, slot_mapping=self._dest,
+                                             query_len=num_q, block_size=BLOCK)
         past_ok = torch.arange(self.max_past, device=table.device)[None, :] < past_lens[:, None]
         causal = torch.ones(num_q, num_q, dtype=torch.bool, device=table.device).tril()
         mask = torch.cat([past_ok[:, None, :] & valid_q[:, :, None],
@@ -180,3 +203,28 @@ class StaticBatchKV:
             rows = fresh.transpose(1, 2).reshape(batch * num_q, heads, dim)
             pool.view(-1, heads, dim).index_copy_(0, self._dest, rows)
         return tuple(out)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        """q [B, Hq, Q, D], new k, v [B, Hkv, Q, D] -> attention [B, Q, Hq, D]: the new entries
+        stored, then row i of sequence b attends its keys 0 .. past_b + i through the block table.
+
+        Why not `update`'s gather: it copies every sequence's keys out of the pools, then again
+        into the [past | new] tensor, then once per query head (repeat_interleave) for SDPA: at
+        batch 128 an 8B EAGLE-3 head's forward spent ~0.6 of its ~1.3 ms of device time on them
+        and the attention, with 30-150-token contexts (H100, BENCHMARKS.md run 76), and they grow
+        with the context. On CUDA
+        in bf16 / fp16 the verifier's Triton paged kernel reads the pools in place; elsewhere its
+        PyTorch twin gathers once, grouped heads folded into the rows."""
+        batch, num_heads, num_q, dim = q.shape
+        pool_k, pool_v = self.cache.materialize((k, v))
+        for pool, fresh in ((pool_k, k), (pool_v, v)):
+            rows = fresh.to(pool.dtype).transpose(1, 2).reshape(batch * num_q, *pool.shape[2:])
+            pool.view(-1, *pool.shape[2:]).index_copy_(0, self._dest, rows)
+        q_rows = q.transpose(1, 2).reshape(batch * num_q, num_heads, dim)  # [B * Q, Hq, D]
+        if paged_decode_attention.serves_query_len(num_q) and paged_decode_attention.kernel_applies(q_rows, pool_k):
+            out = paged_decode_attention.paged_decode_attention(
+                q_rows, pool_k, pool_v, self._meta.ctx_lens, self._meta.block_tables, num_q, scale,
+                counter_owner=self.cache)
+        else:
+            out = static_paged_attention(q_rows.to(pool_k.dtype), pool_k, pool_v, self._meta, scale).to(q.dtype)
+        return out.view(batch, num_q, num_heads, dim)

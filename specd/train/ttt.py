@@ -5,7 +5,7 @@ its own output hidden state back: draft step j's pair at position t pairs the he
 output at t-1 with token x_{t+1}. Its query attends the committed (step-0) entries at positions
 <= t - j, the chain origin, and the chain's own speculative entries, one per later step: step i's
 entry at position t - j + i. Training reproduces exactly that view: `TTTKV` stands in for
-`BatchKV` (same `update` / `mask` interface), so the head's own inference modules are trained.
+`BatchKV` (same `attend` interface), so the head's own inference modules are trained.
 
 All tensors of one step are laid out by pair position t in [0, N), N = T - 1 for a window of T
 tokens; a step-i entry needed at row t of step j sits at row t - (j - i) of step i, so earlier
@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from specd.proposers.head_kv import masked_attention
 
 
 def shift_rows(x: torch.Tensor, by: int, dim: int) -> torch.Tensor:
@@ -58,6 +60,10 @@ class TTTKV:
             blocks.append(fresh)
             out.append(torch.cat(blocks, dim=2))
         return tuple(out)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        """q [B, Hq, N, D], this step's k, v [B, Hkv, N, D] -> attention [B, N, Hq, D]."""
+        return masked_attention(q, *self.update(k, v), self.mask, scale)
 
 
 def soft_cross_entropy(logits: torch.Tensor, target_probs: torch.Tensor, valid: torch.Tensor
