@@ -7,11 +7,14 @@ its own per round trip at batch 1 and 33.5 ms at batch 64, for k = 3, where the 
 (~1 GB in bf16) take ~0.3 ms to read per draft step. This times the step and splits it with
 torch.profiler (--profile), so that the drafter's cost can be read without the services around
 it. Each batch runs through the fixed-shape forwards the drafter takes on CUDA (CUDA graphs,
-specd/proposers/head_graphs.py) and through the eager ones (BatchKV), and with --cudnn also eager
+specd/proposers/head_graphs.py) and through the eager ones (BatchKV); with --gathered also the
+fixed-shape forwards with the attention they had before they read the block pools in place
+(head_kv.StaticBatchKV.attend; run 76 found the gather's copies half of a forward at batch 128);
+and with --cudnn also eager
 with SDPA's own kernel choice, cuDNN first on Hopper (run 69: 111.7 against 5.0 ms at batch 1;
 the drafter allows no cuDNN attention, specd/models/sdpa_backends.py).
 
-    python -m bench.drafter_head [--batches 1,64] [--steps 20] [--shape 8b|small] [--device cuda] [--cudnn]
+    python -m bench.drafter_head [--batches 1,64] [--steps 20] [--prompt-len 32] [--shape 8b|small] [--device cuda] [--gathered] [--cudnn]
         [--profile [--trace DIR]]
 """
 
@@ -30,6 +33,7 @@ from torch.nn.attention import SDPBackend
 from specd.models import sdpa_backends
 from specd.proposers.base import DraftRequest
 from specd.proposers.eagle3_head import Eagle3Config, Eagle3Head
+from specd.proposers.head_kv import StaticBatchKV, masked_attention
 from specd.proposers.mtp_common import PairHeadProposer
 from specd.sampling_params import SamplingParams
 
@@ -80,7 +84,8 @@ def time_steps(proposer: PairHeadProposer, batch: int, steps: int, k: int, promp
     for i in range(batch):
         proposer.open(i, params)
         tokens = torch.randint(4, cfg.vocab_size, (prompt_len + 1,), generator=gen).tolist()
-        first.append(DraftRequest(i, tokens, rows(prompt_len), k))
+        prompt_rows = torch.randn(prompt_len, width, device=device, dtype=dtype)  # untimed: made in place
+        first.append(DraftRequest(i, tokens, prompt_rows, k))
     proposer.propose(first)
     times = []
     table = ""
@@ -117,6 +122,18 @@ def time_steps(proposer: PairHeadProposer, batch: int, steps: int, k: int, promp
 
 
 @contextmanager
+def gathered_static_attention():
+    """The fixed-shape forwards' attention as before head_kv.StaticBatchKV.attend read the pools in
+    place: every sequence's keys gathered, joined to the new ones, repeated per query head, SDPA."""
+    saved = StaticBatchKV.attend
+    StaticBatchKV.attend = lambda self, q, k, v, scale: masked_attention(q, *self.update(k, v), self.mask, scale)
+    try:
+        yield
+    finally:
+        StaticBatchKV.attend = saved
+
+
+@contextmanager
 def cudnn_attention_allowed():
     """SDPA's default choice inside (cuDNN first on Hopper), as before sdpa_backends.py: the A/B."""
     saved = sdpa_backends.VARIABLE_SHAPE_BACKENDS
@@ -132,10 +149,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--batches", default="1,64")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--k", type=int, default=3)
+    ap.add_argument("--prompt-len", type=int, default=32, help="positions each sequence caches first")
     ap.add_argument("--shape", choices=sorted(SHAPES), default="8b")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--profile", action="store_true", help="also print torch.profiler's top ops per batch")
     ap.add_argument("--trace", default="", help="with --profile: a folder for each run's Chrome trace")
+    ap.add_argument("--gathered", action="store_true",
+                    help="also the fixed-shape forwards with the gathered attention (before the paged read)")
     ap.add_argument("--cudnn", action="store_true", help="also eager with SDPA's own kernel choice (cuDNN first)")
     args = ap.parse_args(argv)
     if args.trace:
@@ -145,10 +165,13 @@ def main(argv: list[str] | None = None) -> None:
     head = make_head(args.shape, device, dtype)
     variants = [("static", make_proposer(head, device, dtype, True), nullcontext),
                 ("eager", make_proposer(head, device, dtype, False), nullcontext)]
+    if args.gathered:
+        variants.append(("static, gathered", make_proposer(head, device, dtype, True), gathered_static_attention))
     if args.cudnn:
         variants.append(("eager, cuDNN allowed", variants[1][1], cudnn_attention_allowed))
     graphs = "CUDA graphs" if device.type == "cuda" else "no graphs on CPU: the same buffers, eagerly"
-    print(f"EAGLE-3 head, {args.shape} shape, {dtype}, {device}, k = {args.k}: ms per propose "
+    print(f"EAGLE-3 head, {args.shape} shape, {dtype}, {device}, k = {args.k}, {args.prompt_len}-token "
+          f"prompts: ms per propose "
           f"(median of {args.steps}, after the prompts'; min-max), alternated per batch. static: "
           f"the fixed-shape forwards ({graphs}); eager: BatchKV's\n")
     names = [name for name, _, _ in variants]
@@ -160,8 +183,9 @@ def main(argv: list[str] | None = None) -> None:
         medians, cells = [], []
         for label, proposer, scope in variants:
             with scope():
-                trace = f"{args.trace}/b{batch}-{label.split(',')[0]}.json" if args.trace else None
-                times, table = time_steps(proposer, batch, args.steps, args.k, profile=args.profile, trace=trace)
+                trace = f"{args.trace}/b{batch}-{label.replace(', ', '-').replace(' ', '_')}.json" if args.trace else None
+                times, table = time_steps(proposer, batch, args.steps, args.k, prompt_len=args.prompt_len,
+                                          profile=args.profile, trace=trace)
             medians.append(statistics.median(times))
             cells.append(f"{medians[-1]:.2f} ({min(times):.2f}-{max(times):.2f})")
             tables.append((batch, label, table))
