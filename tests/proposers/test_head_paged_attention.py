@@ -70,6 +70,8 @@ def test_twin_attends_as_batch_kv_float32():
     _check(*namespace["report"]("cpu", torch.float32), kernel=False, atol=1e-5)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the device runs the kernel itself (below); the GPU "
+                    "image's Triton interpreter fails on the kernel's key loop (run 77)")
 def test_paged_kernel_attends_as_batch_kv_interpreted():
     out = run_interpreted("print(*report('cpu', torch.float16))", prelude=CASE)
     applies, *errors = out.split()
