@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from specd.models.graph_layout import batch_buckets, width_bucket
-from specd.proposers.head_kv import BLOCK, SCRATCH_BLOCK, HeadKVCache, StaticBatchKV
+from specd.proposers.head_kv import BLOCK, HeadKVCache, StaticBatchKV
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +98,8 @@ class HeadGraphs:
         key = self.layout(past_lens, query_lens)
         if key is None:
             return None
-        tables = [self.cache.reserve(h, p + q) for h, p, q in zip(handles, past_lens, query_lens)]
+        for h, p, q in zip(handles, past_lens, query_lens):
+            self.cache.reserve(h, p + q)
         self.cache.grow()
         if self.cache.generation != self._generation:  # the pools moved: the graphs read the old
             self.drop_graphs()
@@ -106,7 +107,7 @@ class HeadGraphs:
         entry = self._layouts.get(key) or self._new_layout(*key, rows.shape[1])
         if self.use_cuda_graphs and not entry.capture_tried and self.cache.pools is not None:
             self._capture(entry)  # (the pools exist once a first forward has run)
-        self._fill(entry, tables, past_lens, query_lens, ids, rows)
+        self._fill(entry, handles, past_lens, query_lens, ids, rows)
         if entry.graph is not None:
             entry.graph.replay()
         else:
@@ -126,14 +127,14 @@ class HeadGraphs:
         self._layouts[(batch, qlen, width)] = entry
         return entry
 
-    def _fill(self, entry: _Layout, tables: list[list[int]], past_lens: list[int], query_lens: list[int],
+    def _fill(self, entry: _Layout, handles: list[int], past_lens: list[int], query_lens: list[int],
               ids: list[list[int]] | torch.Tensor, rows: torch.Tensor) -> None:
         """The batch into the layout's buffers: one host-to-device copy of the integers, then the
         hidden rows (and device ids) by device copies."""
-        b, q, nb, n = entry.batch, entry.qlen, entry.width, len(tables)
+        b, q, nb, n = entry.batch, entry.qlen, entry.width, len(handles)
         host = torch.zeros(entry.packed.shape[0], dtype=torch.long)
         ids_h, table_h, past_h, new_h, rows_h = host.split([b * q, b * nb, b, b, b * q])  # padding: 0
-        table_h.view(b, nb)[:n] = torch.tensor([t[:nb] + [SCRATCH_BLOCK] * (nb - len(t)) for t in tables])
+        table_h.view(b, nb)[:n] = self.cache.block_tables(handles, nb)
         past_h[:n] = torch.tensor(past_lens)
         new_h[:n] = torch.tensor(query_lens)
         flat = [i * q + j for i, m in enumerate(query_lens) for j in range(m)]

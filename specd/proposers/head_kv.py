@@ -18,6 +18,7 @@ once cuDNN's plans were gone.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -26,6 +27,13 @@ from specd.models.static_attention import StaticAttentionMetadata, static_paged_
 
 BLOCK = 16  # positions a block
 SCRATCH_BLOCK = 0  # no sequence's: padding rows of a fixed-shape batch write here (StaticBatchKV)
+
+
+def _grown(table: np.ndarray, rows: int = 0, cols: int = 0) -> np.ndarray:
+    """table enlarged to at least rows x cols, its entries kept, the new ones SCRATCH_BLOCK."""
+    bigger = np.full((max(rows, table.shape[0]), max(cols, table.shape[1])), SCRATCH_BLOCK, dtype=table.dtype)
+    bigger[:table.shape[0], :table.shape[1]] = table
+    return bigger
 
 
 def masked_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
@@ -56,15 +64,28 @@ class HeadKVCache:
         # pop() gives the lowest first; SCRATCH_BLOCK is never handed out
         self._free_blocks = [b for b in range(self.num_blocks - 1, -1, -1) if b != SCRATCH_BLOCK]
         self._tables: dict[int, list[int]] = {}  # handle -> its blocks, in position order
+        # The same tables as one host array, row = handle, SCRATCH_BLOCK past a handle's blocks:
+        # a batch's padded tables are then one gather (block_tables), not a list per sequence
+        # (~1.6 ms a forward at batch 128 and 1,024 positions on the CI machine, three a propose).
+        self._table_rows = np.full((16, 16), SCRATCH_BLOCK, dtype=np.int64)
+        self._free_handles: list[int] = []  # released handles, reused (their rows stay small)
         self._next_handle = 0
 
     def acquire(self) -> int:
-        handle, self._next_handle = self._next_handle, self._next_handle + 1
+        if self._free_handles:
+            handle = self._free_handles.pop()
+        else:
+            handle, self._next_handle = self._next_handle, self._next_handle + 1
+            if handle >= self._table_rows.shape[0]:
+                self._table_rows = _grown(self._table_rows, rows=2 * handle)
         self._tables[handle] = []
         return handle
 
     def release(self, handle: int) -> None:
-        self._free_blocks.extend(reversed(self._tables.pop(handle)))
+        blocks = self._tables.pop(handle)
+        self._table_rows[handle, :len(blocks)] = SCRATCH_BLOCK
+        self._free_blocks.extend(reversed(blocks))
+        self._free_handles.append(handle)
 
     def reserve(self, handle: int, length: int) -> list[int]:
         """The handle's blocks, enough for `length` positions (more are taken as needed)."""
@@ -73,8 +94,18 @@ class HeadKVCache:
             if not self._free_blocks:
                 self._free_blocks = list(range(2 * self.num_blocks - 1, self.num_blocks - 1, -1))
                 self.num_blocks *= 2
-            table.append(self._free_blocks.pop())
+            if len(table) >= self._table_rows.shape[1]:
+                self._table_rows = _grown(self._table_rows, cols=2 * len(table))
+            self._table_rows[handle, len(table)] = block = self._free_blocks.pop()
+            table.append(block)
         return table
+
+    def block_tables(self, handles: list[int], width: int) -> torch.Tensor:
+        """[len(handles), width] int64 (host): each handle's first `width` blocks, SCRATCH_BLOCK past
+        its own."""
+        if width > self._table_rows.shape[1]:
+            self._table_rows = _grown(self._table_rows, cols=width)
+        return torch.from_numpy(self._table_rows[handles, :width])
 
     def materialize(self, new: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
         """The pools, allocated after `new` ([B, heads, S, dim] each) or grown to num_blocks."""

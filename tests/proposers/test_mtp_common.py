@@ -164,3 +164,22 @@ def test_the_fixed_shapes_take_batches_up_to_max_batch_size():
     default = PairHeadProposer(_EchoHead(), "cpu", torch.float32, static_steps=True)
     assert default.graphs.layout([0] * 150, [1] * 150) is None  # the eager path takes it
     assert PairHeadProposer(_EchoHead(), "cpu", torch.float32).graphs is None  # CPU: eager by default
+
+
+def test_block_tables_follow_reserve_release_and_growth():
+    """The host array behind the fixed-shape forwards' tables: each handle's blocks, scratch past
+    them; a released handle's row is cleared and reused; rows and columns grow as needed."""
+    cache = HeadKVCache("cpu", initial_blocks=64)
+    handles = [cache.acquire() for _ in range(20)]  # past the array's first 16 rows
+    for i, h in enumerate(handles):
+        cache.reserve(h, (i + 1) * BLOCK)  # handle i holds i + 1 blocks; 20 is past 16 columns
+    tables = cache.block_tables(handles, 24)
+    for i, h in enumerate(handles):
+        assert tables[i, :i + 1].tolist() == cache.reserve(h, 0)
+        assert (tables[i, i + 1:] == SCRATCH_BLOCK).all()
+    assert cache.block_tables([handles[19]], 4).tolist() == [cache.reserve(handles[19], 0)[:4]]
+    cache.release(handles[3])
+    again = cache.acquire()
+    assert again == handles[3] and (cache.block_tables([again], 24) == SCRATCH_BLOCK).all()
+    cache.reserve(again, 1)
+    assert cache.block_tables([again], 2).tolist() == [[cache.reserve(again, 0)[0], SCRATCH_BLOCK]]
