@@ -10,11 +10,12 @@ it. Each batch runs through the fixed-shape forwards the drafter takes on CUDA (
 specd/proposers/head_graphs.py) and through the eager ones (BatchKV); with --gathered also the
 fixed-shape forwards with the attention they had before they read the block pools in place
 (head_kv.StaticBatchKV.attend; run 76 found the gather's copies half of a forward at batch 128);
+with --kv-blocks N over head caches of N-position blocks;
 and with --cudnn also eager
 with SDPA's own kernel choice, cuDNN first on Hopper (run 69: 111.7 against 5.0 ms at batch 1;
 the drafter allows no cuDNN attention, specd/models/sdpa_backends.py).
 
-    python -m bench.drafter_head [--batches 1,64] [--steps 20] [--prompt-len 32] [--shape 8b|small] [--device cuda] [--gathered] [--cudnn]
+    python -m bench.drafter_head [--batches 1,64] [--steps 20] [--prompt-len 32] [--shape 8b|small] [--device cuda] [--kv-blocks 16] [--gathered] [--cudnn]
         [--profile [--trace DIR]]
 """
 
@@ -59,9 +60,9 @@ def make_head(shape: str, device: torch.device, dtype: torch.dtype, seed: int = 
     return head.to(dtype)
 
 
-def make_proposer(head: Eagle3Head, device: torch.device, dtype: torch.dtype, static_steps: bool
-                  ) -> PairHeadProposer:
-    proposer = PairHeadProposer(head, device, dtype, static_steps=static_steps)
+def make_proposer(head: Eagle3Head, device: torch.device, dtype: torch.dtype, static_steps: bool,
+                  **options) -> PairHeadProposer:
+    proposer = PairHeadProposer(head, device, dtype, static_steps=static_steps, **options)
     proposer.method, proposer.hidden_kind = "eagle3", "aux"
     return proposer
 
@@ -154,6 +155,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--profile", action="store_true", help="also print torch.profiler's top ops per batch")
     ap.add_argument("--trace", default="", help="with --profile: a folder for each run's Chrome trace")
+    ap.add_argument("--kv-blocks", default="", help="also the fixed-shape forwards over head caches of "
+                    "these block sizes, e.g. 16 (default blocks: head_kv.BLOCK)")
     ap.add_argument("--gathered", action="store_true",
                     help="also the fixed-shape forwards with the gathered attention (before the paged read)")
     ap.add_argument("--cudnn", action="store_true", help="also eager with SDPA's own kernel choice (cuDNN first)")
@@ -165,6 +168,9 @@ def main(argv: list[str] | None = None) -> None:
     head = make_head(args.shape, device, dtype)
     variants = [("static", make_proposer(head, device, dtype, True), nullcontext),
                 ("eager", make_proposer(head, device, dtype, False), nullcontext)]
+    for size in (int(n) for n in args.kv_blocks.split(",") if n):
+        variants.append((f"static, {size}-position blocks",
+                         make_proposer(head, device, dtype, True, kv_block_size=size), nullcontext))
     if args.gathered:
         variants.append(("static, gathered", make_proposer(head, device, dtype, True), gathered_static_attention))
     if args.cudnn:

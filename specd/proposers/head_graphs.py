@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from specd.models.graph_layout import batch_buckets, width_bucket
-from specd.proposers.head_kv import BLOCK, HeadKVCache, StaticBatchKV
+from specd.proposers.head_kv import HeadKVCache, StaticBatchKV
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +86,7 @@ class HeadGraphs:
         if batch is None or qlen > MAX_STATIC_QUERY or longest > MAX_STATIC_CONTEXT:
             return None
         qlen = 1 << (qlen - 1).bit_length()
-        return batch, qlen, width_bucket(-(-longest // BLOCK))
+        return batch, qlen, width_bucket(-(-longest // self.cache.block_size))
 
     def forward(self, handles: list[int], past_lens: list[int], query_lens: list[int],
                 ids: list[list[int]] | torch.Tensor, rows: torch.Tensor) -> torch.Tensor | None:

@@ -2,7 +2,7 @@
 
 A head has one attention layer; what it caches per position is a few tensors (k and v, or MLA's
 two latents), each [heads, dim] per position. `HeadKVCache` keeps each as a pool of blocks
-[num_blocks, BLOCK, heads, dim] and every open sequence a list of blocks, as the target's paged
+[num_blocks, block_size, heads, dim] and every open sequence a list of blocks, as the target's paged
 cache does: a sequence holds the blocks its positions need, so memory follows the tokens held
 (a slot per sequence sized for the longest would hold 128 x 32k positions for one long prompt).
 The sequence keeps its own length, so dropping last step's speculative entries is a number, not a
@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from specd.models.kernels import paged_decode_attention
 from specd.models.static_attention import StaticAttentionMetadata, static_paged_attention
 
-BLOCK = 16  # positions a block
+BLOCK = 64  # positions a block, by default: the Triton paged kernel reads 64-key tiles (16 with 16-position blocks)
 SCRATCH_BLOCK = 0  # no sequence's: padding rows of a fixed-shape batch write here (StaticBatchKV)
 
 
@@ -48,7 +48,7 @@ def masked_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
 
 
 class HeadKVCache:
-    """Block pools [num_blocks, BLOCK, heads_t, dim_t], one per cached tensor t, on `device`.
+    """Block pools [num_blocks, block_size, heads_t, dim_t], one per cached tensor t, on `device`.
 
     The pools are allocated at the first `materialize` (their shapes and dtype come from the
     head's tensors); the block count doubles when the free blocks run out, keeping what they hold.
@@ -56,8 +56,11 @@ class HeadKVCache:
     Handles (acquire / release) name the sequences; `reserve` gives a handle blocks for a length.
     """
 
-    def __init__(self, device: torch.device | str, initial_blocks: int = 64) -> None:
+    def __init__(self, device: torch.device | str, initial_blocks: int = 64, block_size: int = BLOCK) -> None:
+        if block_size < 1 or block_size & (block_size - 1):
+            raise ValueError(f"block_size: must be a power of two, got {block_size}")
         self.device = torch.device(device)
+        self.block_size = block_size
         self.pools: list[torch.Tensor] | None = None
         self.generation = 0
         self.num_blocks = max(2, initial_blocks)
@@ -90,7 +93,7 @@ class HeadKVCache:
     def reserve(self, handle: int, length: int) -> list[int]:
         """The handle's blocks, enough for `length` positions (more are taken as needed)."""
         table = self._tables[handle]
-        while len(table) * BLOCK < length:
+        while len(table) * self.block_size < length:
             if not self._free_blocks:
                 self._free_blocks = list(range(2 * self.num_blocks - 1, self.num_blocks - 1, -1))
                 self.num_blocks *= 2
@@ -110,7 +113,7 @@ class HeadKVCache:
     def materialize(self, new: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
         """The pools, allocated after `new` ([B, heads, S, dim] each) or grown to num_blocks."""
         if self.pools is None:
-            self.pools = [t.new_zeros(self.num_blocks, BLOCK, t.shape[1], t.shape[3]) for t in new]
+            self.pools = [t.new_zeros(self.num_blocks, self.block_size, t.shape[1], t.shape[3]) for t in new]
             self.generation += 1
         else:
             self.grow()
@@ -146,7 +149,8 @@ class BatchKV:
         device = cache.device
         batch, num_q = len(handles), max(query_lens)
         tables = [cache.reserve(h, p + q) for h, p, q in zip(handles, past_lens, query_lens)]
-        self._past_blocks = -(-self.max_past // BLOCK)
+        size = cache.block_size
+        self._past_blocks = -(-self.max_past // size)
         # Every sequence's first past_blocks blocks (padded with block 0, masked out); the pool row
         # of each valid new entry (b, j): its position past_lens[b] + j through b's table; and, when
         # some sequence brings several positions, each entry's (b, j). All the host's integers go
@@ -156,7 +160,7 @@ class BatchKV:
         ints = torch.tensor([
             *past_lens, *query_lens,
             *(t[i] if i < len(t) else 0 for t in tables for i in range(self._past_blocks)),
-            *(tables[b][(past_lens[b] + j) // BLOCK] * BLOCK + (past_lens[b] + j) % BLOCK for b, j in rows),
+            *(tables[b][(past_lens[b] + j) // size] * size + (past_lens[b] + j) % size for b, j in rows),
             *(() if one_each else (b for b, _ in rows)), *(() if one_each else (j for _, j in rows)),
         ], dtype=torch.long).to(device)
         sizes = [batch, batch, batch * self._past_blocks, len(rows)] + ([] if one_each else [len(rows)] * 2)
@@ -180,7 +184,7 @@ class BatchKV:
         for pool, fresh in zip(self.cache.materialize(new), new):
             fresh = fresh.to(pool.dtype)
             heads, dim = pool.shape[2], pool.shape[3]
-            past = pool.index_select(0, self._table).view(batch, self._past_blocks * BLOCK, heads, dim)
+            past = pool.index_select(0, self._table).view(batch, self._past_blocks * self.cache.block_size, heads, dim)
             out.append(torch.cat([past[:, :self.max_past].transpose(1, 2), fresh], dim=2))
             valid = fresh[:, :, 0] if self._row_b is None else fresh[self._row_b, :, self._row_j]  # [N, heads, dim]
             pool.view(-1, heads, dim).index_copy_(0, self._dest, valid)
@@ -195,8 +199,8 @@ class StaticBatchKV:
     """BatchKV over fixed shapes, every index computed on the device: what a CUDA graph replays.
 
     table [B, NB] int64: each sequence's blocks (padding: SCRATCH_BLOCK); past_lens, query_lens
-    [B] int64 (a padding row: 0 and 0); Q new positions a row. `update`: keys are [NB * BLOCK past
-    slots | Q new], the mask as BatchKV's (max_past = NB * BLOCK). `attend`: the new entries are
+    [B] int64 (a padding row: 0 and 0); Q new positions a row. `update`: keys are [NB * block_size
+    past slots | Q new], the mask as BatchKV's (max_past = NB * block_size). `attend`: the new entries are
     stored first and each row reads its keys straight from the pools, the verifier's static layout
     (specd/models/static_attention.py). New entries past a row's query_len (and all of a padding
     row's) are written to the scratch block, not to the sequence's.
@@ -206,16 +210,17 @@ class StaticBatchKV:
                  query_lens: torch.Tensor, num_q: int) -> None:
         self.cache = cache
         batch, width = table.shape
-        self.max_past = width * BLOCK
+        size = cache.block_size
+        self.max_past = width * size
         self._table = table.reshape(-1)
         new = torch.arange(num_q, device=table.device)  # [Q]
         pos = past_lens[:, None] + new  # [B, Q]
         valid_q = new[None, :] < query_lens[:, None]  # [B, Q]
-        block = table.gather(1, (pos // BLOCK).clamp(max=width - 1))
-        dest = torch.where(valid_q, block * BLOCK + pos % BLOCK, SCRATCH_BLOCK * BLOCK + new)
+        block = table.gather(1, (pos // size).clamp(max=width - 1))
+        dest = torch.where(valid_q, block * size + pos % size, SCRATCH_BLOCK * size + new)
         self._dest = dest.reshape(-1)  # [B * Q]
         self._meta = StaticAttentionMetadata(ctx_lens=past_lens, block_tables=table, slot_mapping=self._dest,
-                                             query_len=num_q, block_size=BLOCK)
+                                             query_len=num_q, block_size=size)
         past_ok = torch.arange(self.max_past, device=table.device)[None, :] < past_lens[:, None]
         causal = torch.ones(num_q, num_q, dtype=torch.bool, device=table.device).tril()
         mask = torch.cat([past_ok[:, None, :] & valid_q[:, :, None],
@@ -223,7 +228,7 @@ class StaticBatchKV:
         self.mask = mask[:, None]  # [B, 1, Q, max_past + Q] bool, True = attend
 
     def update(self, *new: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """New entries [B, heads, Q, dim] each -> the batch's keys [B, heads, NB * BLOCK + Q, dim]."""
+        """New entries [B, heads, Q, dim] each -> the batch's keys [B, heads, NB * block_size + Q, dim]."""
         out = []
         batch, _, num_q, _ = new[0].shape
         for pool, fresh in zip(self.cache.materialize(new), new):

@@ -32,7 +32,7 @@ from specd.models.weights import read_tensor, tensor_names
 from specd.proposers.base import DraftProposal, DraftRequest
 from specd.proposers.draft_constraints import mask_logits
 from specd.proposers.head_graphs import MAX_STATIC_BATCH, HeadGraphs
-from specd.proposers.head_kv import BatchKV, HeadKVCache
+from specd.proposers.head_kv import BLOCK, BatchKV, HeadKVCache
 from specd.random import SALT_DRAFT
 from specd.sampling import (SamplingTensors, apply_repetition_penalty, processed_probs,
                             sample_from_probs)
@@ -124,20 +124,23 @@ class PairHeadProposer:
     head.logits(hidden [N, H]) -> [N, target_vocab] float32 (-inf outside the draft vocabulary).
     Options (the subclasses pass them on as **head_options): static_steps, the forwards through
     head_graphs.py's fixed shapes (CUDA graphs on CUDA), None: on CUDA, False on CUDA: the eager
-    mode; max_batch_size, the largest batch those shapes take (larger ones run eagerly).
+    mode; max_batch_size, the largest batch those shapes take (larger ones run eagerly);
+    kv_block_size, positions a block of the head's cache.
     """
 
     method: str
     hidden_kind: str
 
     def __init__(self, head: nn.Module, device: torch.device | str, dtype: torch.dtype,
-                 static_steps: bool | None = None, max_batch_size: int = MAX_STATIC_BATCH) -> None:
+                 static_steps: bool | None = None, max_batch_size: int = MAX_STATIC_BATCH,
+                 kv_block_size: int = BLOCK) -> None:
         self.head = head.eval()
         self.device = torch.device(device)
         self.dtype = dtype
         self._seqs: dict[int, _SeqState] = {}
-        # 1,024 blocks of an 8B head's k and v: 64 MiB; each growth costs the graphs a recapture.
-        self._kv = HeadKVCache(self.device, initial_blocks=1024 if self.device.type == "cuda" else 64)
+        # 16,384 positions of an 8B head's k and v: 64 MiB; each growth costs the graphs a recapture.
+        positions = 16384 if self.device.type == "cuda" else 1024
+        self._kv = HeadKVCache(self.device, initial_blocks=positions // kv_block_size, block_size=kv_block_size)
         static = self.device.type == "cuda" if static_steps is None else static_steps
         self.graphs = HeadGraphs(self.head, self._kv, dtype, max_batch_size=max_batch_size) if static else None
         self.draft_constraints = None  # DraftConstraints when structured output is enabled

@@ -22,10 +22,10 @@ import torch
 from specd.models.kernels import paged_decode_attention
 from specd.proposers.head_kv import BLOCK, SCRATCH_BLOCK, BatchKV, HeadKVCache, StaticBatchKV
 
-def case(device, dtype, heads=8, kv_heads=2, dim=32, num_q=4):
+def case(device, dtype, block_size, heads=8, kv_heads=2, dim=32, num_q=4):
     gen = torch.Generator().manual_seed(0)
     rand = lambda *shape: torch.randn(*shape, generator=gen).to(device, dtype)
-    caches = [HeadKVCache(device, initial_blocks=8) for _ in range(2)]
+    caches = [HeadKVCache(device, initial_blocks=8, block_size=block_size) for _ in range(2)]
     handles = [(c.acquire(), c.acquire()) for c in caches]
     past = [rand(1, kv_heads, n, dim) for n in (20, 3)]
     for cache, pair in zip(caches, handles):
@@ -49,8 +49,8 @@ def case(device, dtype, heads=8, kv_heads=2, dim=32, num_q=4):
     applies = paged_decode_attention.kernel_applies(q_rows, caches[1].pools[0])
     return got, want, applies, caches
 
-def report(device, dtype):
-    got, want, applies, caches = case(device, dtype)
+def report(device, dtype, block_size):
+    got, want, applies, caches = case(device, dtype, block_size)
     err_seq0 = (got[0, :3].float() - want[0].float()).abs().max().item()
     err_seq1 = (got[1, :1].float() - want[1, :1].float()).abs().max().item()
     stored = max((p[1:].float() - s[1:].float()).abs().max().item() for p, s in zip(*(c.pools for c in caches)))
@@ -64,22 +64,28 @@ def _check(applies: bool, err_seq0: float, err_seq1: float, stored: float, kerne
     assert stored == 0.0  # the valid new entries stored alike, in the same slots (scratch aside)
 
 
-def test_twin_attends_as_batch_kv_float32():
+@pytest.mark.parametrize("block_size", [16, 64])
+def test_twin_attends_as_batch_kv_float32(block_size):
     namespace: dict = {}
     exec(CASE, namespace)
-    _check(*namespace["report"]("cpu", torch.float32), kernel=False, atol=1e-5)
+    _check(*namespace["report"]("cpu", torch.float32, block_size), kernel=False, atol=1e-5)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the device runs the kernel itself (below); the GPU "
                     "image's Triton interpreter fails on the kernel's key loop (run 77)")
 def test_paged_kernel_attends_as_batch_kv_interpreted():
-    out = run_interpreted("print(*report('cpu', torch.float16))", prelude=CASE)
-    applies, *errors = out.split()
-    _check(applies == "True", *map(float, errors), kernel=True, atol=5e-3)
+    out = run_interpreted("print(*report('cpu', torch.float16, 16)); print(*report('cpu', torch.float16, 64))",
+                          prelude=CASE)
+    lines = out.splitlines()
+    assert len(lines) == 2, out
+    for line in lines:  # 16- and 64-position blocks: 16- and 64-key tiles
+        applies, *errors = line.split()
+        _check(applies == "True", *map(float, errors), kernel=True, atol=5e-3)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernel on the device")
-def test_paged_kernel_attends_as_batch_kv_cuda():
+@pytest.mark.parametrize("block_size", [16, 64])
+def test_paged_kernel_attends_as_batch_kv_cuda(block_size):
     namespace: dict = {}
     exec(CASE, namespace)
-    _check(*namespace["report"]("cuda", torch.bfloat16), kernel=True, atol=2e-2)
+    _check(*namespace["report"]("cuda", torch.bfloat16, block_size), kernel=True, atol=2e-2)
