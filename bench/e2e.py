@@ -238,7 +238,8 @@ HEADER = ("| method | batch | output tokens | wall s | tokens/s (rounds) | TPOT 
           "(expected) | tokens/s vs off | verifier ms per step: draft / verify (of it: launch) / device wait / "
           "commit (of it: sending the next drafts' requests / staging the next verify) / emit / prefill / "
           "rest (steps; prefill forwards, of them eager; graphs captured in each "
-          "timed round, when any; remote drafters: a round trip's queued / transit / drafter / waited ms, its "
+          "timed round, when any; remote drafters: a round trip's queued / transit / drafter (of it: its "
+          "proposer's call) / waited ms, its "
           "send's rows to the host / messages built / written ms; the "
           "device's clock from the verify step's start to its forward's launch / end / its sampling's end; the "
           "host's ms in the launch mark; the forward's own device time, launch to end, staged / unstaged "
@@ -263,7 +264,10 @@ def format_row(r: E2ERow) -> str:
                 if r.step_ms and r.step_ms.get("prefills") else "")
     round_trip = ""
     if r.step_ms and any(r.step_ms.get(ROUND_TRIP + p) for p in ROUND_TRIP_PARTS):
-        round_trip = "; round trip " + " / ".join(f"{r.step_ms.get(ROUND_TRIP + p, 0):.2f}" for p in ROUND_TRIP_PARTS)
+        parts = [f"{r.step_ms.get(ROUND_TRIP + p, 0):.2f}" for p in ROUND_TRIP_PARTS]
+        if ROUND_TRIP + "propose" in r.step_ms:  # the drafter's own time, then its proposer's share
+            parts[2] += f" ({r.step_ms[ROUND_TRIP + 'propose']:.2f})"
+        round_trip = "; round trip " + " / ".join(parts)
         if any(ROUND_TRIP + p in r.step_ms for p in SEND_PARTS):
             round_trip += "; its send " + " / ".join(f"{r.step_ms.get(ROUND_TRIP + p, 0):.2f}" for p in SEND_PARTS)
     device = ""

@@ -139,7 +139,8 @@ class VerifierMetrics:
         self.drafter_round_trip = Histogram(
             "specd:drafter_round_trip_seconds", "Seconds of each draft round trip with the remote "
             "drafters, by part: queued (until gRPC's sender thread took the request), transit (to the "
-            "answer's arrival, less handle), handle (the drafter's own time), waited (the engine "
+            "answer's arrival, less handle), handle (the drafter's own time; propose: its proposer's "
+            "call inside it), waited (the engine "
             "blocked collecting it); and the send on the engine thread: to_host (hidden rows to the "
             "host), encode (messages built), write (serialised and handed off)", ["part"], buckets=STEP_BUCKETS, registry=r)
         self.prefills = Counter("specd:prefill_forwards", "Admission forwards (each prefills the "
@@ -191,7 +192,7 @@ class VerifierMetrics:
     def observe_round_trip(self, num_round_trips: int, last) -> None:
         """The proposer's last round trip (remote.DraftRoundTrip), when it is a new one."""
         if num_round_trips > self._round_trips_seen and last is not None:
-            for part in ("queued", "transit", "handle", "waited", "to_host", "encode", "write"):
+            for part in ("queued", "transit", "handle", "propose", "waited", "to_host", "encode", "write"):
                 self.drafter_round_trip.labels(part=part).observe(getattr(last, part))
         self._round_trips_seen = num_round_trips
 

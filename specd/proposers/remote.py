@@ -66,7 +66,8 @@ class DraftRoundTrip:
     """Where one step's round trip went, for the drafter that answered last (seconds): queued,
     from the engine's send until gRPC's sender thread took the request (it needs the GIL, which
     the engine thread holds while it works); transit, from then until the answer reached the
-    reader thread, less handle, the drafter's own time for the step (its propose inside); waited,
+    reader thread, less handle, the drafter's own time for the step (propose: the proposer's call
+    inside it, the rest its parsing, checks and answer); waited,
     how long the engine then blocked collecting it (the step's draft phase, when sent ahead).
     The send, on the engine thread (the verifier's commit): to_host, the step's hidden rows
     copied to the host (a wait for the device); encode, the step messages built; write, their
@@ -79,6 +80,7 @@ class DraftRoundTrip:
     to_host: float = 0.0
     encode: float = 0.0
     write: float = 0.0
+    propose: float = 0.0
 
 
 class RemoteProposer(DrafterMembership):
@@ -285,7 +287,8 @@ class RemoteProposer(DrafterMembership):
                 queued=max(0.0, last.last_left_at - pending.sent_at),
                 transit=max(0.0, last.last_arrived_at - last.last_left_at - handle),
                 handle=handle, waited=done - collect_at, to_host=pending.send_split[0],
-                encode=pending.send_split[1], write=pending.send_split[2])
+                encode=pending.send_split[1], write=pending.send_split[2],
+                propose=responses[last.address].draft_time_us / 1e6)
             self.num_round_trips += 1
         return out
 

@@ -332,6 +332,7 @@ def test_step_timing_batch_of_8(drafters):
         rt = remote.last_round_trip
         assert remote.num_round_trips == 21 and rt is not None
         assert min(rt.queued, rt.transit, rt.waited) >= 0 and rt.handle >= remote.last_draft_seconds
+        assert rt.propose == remote.last_draft_seconds > 0  # one drafter: its propose is the step's
         assert rt.queued + rt.transit + rt.handle <= remote.last_rpc_seconds
         # its send: every part measured, all within the time until the request left
         assert min(rt.to_host, rt.encode, rt.write) >= 0 and rt.encode > 0 and rt.write > 0

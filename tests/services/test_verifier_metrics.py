@@ -183,3 +183,17 @@ def test_the_round_trips_send_parts_are_observed_and_printed():
              "round trip encode": 1.2, "round trip write": 2.1}
     assert "; round trip 1.00 / 2.00 / 3.00 / 0.50; its send 0.40 / 1.20 / 2.10" in format_row(
         E2ERow("eagle3", 64, 1024, 1.0, 1000.0, 10.0, 1.0, step_ms=split))
+
+
+def test_the_drafters_propose_share_is_observed_and_printed_inside_its_handle_time():
+    from bench.e2e import E2ERow, format_row
+    from specd.proposers.remote import DraftRoundTrip
+
+    m = VerifierMetrics()
+    m.observe_round_trip(1, DraftRoundTrip(queued=0.001, transit=0.002, handle=0.003, waited=0.0005,
+                                           propose=0.0025))
+    assert _value(m, 'specd:drafter_round_trip_seconds_sum{part="propose"}') == pytest.approx(0.0025)
+    split = {"verify": 1.0, "steps": 4, "round trip queued": 1.0, "round trip transit": 2.0,
+             "round trip handle": 3.0, "round trip propose": 2.5, "round trip waited": 0.5}
+    assert "; round trip 1.00 / 2.00 / 3.00 (2.50) / 0.50" in format_row(
+        E2ERow("eagle3", 64, 1024, 1.0, 1000.0, 10.0, 1.0, step_ms=split))
