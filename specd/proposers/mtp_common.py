@@ -183,11 +183,13 @@ class PairHeadProposer:
                         [r.num_draft_tokens for r in active],
                         [drafts[r.seq_id] for r in active], [probs[r.seq_id] for r in active])
         out = []
-        for r in requests:
-            token_ids = torch.tensor(drafts[r.seq_id], dtype=torch.long)  # [k]
+        # one tensor for the batch, split: a torch.tensor a request cost ~6 us each (0.7 ms at 128)
+        lists = [drafts[r.seq_id] for r in requests]
+        token_ids = torch.tensor([t for d in lists for t in d], dtype=torch.long).split([len(d) for d in lists])
+        for r, ids in zip(requests, token_ids):  # ids: [k]
             q = probs[r.seq_id]
             sampled = q and not self._seqs[r.seq_id].params.is_greedy
-            out.append(DraftProposal(token_ids, torch.stack(q).cpu() if sampled else None))
+            out.append(DraftProposal(ids, torch.stack(q).cpu() if sampled else None))
         return out
 
     def _project(self, hidden_states: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
