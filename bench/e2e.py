@@ -116,9 +116,11 @@ def step_split_ms(before: dict, after: dict) -> dict[str, float]:
 # result flush on the loop's thread (services/verifier/writer.py: no writer thread to take the GIL
 # at the launch), "-switch50" with the verifier's GIL switch interval at 50 us (verifier/cli.py),
 # "-stagelate" with the batch staged after the step's result flush is handed over (staging.py),
-# "-trace" with a profiler trace of the verifier's steps 100-139 (services/verifier/step_trace.py;
+# "-trace" with a profiler trace of the verifier's steps 100-139 (specd/step_trace.py;
 # written under SPECD_TRACE_DIR, default ./traces, one folder per method; summed up by
-# bench/trace_summary.py: at batch 1 these steps fall in the second and third timed rounds).
+# bench/trace_summary.py: at batch 1 these steps fall in the second and third timed rounds),
+# "-dtrace" with one of the drafter's steps 100-139, host ops and named ranges included (its
+# own time split: inputs, propose, answer; pair it with --e2e-batches 128 to trace that batch).
 VARIANTS = {"-fold": {"SPECD_NORM_FOLD": "1"}, "-head2": {"SPECD_GRAPH_HEAD_LAYERS": "2"},
             "-stage": {"SPECD_STAGE_VERIFY": "1"}, "-nostage": {"SPECD_STAGE_VERIFY": "0"}, "-stagelate": {"SPECD_STAGE_VERIFY": "late"},
             "-grpcsteps": {"SPECD_DRAFTER_FAST_PATH": "0"}, "-sync": {"SPECD_DRAFT_AHEAD": "0"}, "-nohandoff": {"SPECD_DRAFT_SEND_HANDOFF": "0"},
@@ -126,7 +128,8 @@ VARIANTS = {"-fold": {"SPECD_NORM_FOLD": "1"}, "-head2": {"SPECD_GRAPH_HEAD_LAYE
             "-carry4": {"SPECD_DRAFT_CARRY": "4"},  # one step's worth at the bench's k = 3
             "-flushlate": {"SPECD_VERIFIER_FLUSH_AFTER_LAUNCH": "1"},
             "-nopdl": {"SPECD_PDL": "off"}, "-syncemit": {"SPECD_ASYNC_EMIT": "0"},
-            "-switch50": {"SPECD_GIL_SWITCH_US": "50"}, "-trace": {"SPECD_TRACE_STEPS": "100:40"}}
+            "-switch50": {"SPECD_GIL_SWITCH_US": "50"}, "-trace": {"SPECD_TRACE_STEPS": "100:40"},
+            "-dtrace": {"SPECD_DRAFTER_TRACE_STEPS": "100:40"}}
 
 
 def base_method(label: str) -> tuple[str, dict]:
@@ -173,7 +176,7 @@ def run_method(method: str, target: Path, draft: Path | None, batches: list[int]
     spec = None if method == "off" else method
     extra_env = dict(extra_env or {}, **variant_env)
     trace_dir = None
-    if "SPECD_TRACE_STEPS" in extra_env:
+    if "SPECD_TRACE_STEPS" in extra_env or "SPECD_DRAFTER_TRACE_STEPS" in extra_env:
         trace_dir = Path(os.environ.get("SPECD_TRACE_DIR", "traces")).resolve() / label
         extra_env["SPECD_TRACE_DIR"] = str(trace_dir)
     metrics_port = free_port()
@@ -215,14 +218,20 @@ def run_method(method: str, target: Path, draft: Path | None, batches: list[int]
 
 
 def _trace_summary(trace_dir: Path) -> str:
-    """The traced verifier's graph launches (bench/trace_summary.py), also written beside the trace."""
-    from bench.trace_summary import graph_launches, load_events, summary_table
-    from services.verifier.step_trace import TRACE_FILE
+    """The traced verifier's graph launches and the traced drafter's step ranges
+    (bench/trace_summary.py), also written beside the traces."""
+    from bench.trace_summary import graph_launches, load_events, step_ranges_table, summary_table
+    from specd.step_trace import DRAFTER_TRACE_FILE, TRACE_FILE
 
-    path = trace_dir / TRACE_FILE
-    if not path.exists():
-        return f"trace: none written at {path} (fewer steps than the window's end?)"
-    table = f"trace {path}:\n\n" + summary_table(graph_launches(load_events(str(path))))
+    tables = []
+    for name, summarize in ((TRACE_FILE, lambda ev: summary_table(graph_launches(ev))),
+                            (DRAFTER_TRACE_FILE, step_ranges_table)):
+        path = trace_dir / name
+        if path.exists():
+            tables.append(f"trace {path}:\n\n" + summarize(load_events(str(path))))
+    if not tables:
+        return f"trace: none written in {trace_dir} (fewer steps than the window's end?)"
+    table = "\n\n".join(tables)
     (trace_dir / "summary.md").write_text(table)
     return table
 

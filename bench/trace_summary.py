@@ -1,4 +1,4 @@
-"""What a verifier's step trace (services/verifier/step_trace.py) says about its graph replays.
+"""What a verifier's step trace (specd/step_trace.py) says about its graph replays.
 
     python -m bench.trace_summary A/trace.json.gz [B/trace.json.gz]
 
@@ -149,6 +149,24 @@ def kernel_differences(a: list[GraphLaunch], b: list[GraphLaunch], top: int = 12
                   "| kernel | a us | b us | b - a |", "|---|---|---|---|"]
         lines += [f"| {name[:90]} | {ma:.1f} | {mb:.1f} | {d:+.1f} |" for d, ma, mb, name in diffs[:top]]
         lines.append("")
+    return "\n".join(lines)
+
+
+def step_ranges_table(events: list[dict], prefix: str = "drafter step") -> str:
+    """The traced steps' named ranges (record_function, e.g. services/drafter/servicer.py's: the
+    step's inputs and propose, the propose inside, the answer): how many, mean ms; then the
+    device's busy ms (the union of its work) per step of the first range."""
+    ranges: dict[str, list[float]] = defaultdict(list)
+    for e in events:
+        if e.get("cat") == "user_annotation" and e.get("name", "").startswith(prefix):
+            ranges[e["name"]].append(e.get("dur", 0.0))
+    if not ranges:
+        return f"no '{prefix}' ranges in the trace"
+    lines = ["| range | count | mean ms |", "|---|---|---|"]
+    lines += [f"| {name} | {len(d)} | {mean(d) / 1e3:.2f} |" for name, d in ranges.items()]
+    device = [(e["ts"], e["ts"] + e.get("dur", 0.0)) for e in events if e.get("cat") in DEVICE_CATS]
+    steps = len(next(iter(ranges.values())))
+    lines.append(f"\ndevice busy {_union_length(device) / 1e3 / steps:.2f} ms a step ({steps} steps)")
     return "\n".join(lines)
 
 

@@ -20,6 +20,7 @@ from services.drafter.fast_steps import FastStepServer
 from services.drafter.servicer import DrafterServicer
 from specd.messages import PytorchEngineConfig, SpeculativeConfig
 from specd.models.hf_config import read_json
+from specd.step_trace import DRAFTER_TRACE_FILE, DRAFTER_TRACE_STEPS_ENV, StepTracer, TraceWindow
 from specd.v1 import drafter_pb2, drafter_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -81,8 +82,10 @@ def load_drafter(model_path: str | Path, spec: SpeculativeConfig, target_path: s
     # One-time costs (CUDA graphs, KV pools) before SERVING, not inside a verifier's step deadline.
     warm_up(proposer, hidden_width=hidden_size,
             num_draft_tokens=max(1, min(spec.num_speculative_tokens, max_num_draft_tokens)))
+    window = TraceWindow.from_env(steps_env=DRAFTER_TRACE_STEPS_ENV, file_name=DRAFTER_TRACE_FILE)
     return DrafterServicer(proposer, vocab_size=vocab_size, hidden_size=hidden_size,
-                           max_num_draft_tokens=max_num_draft_tokens)
+                           max_num_draft_tokens=max_num_draft_tokens,
+                           tracer=StepTracer(window, dev, host_ops=True) if window is not None else None)
 
 
 DrafterServer = RunningServer  # the name tests and callers use
@@ -100,6 +103,8 @@ def start_server(servicer: DrafterServicer, host: str = "0.0.0.0", port: int = 0
                                 host=host, port=port, max_workers=max_workers, name="drafter", tls=tls)
     if fast is not None:
         running.also_stop.append(fast.stop)
+    if servicer.tracer is not None:  # stopped inside its window: what was traced is still written
+        running.also_stop.append(servicer.tracer.close)
     return running
 
 

@@ -23,12 +23,14 @@ from dataclasses import dataclass, field
 import grpc
 import torch
 from google.protobuf.message import DecodeError
+from torch.profiler import record_function
 
 from services.common.step_streams import StepError, invalid, serve_steps
 from specd.grammar.backend import GrammarSpec
 from specd.messages import ConfigError
 from specd.proposers.base import DraftRequest, Proposer
 from specd.sampling_params import SamplingParams
+from specd.step_trace import StepTracer
 from specd.transport.tensor_codec import TensorCodecError, tensor_from_pb, tensor_to_pb
 from specd.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
 
@@ -86,8 +88,10 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
     """
 
     def __init__(self, proposer: Proposer, *, vocab_size: int, hidden_size: int = 0,
-                 max_num_draft_tokens: int = 32) -> None:
+                 max_num_draft_tokens: int = 32, tracer: StepTracer | None = None) -> None:
         self.proposer = proposer
+        self.tracer = tracer  # SPECD_DRAFTER_TRACE_STEPS: a profiler trace of some steps (diagnosis)
+        self._trace_lock = threading.Lock()
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size
         self.max_num_draft_tokens = max_num_draft_tokens
@@ -123,8 +127,19 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
     # ---- one step ---------------------------------------------------------------------------
     def _step(self, stream: _Stream, request: drafter_pb2.DraftStepRequest
               ) -> drafter_pb2.DraftStepResponse:
+        if self.tracer is None:
+            return self._one_step(stream, request)
+        with self._trace_lock:  # while tracing, one step at a time, whole (its answer built inside)
+            self.tracer.started()
+            try:
+                return self._one_step(stream, request)
+            finally:
+                self.tracer.done()
+
+    def _one_step(self, stream: _Stream, request: drafter_pb2.DraftStepRequest
+                  ) -> drafter_pb2.DraftStepResponse:
         t0 = time.perf_counter()
-        with self._lock:
+        with self._lock, record_function("drafter step: inputs and propose"):
             if stream.is_closed:
                 raise StepError(grpc.StatusCode.CANCELLED, "stream already closed")
             for seq_id in request.close:
@@ -150,17 +165,19 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             requests = [self._draft_request(stream, item, step_rows[i] if step_rows else None)
                         for i, item in enumerate(request.sequences)]
             t1 = time.perf_counter()
-            proposals = self.proposer.propose(requests) if requests else []
+            with record_function("drafter step: propose"):
+                proposals = self.proposer.propose(requests) if requests else []
             t2 = time.perf_counter()
             for item in request.sequences:
                 stream.seqs[item.seq_id].num_tokens += len(item.new_token_ids)
             stream.num_steps += 1
-        response = drafter_pb2.DraftStepResponse(step_id=request.step_id,
-                                                 draft_time_us=int((t2 - t1) * 1e6))
-        for item, proposal in zip(request.sequences, proposals):
-            out = response.sequences.add(seq_id=item.seq_id, token_ids=proposal.token_ids.tolist())
-            if proposal.probs is not None:
-                tensor_to_pb(proposal.probs, out.probs)
+        with record_function("drafter step: answer"):
+            response = drafter_pb2.DraftStepResponse(step_id=request.step_id,
+                                                     draft_time_us=int((t2 - t1) * 1e6))
+            for item, proposal in zip(request.sequences, proposals):
+                out = response.sequences.add(seq_id=item.seq_id, token_ids=proposal.token_ids.tolist())
+                if proposal.probs is not None:
+                    tensor_to_pb(proposal.probs, out.probs)
         response.handle_time_us = int((time.perf_counter() - t0) * 1e6)
         return response
 

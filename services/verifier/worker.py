@@ -37,7 +37,7 @@ from services.verifier.claims import Claims
 from services.verifier.emission import Emission
 from services.verifier.emitter import ResultEmitter
 from services.verifier.metrics import StepRecord, VerifierMetrics
-from services.verifier.step_trace import StepTracer, TraceWindow
+from specd.step_trace import StepTracer, TraceWindow
 from services.verifier.worker_types import DEADLINE_EXCEEDED, INTERNAL_ERROR, ActiveRequest, WorkerConfig, WorkerSnapshot
 from services.verifier.writer import ResultWriter
 from specd.engine.engine import SpecEngine

@@ -159,6 +159,7 @@ def test_method_suffixes_name_their_settings():
     assert base_method("replay-stagelate") == ("replay", {"SPECD_STAGE_VERIFY": "late"})
     assert base_method("replay-stage-trace") == ("replay", {"SPECD_STAGE_VERIFY": "1", "SPECD_TRACE_STEPS": "100:40"})
     assert base_method("replay-stage#2") == ("replay", {"SPECD_STAGE_VERIFY": "1"})  # a second stack
+    assert base_method("eagle3-dtrace") == ("eagle3", {"SPECD_DRAFTER_TRACE_STEPS": "100:40"})  # not "-trace"
     assert base_method("off#2") == ("off", {})
 
 

@@ -1,6 +1,6 @@
-"""SPECD_TRACE_STEPS through the verifier's loop (services/verifier/step_trace.py): a profiler
-trace of exactly the window's steps is written, the answers stay the target's own, and bad
-settings are refused with the variable named."""
+"""SPECD_TRACE_STEPS through the verifier's loop and SPECD_DRAFTER_TRACE_STEPS through the
+drafter's steps (specd/step_trace.py): a profiler trace of exactly the window's steps is written,
+the answers stay the target's own, and bad settings are refused with the variable named."""
 
 from __future__ import annotations
 
@@ -9,8 +9,16 @@ import json
 
 import pytest
 import redis
+import torch
 
-from services.verifier.step_trace import TRACE_DIR_ENV, TRACE_FILE, TRACE_STEPS_ENV, StepTracer, TraceWindow
+from bench.trace_summary import load_events, step_ranges_table
+from services.drafter.server import load_drafter, start_server
+from specd.messages import SpeculativeConfig
+from specd.proposers.base import DraftRequest
+from specd.proposers.remote import RemoteProposer
+from specd.sampling_params import SamplingParams
+from specd.step_trace import (DRAFTER_TRACE_FILE, DRAFTER_TRACE_STEPS_ENV, TRACE_DIR_ENV, TRACE_FILE,
+                              TRACE_STEPS_ENV, StepTracer, TraceWindow)
 from services.verifier.worker import VerifierWorker
 from services.verifier.worker_types import WorkerConfig
 from tests.engine.test_staged_verify import FullDrafts, static_engine
@@ -71,3 +79,55 @@ def test_bad_windows_are_refused(text, message):
 def test_unset_traces_nothing():
     assert TraceWindow.from_env({}) is None
     assert TraceWindow.from_env({TRACE_STEPS_ENV: "7"}) == TraceWindow(7, 1, ".")
+
+
+def _eagle3_drafter(tiny_models):
+    target = tiny_models["target-llama"]
+    spec = SpeculativeConfig(method="eagle3", num_speculative_tokens=3, model=str(tiny_models["draft-eagle3"]))
+    return load_drafter(target, spec, target, max_num_draft_tokens=8)
+
+
+def test_a_window_of_the_drafters_steps_is_traced(tiny_models, tmp_path, monkeypatch):
+    """Steps 2-4 of seven, served over the fast path: each traced step holds its named ranges,
+    the host's ops with them; the drafts are unchanged by the tracing."""
+    monkeypatch.setenv(DRAFTER_TRACE_STEPS_ENV, "2:3")
+    monkeypatch.setenv(TRACE_DIR_ENV, str(tmp_path))
+    servers = [start_server(_eagle3_drafter(tiny_models), "127.0.0.1", 0, max_workers=4)]
+    monkeypatch.delenv(DRAFTER_TRACE_STEPS_ENV)
+    servers.append(start_server(_eagle3_drafter(tiny_models), "127.0.0.1", 0, max_workers=4))  # untraced
+    assert servers[1].servicer.tracer is None
+    width = servers[0].servicer.hidden_size
+    gen = torch.Generator().manual_seed(0)
+    drafts = [[], []]
+    try:
+        remotes = [RemoteProposer([s.address]) for s in servers]
+        for i in range(4):
+            for remote in remotes:
+                remote.open(i, SamplingParams())
+        for step in range(7):
+            rows = torch.randn(4, 3 if step == 0 else 1, width, generator=gen)
+            tokens = [5, 6, 7, 8] if step == 0 else [9 + step]
+            for remote, out in zip(remotes, drafts):
+                out.append([p.token_ids.tolist() for p in remote.propose(
+                    [DraftRequest(i, tokens, rows[i], 3) for i in range(4)])])
+        for remote in remotes:
+            remote.shutdown()
+    finally:
+        for server in servers:
+            server.stop(0.5)
+    assert drafts[0] == drafts[1]
+    tracer = servers[0].servicer.tracer
+    assert tracer.num_steps == 7 and tracer.path == str(tmp_path / DRAFTER_TRACE_FILE)
+    events = load_events(tracer.path)
+    names = [e["name"] for e in events if e.get("cat") == "user_annotation"]
+    for name in ("drafter step: inputs and propose", "drafter step: propose", "drafter step: answer"):
+        assert names.count(name) == 3, (name, names)
+    assert any(e.get("cat") == "cpu_op" and e["name"] == "aten::linear" for e in events)  # the head's ops
+    table = step_ranges_table(events)
+    assert "| drafter step: propose | 3 |" in table and "(3 steps)" in table
+
+
+def test_a_bad_drafter_window_is_refused_at_load(tiny_models, monkeypatch):
+    monkeypatch.setenv(DRAFTER_TRACE_STEPS_ENV, "1:0")
+    with pytest.raises(ValueError, match=f"{DRAFTER_TRACE_STEPS_ENV}: .*COUNT >= 1"):
+        _eagle3_drafter(tiny_models)

@@ -1,8 +1,11 @@
-"""A profiler trace of a window of the verifier's steps, as it serves (diagnosis only).
+"""A profiler trace of a window of a service's steps, as it serves (diagnosis only).
 
-SPECD_TRACE_STEPS=FIRST:COUNT traces the engine steps FIRST .. FIRST + COUNT - 1 of this
-verifier's loop (counted from 0, busy steps only) and writes one Chrome trace,
-`SPECD_TRACE_DIR/trace.json.gz` (default dir: the working directory). Unset: nothing traced.
+Verifier: SPECD_TRACE_STEPS=FIRST:COUNT traces the engine steps FIRST .. FIRST + COUNT - 1 of its
+loop (counted from 0, busy steps only) and writes one Chrome trace, `SPECD_TRACE_DIR/trace.json.gz`
+(default dir: the working directory). Drafter: SPECD_DRAFTER_TRACE_STEPS=FIRST:COUNT, its draft
+steps (every stream's, in the order served), into `SPECD_TRACE_DIR/drafter_trace.json.gz`, with
+the host's ops too (its step's host work is what the trace is for: run 78 found 2.5 of its 10.5 ms
+at batch 128 outside the proposer). Unset: nothing traced.
 
 Why: the e2e bench reads a verify forward's own time on the device's clock (device_clock.py), not
 why it takes that long. Whether the device sits idle inside the forward (a late launch), runs
@@ -27,46 +30,53 @@ from dataclasses import dataclass
 
 import torch
 
-log = logging.getLogger("specd.verifier")
+log = logging.getLogger("specd.trace")
 
 TRACE_STEPS_ENV = "SPECD_TRACE_STEPS"
 TRACE_DIR_ENV = "SPECD_TRACE_DIR"
 TRACE_FILE = "trace.json.gz"
+DRAFTER_TRACE_STEPS_ENV = "SPECD_DRAFTER_TRACE_STEPS"
+DRAFTER_TRACE_FILE = "drafter_trace.json.gz"
 
 
 @dataclass(frozen=True)
 class TraceWindow:
-    """Steps first .. first + count - 1, traced into out_dir/TRACE_FILE."""
+    """Steps first .. first + count - 1, traced into out_dir/file_name (steps_env: the setting)."""
 
     first: int
     count: int
     out_dir: str
+    file_name: str = TRACE_FILE
+    steps_env: str = TRACE_STEPS_ENV
 
     def __post_init__(self) -> None:
         if self.first < 0 or self.count < 1:
-            raise ValueError(f"{TRACE_STEPS_ENV}: expected FIRST:COUNT with FIRST >= 0 and COUNT >= 1, "
+            raise ValueError(f"{self.steps_env}: expected FIRST:COUNT with FIRST >= 0 and COUNT >= 1, "
                              f"got {self.first}:{self.count}")
 
     @classmethod
-    def from_env(cls, env=os.environ) -> "TraceWindow | None":
-        text = env.get(TRACE_STEPS_ENV, "").strip()
+    def from_env(cls, env=os.environ, steps_env: str = TRACE_STEPS_ENV,
+                 file_name: str = TRACE_FILE) -> "TraceWindow | None":
+        text = env.get(steps_env, "").strip()
         if not text:
             return None
         first, sep, count = text.partition(":")
         try:
             first_step, num_steps = int(first), int(count) if sep else 1
         except ValueError:
-            raise ValueError(f"{TRACE_STEPS_ENV}: expected FIRST:COUNT (integers), got {text!r}") from None
-        return cls(first_step, num_steps, env.get(TRACE_DIR_ENV) or ".")
+            raise ValueError(f"{steps_env}: expected FIRST:COUNT (integers), got {text!r}") from None
+        return cls(first_step, num_steps, env.get(TRACE_DIR_ENV) or ".", file_name, steps_env)
 
 
 class StepTracer:
-    """Wraps the loop's steps: `started` before each engine step, `done` after it."""
+    """Wraps the loop's steps: `started` before each step, `done` after it. host_ops: record the
+    host's ops on CUDA too (the CPU's are its only activity anyway)."""
 
-    def __init__(self, window: TraceWindow, device: torch.device | None) -> None:
+    def __init__(self, window: TraceWindow, device: torch.device | None, host_ops: bool = False) -> None:
         self.window = window
-        self._activities = ([torch.profiler.ProfilerActivity.CUDA] if device is not None and device.type == "cuda"
-                            else [torch.profiler.ProfilerActivity.CPU])
+        cuda = device is not None and device.type == "cuda"
+        self._activities = ([torch.profiler.ProfilerActivity.CUDA] if cuda else []) + (
+            [torch.profiler.ProfilerActivity.CPU] if host_ops or not cuda else [])
         self._profiler: torch.profiler.profile | None = None
         self.num_steps = 0  # steps seen
         self.path: str | None = None  # the trace, once written
@@ -91,7 +101,7 @@ class StepTracer:
         profiler.stop()
         t0 = time.perf_counter()
         os.makedirs(self.window.out_dir, exist_ok=True)
-        path = os.path.join(self.window.out_dir, TRACE_FILE)
+        path = os.path.join(self.window.out_dir, self.window.file_name)
         profiler.export_chrome_trace(path)  # gzip-compressed: the name ends in .gz
         self.path = path
         log.info("step trace written", extra={"path": path, "steps": self.num_steps - self.window.first,
