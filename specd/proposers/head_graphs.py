@@ -64,6 +64,9 @@ class HeadGraphs:
 
     def __init__(self, head: nn.Module, cache: HeadKVCache, dtype: torch.dtype,
                  use_cuda_graphs: bool = True, max_batch_size: int = MAX_STATIC_BATCH) -> None:
+        if cache.block_size < MAX_STATIC_QUERY:  # a row's padding entries go to the scratch block's slots
+            raise ValueError(f"kv_block_size: the fixed-shape forwards need blocks of at least "
+                             f"{MAX_STATIC_QUERY} positions, got {cache.block_size}")
         self.head = head
         self.cache = cache
         self.dtype = dtype

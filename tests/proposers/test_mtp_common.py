@@ -183,3 +183,11 @@ def test_block_tables_follow_reserve_release_and_growth():
     assert again == handles[3] and (cache.block_tables([again], 24) == SCRATCH_BLOCK).all()
     cache.reserve(again, 1)
     assert cache.block_tables([again], 2).tolist() == [[cache.reserve(again, 0)[0], SCRATCH_BLOCK]]
+
+
+def test_fixed_shape_forwards_refuse_blocks_smaller_than_their_query_rows():
+    """A padding row's entries go to slots 0..Q-1 of the scratch block: 8-position blocks would
+    spill them into a sequence's block."""
+    with pytest.raises(ValueError, match="kv_block_size: .* at least 16 positions, got 8"):
+        PairHeadProposer(_EchoHead(), "cpu", torch.float32, static_steps=True, kv_block_size=8)
+    assert PairHeadProposer(_EchoHead(), "cpu", torch.float32, static_steps=False, kv_block_size=8).graphs is None
