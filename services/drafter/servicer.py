@@ -191,6 +191,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         if rows.ndim != 2 or sum(counts) != rows.shape[0]:
             raise invalid(f"hidden_states: shape {list(rows.shape)} for {sum(counts)} rows (num_hidden_rows of "
                           f"the sequences without their own); expected [{sum(counts)}, H*]")
+        self._check_rows("hidden_states", rows)  # once for the step, not per share
         shares = iter(rows.split(counts))
         return [None if item.HasField("new_hidden_states") else next(shares) for item in request.sequences]
 
@@ -210,22 +211,26 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             raise invalid(f"new_token_ids: seq {item.seq_id} has ids outside [0, {self.vocab_size})")
         hidden = None
         if self.proposer.hidden_kind != "none":
-            hidden = tensor_from_pb(item.new_hidden_states) if item.HasField("new_hidden_states") else step_rows
+            own = item.HasField("new_hidden_states")  # else its share of the step's, checked whole
+            hidden = tensor_from_pb(item.new_hidden_states) if own else step_rows
+            if own:
+                self._check_rows(f"new_hidden_states: seq {item.seq_id}", hidden)
             # base.py's alignment: one hidden row fewer than tokens overall.
             want_rows = len(tokens) - (1 if state.num_tokens == 0 and tokens else 0)
             got_rows = 0 if hidden is None else hidden.shape[0]
-            if hidden is not None and hidden.ndim != 2:
-                raise invalid(f"new_hidden_states: seq {item.seq_id}: expected [n, H*], got "
-                               f"shape {list(hidden.shape)}")
-            if hidden is not None and not hidden.is_floating_point():
-                raise invalid(f"new_hidden_states: seq {item.seq_id}: expected floats, got {hidden.dtype}")
             if got_rows != want_rows:
                 raise invalid(f"new_hidden_states: seq {item.seq_id} sends {len(tokens)} tokens "
                                f"and {got_rows} hidden rows; expected {want_rows} rows")
-            if hidden is not None and self.hidden_size and hidden.shape[1] != self.hidden_size:
-                raise invalid(f"new_hidden_states: seq {item.seq_id}: rows of width {hidden.shape[1]}, "
-                               f"this drafter expects {self.hidden_size}")
         return DraftRequest(state.internal_id, tokens, hidden, k, num_output_tokens=item.num_output_tokens)
+
+    def _check_rows(self, where: str, rows: torch.Tensor) -> None:
+        """Hidden rows must be [n, H*] floats of this drafter's width."""
+        if rows.ndim != 2:
+            raise invalid(f"{where}: expected [n, H*], got shape {list(rows.shape)}")
+        if not rows.is_floating_point():
+            raise invalid(f"{where}: expected floats, got {rows.dtype}")
+        if self.hidden_size and rows.shape[1] != self.hidden_size:
+            raise invalid(f"{where}: rows of width {rows.shape[1]}, this drafter expects {self.hidden_size}")
 
     # ---- stream end ---------------------------------------------------------------------------
     def _close_stream(self, stream: _Stream, reason: str) -> None:

@@ -186,14 +186,16 @@ def _steps(stub, *messages):
     return list(stub.DraftSteps(iter(messages), timeout=10))
 
 
-@pytest.mark.parametrize("case", ["unknown_seq", "k_too_large", "hidden_width", "hidden_rows",
-                                  "hidden_step_rows", "hidden_step_width", "token_out_of_vocab", "duplicate_open"])
+@pytest.mark.parametrize("case", ["unknown_seq", "k_too_large", "hidden_width", "hidden_rows", "hidden_ints",
+                                  "hidden_step_rows", "hidden_step_width", "hidden_step_ints", "token_out_of_vocab",
+                                  "duplicate_open"])
 def test_malformed_step_ends_only_its_stream(drafters, case):
     method = "eagle3" if case.startswith("hidden") else "ngram"
     server = drafters(method)
     width = server.servicer.hidden_size or 8
     hidden = {"hidden_width": torch.zeros(2, width + 1), "hidden_rows": torch.zeros(3, width),
-              "hidden_step_width": torch.zeros(2, width + 1)}.get(case, torch.zeros(2, width))
+              "hidden_step_width": torch.zeros(2, width + 1), "hidden_ints": torch.zeros(2, width, dtype=torch.int32),
+              "hidden_step_ints": torch.zeros(2, width, dtype=torch.int32)}.get(case, torch.zeros(2, width))
     seq = drafter_pb2.SequenceDraftInput(seq_id=1, new_token_ids=[5, 6, 7], num_draft_tokens=2)
     step_rows = None
     if case.startswith("hidden_step"):  # the step's one tensor (proto: DraftStepRequest.hidden_states)
@@ -215,6 +217,8 @@ def test_malformed_step_ends_only_its_stream(drafters, case):
                             "hidden_rows": (grpc.StatusCode.INVALID_ARGUMENT, "expected 2 rows"),
                             "hidden_step_rows": (grpc.StatusCode.INVALID_ARGUMENT, "hidden_states: shape [2, "),
                             "hidden_step_width": (grpc.StatusCode.INVALID_ARGUMENT, f"expects {width}"),
+                            "hidden_ints": (grpc.StatusCode.INVALID_ARGUMENT, "seq 1: expected floats"),
+                            "hidden_step_ints": (grpc.StatusCode.INVALID_ARGUMENT, "hidden_states: expected floats"),
                             "token_out_of_vocab": (grpc.StatusCode.INVALID_ARGUMENT, "outside"),
                             "duplicate_open": (grpc.StatusCode.FAILED_PRECONDITION, "already open")}[case]
     with grpc.insecure_channel(server.address) as channel:
