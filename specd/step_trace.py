@@ -14,8 +14,9 @@ themselves; bench/trace_summary.py reads it. (The first such trace, BENCHMARKS.m
 why the staged stacks' forwards were ~0.37 ms longer: their graphs had been captured with other
 kernels.)
 
-On CUDA only device activity is recorded (kernels, copies and the runtime calls that launched
-them, through CUPTI): the host's Python records no per-op events. CUPTI still slows each launch
+On CUDA the verifier records only device activity (kernels, copies and the runtime calls that
+launched them, through CUPTI): the host's Python records no per-op events; the drafter records
+the host's ops as well (host_ops), which slows its traced steps more. CUPTI still slows each launch
 (run 60: a graph's launch call took ~0.27 ms of host time while traced), so a traced stack's
 tokens/s do not compare with an untraced one's; its kernels' own times do. On the CPU (the
 tests' twin) the host's ops are the only activity there is.
