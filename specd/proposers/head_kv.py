@@ -18,6 +18,8 @@ once cuDNN's plans were gone.
 
 from __future__ import annotations
 
+from functools import cached_property
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -221,11 +223,19 @@ class StaticBatchKV:
         self._dest = dest.reshape(-1)  # [B * Q]
         self._meta = StaticAttentionMetadata(ctx_lens=past_lens, block_tables=table, slot_mapping=self._dest,
                                              query_len=num_q, block_size=size)
-        past_ok = torch.arange(self.max_past, device=table.device)[None, :] < past_lens[:, None]
-        causal = torch.ones(num_q, num_q, dtype=torch.bool, device=table.device).tril()
+        self._valid_q = valid_q
+
+    @cached_property
+    def mask(self) -> torch.Tensor:
+        """[B, 1, Q, max_past + Q] bool, True = attend: `update`'s keys' mask, built only where a
+        head attends through `update` (MTP); `attend` needs none (its graphs hold no mask kernels)."""
+        past_lens, valid_q = self._meta.ctx_lens, self._valid_q
+        batch, num_q = valid_q.shape
+        past_ok = torch.arange(self.max_past, device=past_lens.device)[None, :] < past_lens[:, None]
+        causal = torch.ones(num_q, num_q, dtype=torch.bool, device=past_lens.device).tril()
         mask = torch.cat([past_ok[:, None, :] & valid_q[:, :, None],
                           causal[None].expand(batch, -1, -1)], dim=-1)  # [B, Q, past + Q]
-        self.mask = mask[:, None]  # [B, 1, Q, max_past + Q] bool, True = attend
+        return mask[:, None]
 
     def update(self, *new: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """New entries [B, heads, Q, dim] each -> the batch's keys [B, heads, NB * block_size + Q, dim]."""
