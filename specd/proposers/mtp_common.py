@@ -239,7 +239,10 @@ class PairHeadProposer:
                 raise ValueError("a sequence needs at least one hidden row before drafting")
         # [B, H]; caught is seqs itself when as long (a subsequence of it)
         hidden = caught_last if len(caught) == len(seqs) else torch.stack([s.last for s in seqs])
-        if self.draft_constraints is None and all(s.params.is_greedy for s in seqs):
+        # The services always enable structured output (draft_constraints set): what decides the
+        # device path is whether any sequence of this batch has a grammar.
+        dc = self.draft_constraints
+        if all(s.params.is_greedy and (dc is None or not dc.is_constrained(s.seq_id)) for s in seqs):
             self._draft_greedy(seqs, ks, drafts, hidden)
             return
         rows = list(range(len(seqs)))
@@ -299,11 +302,11 @@ class PairHeadProposer:
         ids = [s.tokens[s.num_cached + 1:s.num_cached + 1 + m] for s, m in zip(seqs, lens)]  # x_{p+1}
         rows = torch.cat([s.pending for s in seqs]) if len(seqs) > 1 else seqs[0].pending
         last = self._forward(seqs, lens, ids, rows).clone()  # a static output is overwritten later
-        for i, s in enumerate(seqs):
-            s.kv_len += lens[i]
-            s.num_cached += lens[i]
+        for s, m, row in zip(seqs, lens, last.unbind(0)):  # unbind: one op, not a select a row
+            s.kv_len += m
+            s.num_cached += m
             s.pending = None
-            s.last = last[i]
+            s.last = row
         return last
 
     def _forward(self, seqs: list[_SeqState], query_lens: list[int], ids: list[list[int]] | torch.Tensor,

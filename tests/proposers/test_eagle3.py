@@ -10,6 +10,7 @@ from safetensors.torch import load_file
 from transformers import LlamaForCausalLM
 
 from specd.proposers.base import DraftRequest
+from specd.proposers.draft_constraints import DraftConstraints
 from specd.proposers.eagle3 import Eagle3Proposer
 from specd.sampling_params import SamplingParams
 from specd.tiny_models.eagle3 import write_tiny_eagle3
@@ -139,6 +140,26 @@ def test_greedy_batch_matches_full_recompute(sim, draft_dir, target_dir, target,
     sim.check_against_reference(proposer, NaiveEagle3(draft_dir, target), rows_fn,
                                 [SamplingParams()] * len(prompts), prompts, num_steps=8, seed=5)
     assert not static_steps or proposer.graphs.num_static_forwards > 0
+
+
+def test_greedy_batch_without_grammars_keeps_the_device_path(sim, draft_dir, target_dir, target, rows_fn,
+                                                             static_steps):
+    """Structured output enabled (the services' drafters always have it) but no sequence with a
+    grammar: the greedy drafts still stay on the device between steps (head.greedy_tokens, one
+    wait a propose), not the per-step logits and host argmax of the grammar path, and they equal
+    the full recompute's; the grammar tables are never built."""
+    proposer = Eagle3Proposer(draft_dir, target_dir, dtype=DTYPE, static_steps=static_steps)
+
+    def no_compiler():
+        raise AssertionError("an unconstrained batch built the grammar compiler")
+    proposer.draft_constraints = DraftConstraints(no_compiler)
+    head, calls = proposer.head, []
+    greedy_tokens = head.greedy_tokens
+    head.greedy_tokens = lambda hidden: (calls.append(hidden.shape[0]), greedy_tokens(hidden))[1]
+    prompts = [[10, 11, 12, 13], [40] * 2, [99]]
+    sim.check_against_reference(proposer, NaiveEagle3(draft_dir, target), rows_fn,
+                                [SamplingParams()] * len(prompts), prompts, num_steps=5, seed=7)
+    assert calls, "the greedy batch took the grammar path"
 
 
 def test_batch_equals_alone(sim, draft_dir, target_dir, rows_fn, static_steps):
