@@ -10,12 +10,15 @@ it. Each batch runs through the fixed-shape forwards the drafter takes on CUDA (
 specd/proposers/head_graphs.py) and through the eager ones (BatchKV); with --gathered also the
 fixed-shape forwards with the attention they had before they read the block pools in place
 (head_kv.StaticBatchKV.attend; run 76 found the gather's copies half of a forward at batch 128);
-with --kv-blocks N over head caches of N-position blocks;
+with --kv-blocks N over head caches of N-position blocks; with --grammar-support also the
+fixed-shape forwards with structured output enabled and no grammar in the batch, as the services'
+drafters run (run 80: they had taken the per-step host argmax of the grammar path);
 and with --cudnn also eager
 with SDPA's own kernel choice, cuDNN first on Hopper (run 69: 111.7 against 5.0 ms at batch 1;
 the drafter allows no cuDNN attention, specd/models/sdpa_backends.py).
 
-    python -m bench.drafter_head [--batches 1,64] [--steps 20] [--prompt-len 32] [--shape 8b|small] [--device cuda] [--kv-blocks 16] [--gathered] [--cudnn]
+    python -m bench.drafter_head [--batches 1,64] [--steps 20] [--prompt-len 32] [--shape 8b|small] [--device cuda] [--kv-blocks 16] [--gathered]
+        [--grammar-support] [--cudnn]
         [--profile [--trace DIR]]
 """
 
@@ -33,6 +36,7 @@ from torch.nn.attention import SDPBackend
 
 from specd.models import sdpa_backends
 from specd.proposers.base import DraftRequest
+from specd.proposers.draft_constraints import DraftConstraints
 from specd.proposers.eagle3_head import Eagle3Config, Eagle3Head
 from specd.proposers.head_kv import StaticBatchKV, masked_attention
 from specd.proposers.mtp_common import PairHeadProposer
@@ -64,6 +68,15 @@ def make_proposer(head: Eagle3Head, device: torch.device, dtype: torch.dtype, st
                   **options) -> PairHeadProposer:
     proposer = PairHeadProposer(head, device, dtype, static_steps=static_steps, **options)
     proposer.method, proposer.hidden_kind = "eagle3", "aux"
+    return proposer
+
+
+def with_grammar_support(proposer: PairHeadProposer) -> PairHeadProposer:
+    """Structured output enabled as services/drafter/server.py enables it; the bench's requests
+    bring no grammar, so the compiler (a tokenizer's tables) must never be built."""
+    def no_compiler():
+        raise RuntimeError("the bench's requests have no grammar: no compiler should be built")
+    proposer.draft_constraints = DraftConstraints(no_compiler)
     return proposer
 
 
@@ -159,6 +172,8 @@ def main(argv: list[str] | None = None) -> None:
                     "these block sizes, e.g. 16 (default blocks: head_kv.BLOCK)")
     ap.add_argument("--gathered", action="store_true",
                     help="also the fixed-shape forwards with the gathered attention (before the paged read)")
+    ap.add_argument("--grammar-support", action="store_true",
+                    help="also the fixed-shape forwards with structured output enabled (no grammar in the batch)")
     ap.add_argument("--cudnn", action="store_true", help="also eager with SDPA's own kernel choice (cuDNN first)")
     args = ap.parse_args(argv)
     if args.trace:
@@ -173,6 +188,9 @@ def main(argv: list[str] | None = None) -> None:
                          make_proposer(head, device, dtype, True, kv_block_size=size), nullcontext))
     if args.gathered:
         variants.append(("static, gathered", make_proposer(head, device, dtype, True), gathered_static_attention))
+    if args.grammar_support:
+        variants.append(("static, grammar support", with_grammar_support(make_proposer(head, device, dtype, True)),
+                         nullcontext))
     if args.cudnn:
         variants.append(("eager, cuDNN allowed", variants[1][1], cudnn_attention_allowed))
     graphs = "CUDA graphs" if device.type == "cuda" else "no graphs on CPU: the same buffers, eagerly"
