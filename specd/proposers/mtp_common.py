@@ -239,12 +239,30 @@ class PairHeadProposer:
                 raise ValueError("a sequence needs at least one hidden row before drafting")
         # [B, H]; caught is seqs itself when as long (a subsequence of it)
         hidden = caught_last if len(caught) == len(seqs) else torch.stack([s.last for s in seqs])
-        # The services always enable structured output (draft_constraints set): what decides the
-        # device path is whether any sequence of this batch has a grammar.
+        # Greedy sequences without a grammar draft on the device; the others (sampled, or with a
+        # grammar) step by step on the host, apart: one JSON-mode request must not pull a batch of
+        # 128 onto the host path. (The services always enable structured output, so it is whether
+        # a sequence has a grammar that decides, not whether draft_constraints is set.)
         dc = self.draft_constraints
-        if all(s.params.is_greedy and (dc is None or not dc.is_constrained(s.seq_id)) for s in seqs):
+        fast = [i for i, s in enumerate(seqs)
+                if s.params.is_greedy and (dc is None or not dc.is_constrained(s.seq_id))]
+        if len(fast) == len(seqs):
             self._draft_greedy(seqs, ks, drafts, hidden)
             return
+        if fast:
+            taken = set(fast)
+            rest = [i for i in range(len(seqs)) if i not in taken]
+            rest_hidden = hidden[rest]  # a copy, taken before the greedy forwards reuse buffers
+            self._draft_greedy([seqs[i] for i in fast], [ks[i] for i in fast], [drafts[i] for i in fast],
+                               hidden[fast])
+            seqs, ks = [seqs[i] for i in rest], [ks[i] for i in rest]
+            drafts, probs, hidden = [drafts[i] for i in rest], [probs[i] for i in rest], rest_hidden
+        self._draft_per_step(seqs, ks, drafts, probs, hidden)
+
+    def _draft_per_step(self, seqs: list[_SeqState], ks: list[int], drafts: list[list[int]],
+                        probs: list[list[torch.Tensor]], hidden: torch.Tensor) -> None:
+        """Sampled or grammar-constrained drafts: each step's logits come to the host (the grammar
+        masks and advances there; q is kept for rejection sampling). hidden [B, H]."""
         rows = list(range(len(seqs)))
         for step in range(max(ks)):
             if step > 0:  # pair (g, d_{step}) at position n + step - 1, speculative
