@@ -13,9 +13,9 @@ autoregressive entries are speculative and are cropped when the next committed t
 The head's cache is paged, a block list per open sequence (head_kv.py): `BatchKV` gathers a
 batch's cached entries side by side, padded to a common length, stores the new ones and gives the
 mask that keeps sequences apart. On CUDA the forwards go through fixed shapes replayed as CUDA
-graphs (head_graphs.py; `static_steps`), the eager path taking what does not fit them. A batch of
-greedy requests without a grammar keeps its drafts on the device until the last step: one wait a
-propose, not one a draft step.
+graphs (head_graphs.py; `static_steps`), the eager path taking what does not fit them. A batch's
+greedy sequences without a grammar keep their drafts on the device until the last step (one wait
+a propose, not one a draft step); its sampled or constrained ones step on the host, apart.
 """
 
 from __future__ import annotations
