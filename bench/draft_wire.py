@@ -4,6 +4,9 @@ old against new, side by side in one run:
 - codec: the step message built and serialized on the verifier (draft_step_request), parsed and
   its rows decoded and joined on the drafter, with a tensor a sequence (`new_hidden_states`)
   against the step's one tensor (`hidden_states` + `num_hidden_rows`);
+- codec, attached: the same step with its one rows tensor beside the message (step_frames.ROWS,
+  Info.takes_attached_rows): the message built without the rows and serialized, parsed, and the
+  rows read in place from the bytes that carried them (tensor_from_buffer): no protobuf copy;
 - frame: a frame of the message's size sent over loopback TCP to a reader process, the header
   joined to the payload and the payload copied again on reading (the old step_frames) against
   header and payload written apart and read without the copy (step_frames now). The sender's
@@ -27,9 +30,9 @@ import time
 import torch
 
 from specd.proposers.base import DraftRequest
-from specd.proposers.draft_step_request import draft_step_request
+from specd.proposers.draft_step_request import draft_step_parts, draft_step_request
 from specd.transport import step_frames
-from specd.transport.tensor_codec import tensor_from_pb
+from specd.transport.tensor_codec import tensor_bytes, tensor_from_buffer, tensor_from_pb
 from specd.v1 import drafter_pb2
 
 
@@ -47,6 +50,23 @@ def codec_ms(requests: list[DraftRequest], one_tensor: bool, repeats: int) -> fl
         else:
             rows = [tensor_from_pb(s.new_hidden_states) for s in message.sequences]
         torch.cat(rows)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+def attached_codec_ms(requests: list[DraftRequest], repeats: int) -> float:
+    """Median ms of codec_ms's work with the rows beside the message: the message without them
+    built, serialized and parsed; the rows' bytes taken from the tensor's memory and read in place
+    (on the wire the socket copies them once each way, as it copies every frame's bytes)."""
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        message, rows = draft_step_parts(requests, opens={}, closes=[], with_hidden=True)
+        payload, data = message.SerializeToString(), tensor_bytes(rows)
+        parsed = drafter_pb2.DraftStepRequest()
+        parsed.ParseFromString(payload)
+        shares = tensor_from_buffer(parsed.hidden_states, data).split([s.num_hidden_rows for s in parsed.sequences])
+        torch.cat(shares)
         times.append(time.perf_counter() - t0)
     return statistics.median(times) * 1e3
 
@@ -92,16 +112,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=15)
     args = parser.parse_args(argv)
     print("| batch | rows a sequence | MB a step | codec: a tensor a sequence ms | one tensor ms | ratio | "
+          "one tensor attached ms | one tensor / attached | "
           "frame send: joined + read copy ms | apart, no copy ms | ratio |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for batch in (int(b) for b in args.batches.split(",")):
         for n in (int(r) for r in args.rows.split(",")):
             whole = torch.randn(batch * n, args.width).bfloat16()
             requests = [DraftRequest(i, [1] * n, rows, 3) for i, rows in enumerate(whole.split(n))]
             size = len(draft_step_request(requests, opens={}, closes=[], with_hidden=True).SerializeToString())
             per_seq, one = codec_ms(requests, False, args.repeats), codec_ms(requests, True, args.repeats)
+            attached = attached_codec_ms(requests, args.repeats)
             joined, apart = frame_ms(size, True, args.repeats), frame_ms(size, False, args.repeats)
             print(f"| {batch} | {n} | {size / 1e6:.1f} | {per_seq:.2f} | {one:.2f} | {per_seq / one:.2f}x | "
+                  f"{attached:.2f} | {one / attached:.2f}x | "
                   f"{joined:.2f} | {apart:.2f} | {joined / apart:.2f}x |", flush=True)
 
 

@@ -58,10 +58,14 @@ class FastStepServer:
         try:
             while (frame := step_frames.read_frame(conn)) is not None:
                 kind, payload = frame
-                if kind != step_frames.MESSAGE:
+                if kind not in (step_frames.MESSAGE, step_frames.ROWS):
                     raise step_frames.FrameError("a verifier sends requests only")
+                rows = None
+                if kind == step_frames.ROWS:  # the step's hidden rows beside the message, read in place
+                    payload, rows = step_frames.split_rows(payload)
                 try:
-                    response = self.servicer._step(stream, drafter_pb2.DraftStepRequest.FromString(payload))
+                    request = drafter_pb2.DraftStepRequest.FromString(payload)
+                    response = self.servicer._step(stream, request, attached_rows=rows)
                 except Exception as exc:  # noqa: BLE001 - a refused step ends this stream, not the server
                     code, message = _status_of(exc)
                     if code == grpc.StatusCode.INTERNAL:

@@ -31,7 +31,7 @@ from specd.messages import ConfigError
 from specd.proposers.base import DraftRequest, Proposer
 from specd.sampling_params import SamplingParams
 from specd.step_trace import StepTracer
-from specd.transport.tensor_codec import TensorCodecError, tensor_from_pb, tensor_to_pb
+from specd.transport.tensor_codec import TensorCodecError, tensor_from_buffer, tensor_from_pb, tensor_to_pb
 from specd.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -100,6 +100,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         self._stream_ids = itertools.count()
         self._streams: dict[int, _Stream] = {}
         self.num_sequences_opened = 0  # over the servicer's life (tests, logs)
+        self.num_steps_with_attached_rows = 0  # steps whose rows came beside the message (tests)
         self.fast_step_port = 0  # advertised in Info once a FastStepServer serves this servicer
 
     # ---- RPCs -------------------------------------------------------------------------------
@@ -109,7 +110,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             aux_layer_ids=list(getattr(self.proposer, "aux_layer_ids", None) or []),
             vocab_size=self.vocab_size, hidden_size=self.hidden_size,
             max_num_draft_tokens=self.max_num_draft_tokens, fast_step_port=self.fast_step_port,
-            takes_step_hidden_states=True)
+            takes_step_hidden_states=True, takes_attached_rows=True)
 
     def DraftSteps(self, request_iterator, context):
         stream = self.open_stream(context.peer())
@@ -125,18 +126,20 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         return stream
 
     # ---- one step ---------------------------------------------------------------------------
-    def _step(self, stream: _Stream, request: drafter_pb2.DraftStepRequest
+    def _step(self, stream: _Stream, request: drafter_pb2.DraftStepRequest, attached_rows=None
               ) -> drafter_pb2.DraftStepResponse:
+        """One step. attached_rows: hidden_states' data where it came beside the message (a
+        bytes-like object; the fast path's ROWS frames, Info.takes_attached_rows)."""
         if self.tracer is None:
-            return self._one_step(stream, request)
+            return self._one_step(stream, request, attached_rows)
         with self._trace_lock:  # while tracing, one step at a time, whole (its answer built inside)
             self.tracer.started()
             try:
-                return self._one_step(stream, request)
+                return self._one_step(stream, request, attached_rows)
             finally:
                 self.tracer.done()
 
-    def _one_step(self, stream: _Stream, request: drafter_pb2.DraftStepRequest
+    def _one_step(self, stream: _Stream, request: drafter_pb2.DraftStepRequest, attached_rows=None
                   ) -> drafter_pb2.DraftStepResponse:
         t0 = time.perf_counter()
         with self._lock, record_function("drafter step: inputs and propose"):
@@ -161,7 +164,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                 self.num_sequences_opened += 1
             if len({item.seq_id for item in request.sequences}) != len(request.sequences):
                 raise invalid("sequences: a seq id appears twice in one step")
-            step_rows = self._step_rows(request)
+            step_rows = self._step_rows(request, attached_rows)
+            self.num_steps_with_attached_rows += attached_rows is not None
             requests = [self._draft_request(stream, item, step_rows[i] if step_rows else None)
                         for i, item in enumerate(request.sequences)]
             t1 = time.perf_counter()
@@ -181,12 +185,17 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         response.handle_time_us = int((time.perf_counter() - t0) * 1e6)
         return response
 
-    def _step_rows(self, request: drafter_pb2.DraftStepRequest) -> list[torch.Tensor | None] | None:
+    def _step_rows(self, request: drafter_pb2.DraftStepRequest, attached=None) -> list[torch.Tensor | None] | None:
         """Each sequence's share of the step's one hidden-rows tensor (None: the step has none;
-        None for a sequence that brings its own new_hidden_states)."""
+        None for a sequence that brings its own new_hidden_states). attached: its data, where it
+        came beside the message."""
+        if attached is not None and not request.HasField("hidden_states"):
+            raise invalid("hidden rows attached to a step without hidden_states (their dtype and shape)")
         if not request.HasField("hidden_states") or self.proposer.hidden_kind == "none":
             return None
-        rows = tensor_from_pb(request.hidden_states)
+        # (a TensorCodecError, e.g. attached bytes that do not match the shape, is INVALID_ARGUMENT)
+        rows = tensor_from_pb(request.hidden_states) if attached is None else \
+            tensor_from_buffer(request.hidden_states, attached)
         counts = [item.num_hidden_rows for item in request.sequences if not item.HasField("new_hidden_states")]
         if rows.ndim != 2 or sum(counts) != rows.shape[0]:
             raise invalid(f"hidden_states: shape {list(rows.shape)} for {sum(counts)} rows (num_hidden_rows of "

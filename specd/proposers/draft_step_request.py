@@ -15,7 +15,7 @@ import torch
 from specd.proposers.base import DraftRequest
 from specd.proposers.drafter_stream import sampling_params_to_pb
 from specd.sampling_params import SamplingParams
-from specd.transport.tensor_codec import tensor_to_pb
+from specd.transport.tensor_codec import tensor_meta_to_pb, tensor_to_pb
 from specd.v1 import drafter_pb2
 
 
@@ -38,6 +38,20 @@ def draft_step_request(requests: list[DraftRequest], *, opens: dict[int, tuple[S
     """The message (step_id unset) for `requests`, after closing `closes` and opening `opens` (seq
     id -> (params, grammar or None)). with_hidden: the drafter takes hidden rows (else none are
     sent); hidden_dtype: cast them to it; one_tensor: the drafter reads the step's one tensor."""
+    message, rows = draft_step_parts(requests, opens=opens, closes=closes, with_hidden=with_hidden,
+                                     hidden_dtype=hidden_dtype, one_tensor=one_tensor)
+    if rows is not None:
+        tensor_to_pb(rows, message.hidden_states)
+    return message
+
+
+def draft_step_parts(requests: list[DraftRequest], *, opens: dict[int, tuple[SamplingParams, object]],
+                     closes: list[int], with_hidden: bool, hidden_dtype: torch.dtype | None = None,
+                     one_tensor: bool = True) -> tuple[drafter_pb2.DraftStepRequest, torch.Tensor | None]:
+    """draft_step_request's message with the step's one rows tensor kept apart: (the message, its
+    hidden_states holding their dtype and shape only; the rows [N, H*]), or (the message, None)
+    where the step has no one tensor. The rows go beside the message (step_frames.ROWS) or into
+    it (tensor_to_pb)."""
     message = drafter_pb2.DraftStepRequest(close=closes)
     for seq_id, (params, grammar) in opens.items():
         message.open.add(seq_id=seq_id, params=sampling_params_to_pb(params),
@@ -49,8 +63,10 @@ def draft_step_request(requests: list[DraftRequest], *, opens: dict[int, tuple[S
     if hidden_dtype is not None:
         rows = [hidden.to(hidden_dtype) for hidden in rows]
     one_tensor = bool(rows) and one_tensor and len({(h.shape[1], h.dtype, h.device) for h in rows}) == 1
+    step_rows = None
     if one_tensor:
-        tensor_to_pb(joined_rows(rows), message.hidden_states)
+        step_rows = joined_rows(rows)
+        tensor_meta_to_pb(step_rows, message.hidden_states)
     shares = iter(rows)
     for r in requests:
         item = message.sequences.add(seq_id=r.seq_id, new_token_ids=r.new_token_ids,
@@ -61,4 +77,4 @@ def draft_step_request(requests: list[DraftRequest], *, opens: dict[int, tuple[S
                 item.num_hidden_rows = hidden.shape[0]
             else:
                 tensor_to_pb(hidden, item.new_hidden_states)
-    return message
+    return message, step_rows

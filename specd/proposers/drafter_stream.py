@@ -25,11 +25,13 @@ import threading
 import time
 
 import grpc
+import torch
 from google.protobuf.message import DecodeError
 
 from specd.sampling_params import SamplingParams
 from specd.transport import step_frames
 from specd.transport.grpc_client import CHANNEL_OPTIONS, REJECTED_CODES
+from specd.transport.tensor_codec import tensor_bytes, tensor_to_pb
 from specd.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -188,15 +190,29 @@ class DrafterStream:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return sock
 
-    def send(self, message: drafter_pb2.DraftStepRequest) -> None:
+    @property
+    def takes_attached_rows(self) -> bool:
+        """Whether send() may be given the step's rows apart (the fast path, to a drafter that reads them)."""
+        return self._sock is not None and self.info.takes_attached_rows
+
+    def send(self, message: drafter_pb2.DraftStepRequest, rows: torch.Tensor | None = None) -> None:
+        """Queue a step. rows: hidden_states' data, kept out of the message (which holds their
+        dtype and shape, tensor_meta_to_pb) and written from their own memory; only where
+        takes_attached_rows, else they go into the message."""
         message.step_id = self.next_step_id
         self.next_step_id += 1
+        if rows is not None and not self.takes_attached_rows:
+            tensor_to_pb(rows, message.hidden_states)
+            rows = None
         if self._sock is not None:
             if self._send_error is None:
                 self._left_at[message.step_id] = time.perf_counter()
                 try:
                     self._sock.settimeout(self.send_timeout_s)
-                    step_frames.send_message(self._sock, message.SerializeToString())
+                    if rows is None:
+                        step_frames.send_message(self._sock, message.SerializeToString())
+                    else:
+                        step_frames.send_with_rows(self._sock, message.SerializeToString(), tensor_bytes(rows))
                 except OSError as err:
                     self._send_error = DrafterUnavailableError(self.address, f"fast step path: send failed: {err}")
             return
@@ -245,6 +261,8 @@ class DrafterStream:
                     error = DrafterUnavailableError(self.address, "the drafter ended the stream")
                 elif frame[0] == step_frames.ERROR:
                     error = _error_from_status(self.address, *step_frames.parse_error(frame[1]))
+                elif frame[0] != step_frames.MESSAGE:
+                    error = DrafterError(self.address, f"fast step path: a frame of kind {frame[0]} for an answer")
                 else:
                     response = drafter_pb2.DraftStepResponse.FromString(frame[1])
                     if response.step_id == step_id:

@@ -43,7 +43,7 @@ import torch
 
 from specd.proposers.base import DraftProposal, DraftRequest, HiddenKind, hidden_rows_to_host
 from specd.proposers.drafter_discovery import DrafterDiscovery
-from specd.proposers.draft_step_request import draft_step_request
+from specd.proposers.draft_step_request import draft_step_parts
 from specd.proposers.drafter_membership import DrafterMembership, _contract
 from specd.proposers.drafter_stream import (DrafterError, DrafterRejectedError, DrafterStream,
                                             DrafterUnavailableError, HashRing, sampling_params_to_pb)
@@ -349,14 +349,15 @@ class RemoteProposer(DrafterMembership):
 
     # ---- helpers -----------------------------------------------------------------------------
     def _send(self, drafter: DrafterStream, requests: list[DraftRequest]) -> int:
-        """Build and queue one step message; returns its step id."""
-        message = draft_step_request(requests, opens=drafter.pending_open, closes=drafter.pending_close,
-                                     with_hidden=self.hidden_kind != "none", hidden_dtype=self.hidden_dtype,
-                                     one_tensor=drafter.info.takes_step_hidden_states)
+        """Build and queue one step message; returns its step id. The step's rows go beside the
+        message where the drafter reads them so (DrafterStream.takes_attached_rows), else inside."""
+        message, rows = draft_step_parts(requests, opens=drafter.pending_open, closes=drafter.pending_close,
+                                         with_hidden=self.hidden_kind != "none", hidden_dtype=self.hidden_dtype,
+                                         one_tensor=drafter.info.takes_step_hidden_states)
         drafter.pending_open, drafter.pending_close = {}, []
         step_id = drafter.next_step_id
         t0 = time.perf_counter()
-        drafter.send(message)
+        drafter.send(message, rows)
         self._write_seconds += time.perf_counter() - t0
         return step_id
 

@@ -25,29 +25,29 @@ _sym_db = _symbol_database.Default()
 from specd.v1 import common_pb2 as specd_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16specd/v1/drafter.proto\x12\x08specd.v1\x1a\x15specd/v1/common.proto\"\x14\n\x12\x44rafterInfoRequest\"\xe8\x01\n\x13\x44rafterInfoResponse\x12\x0e\n\x06method\x18\x01 \x01(\t\x12)\n\x0bhidden_kind\x18\x02 \x01(\x0e\x32\x14.specd.v1.HiddenKind\x12\x15\n\raux_layer_ids\x18\x03 \x03(\x05\x12\x12\n\nvocab_size\x18\x04 \x01(\x03\x12\x13\n\x0bhidden_size\x18\x05 \x01(\x03\x12\x1c\n\x14max_num_draft_tokens\x18\x06 \x01(\x05\x12\x16\n\x0e\x66\x61st_step_port\x18\x07 \x01(\x05\x12 \n\x18takes_step_hidden_states\x18\x08 \x01(\x08\"\xb2\x01\n\x10\x44raftStepRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12$\n\x04open\x18\x02 \x03(\x0b\x32\x16.specd.v1.OpenSequence\x12/\n\tsequences\x18\x03 \x03(\x0b\x32\x1c.specd.v1.SequenceDraftInput\x12\r\n\x05\x63lose\x18\x04 \x03(\x04\x12\'\n\rhidden_states\x18\x05 \x01(\x0b\x32\x10.specd.v1.Tensor\"z\n\x0cOpenSequence\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12,\n\x06params\x18\x02 \x01(\x0b\x32\x1c.specd.v1.SamplingParameters\x12\x14\n\x0cgrammar_kind\x18\x03 \x01(\t\x12\x16\n\x0egrammar_source\x18\x04 \x01(\t\"\xb6\x01\n\x12SequenceDraftInput\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x15\n\rnew_token_ids\x18\x02 \x03(\x03\x12+\n\x11new_hidden_states\x18\x03 \x01(\x0b\x32\x10.specd.v1.Tensor\x12\x18\n\x10num_draft_tokens\x18\x04 \x01(\x05\x12\x19\n\x11num_output_tokens\x18\x05 \x01(\x03\x12\x17\n\x0fnum_hidden_rows\x18\x06 \x01(\r\"\x80\x01\n\x11\x44raftStepResponse\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12+\n\tsequences\x18\x02 \x03(\x0b\x32\x18.specd.v1.SequenceDrafts\x12\x15\n\rdraft_time_us\x18\x03 \x01(\x03\x12\x16\n\x0ehandle_time_us\x18\x04 \x01(\x03\"T\n\x0eSequenceDrafts\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\x1f\n\x05probs\x18\x03 \x01(\x0b\x32\x10.specd.v1.Tensor*N\n\nHiddenKind\x12\x14\n\x10HIDDEN_KIND_NONE\x10\x00\x12\x15\n\x11HIDDEN_KIND_FINAL\x10\x01\x12\x13\n\x0fHIDDEN_KIND_AUX\x10\x02\x32\x99\x01\n\x07\x44rafter\x12\x43\n\x04Info\x12\x1c.specd.v1.DrafterInfoRequest\x1a\x1d.specd.v1.DrafterInfoResponse\x12I\n\nDraftSteps\x12\x1a.specd.v1.DraftStepRequest\x1a\x1b.specd.v1.DraftStepResponse(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16specd/v1/drafter.proto\x12\x08specd.v1\x1a\x15specd/v1/common.proto\"\x14\n\x12\x44rafterInfoRequest\"\x85\x02\n\x13\x44rafterInfoResponse\x12\x0e\n\x06method\x18\x01 \x01(\t\x12)\n\x0bhidden_kind\x18\x02 \x01(\x0e\x32\x14.specd.v1.HiddenKind\x12\x15\n\raux_layer_ids\x18\x03 \x03(\x05\x12\x12\n\nvocab_size\x18\x04 \x01(\x03\x12\x13\n\x0bhidden_size\x18\x05 \x01(\x03\x12\x1c\n\x14max_num_draft_tokens\x18\x06 \x01(\x05\x12\x16\n\x0e\x66\x61st_step_port\x18\x07 \x01(\x05\x12 \n\x18takes_step_hidden_states\x18\x08 \x01(\x08\x12\x1b\n\x13takes_attached_rows\x18\t \x01(\x08\"\xb2\x01\n\x10\x44raftStepRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12$\n\x04open\x18\x02 \x03(\x0b\x32\x16.specd.v1.OpenSequence\x12/\n\tsequences\x18\x03 \x03(\x0b\x32\x1c.specd.v1.SequenceDraftInput\x12\r\n\x05\x63lose\x18\x04 \x03(\x04\x12\'\n\rhidden_states\x18\x05 \x01(\x0b\x32\x10.specd.v1.Tensor\"z\n\x0cOpenSequence\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12,\n\x06params\x18\x02 \x01(\x0b\x32\x1c.specd.v1.SamplingParameters\x12\x14\n\x0cgrammar_kind\x18\x03 \x01(\t\x12\x16\n\x0egrammar_source\x18\x04 \x01(\t\"\xb6\x01\n\x12SequenceDraftInput\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x15\n\rnew_token_ids\x18\x02 \x03(\x03\x12+\n\x11new_hidden_states\x18\x03 \x01(\x0b\x32\x10.specd.v1.Tensor\x12\x18\n\x10num_draft_tokens\x18\x04 \x01(\x05\x12\x19\n\x11num_output_tokens\x18\x05 \x01(\x03\x12\x17\n\x0fnum_hidden_rows\x18\x06 \x01(\r\"\x80\x01\n\x11\x44raftStepResponse\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12+\n\tsequences\x18\x02 \x03(\x0b\x32\x18.specd.v1.SequenceDrafts\x12\x15\n\rdraft_time_us\x18\x03 \x01(\x03\x12\x16\n\x0ehandle_time_us\x18\x04 \x01(\x03\"T\n\x0eSequenceDrafts\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\x1f\n\x05probs\x18\x03 \x01(\x0b\x32\x10.specd.v1.Tensor*N\n\nHiddenKind\x12\x14\n\x10HIDDEN_KIND_NONE\x10\x00\x12\x15\n\x11HIDDEN_KIND_FINAL\x10\x01\x12\x13\n\x0fHIDDEN_KIND_AUX\x10\x02\x32\x99\x01\n\x07\x44rafter\x12\x43\n\x04Info\x12\x1c.specd.v1.DrafterInfoRequest\x1a\x1d.specd.v1.DrafterInfoResponse\x12I\n\nDraftSteps\x12\x1a.specd.v1.DraftStepRequest\x1a\x1b.specd.v1.DraftStepResponse(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specd.v1.drafter_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_HIDDENKIND']._serialized_start=1023
-  _globals['_HIDDENKIND']._serialized_end=1101
+  _globals['_HIDDENKIND']._serialized_start=1052
+  _globals['_HIDDENKIND']._serialized_end=1130
   _globals['_DRAFTERINFOREQUEST']._serialized_start=59
   _globals['_DRAFTERINFOREQUEST']._serialized_end=79
   _globals['_DRAFTERINFORESPONSE']._serialized_start=82
-  _globals['_DRAFTERINFORESPONSE']._serialized_end=314
-  _globals['_DRAFTSTEPREQUEST']._serialized_start=317
-  _globals['_DRAFTSTEPREQUEST']._serialized_end=495
-  _globals['_OPENSEQUENCE']._serialized_start=497
-  _globals['_OPENSEQUENCE']._serialized_end=619
-  _globals['_SEQUENCEDRAFTINPUT']._serialized_start=622
-  _globals['_SEQUENCEDRAFTINPUT']._serialized_end=804
-  _globals['_DRAFTSTEPRESPONSE']._serialized_start=807
-  _globals['_DRAFTSTEPRESPONSE']._serialized_end=935
-  _globals['_SEQUENCEDRAFTS']._serialized_start=937
-  _globals['_SEQUENCEDRAFTS']._serialized_end=1021
-  _globals['_DRAFTER']._serialized_start=1104
-  _globals['_DRAFTER']._serialized_end=1257
+  _globals['_DRAFTERINFORESPONSE']._serialized_end=343
+  _globals['_DRAFTSTEPREQUEST']._serialized_start=346
+  _globals['_DRAFTSTEPREQUEST']._serialized_end=524
+  _globals['_OPENSEQUENCE']._serialized_start=526
+  _globals['_OPENSEQUENCE']._serialized_end=648
+  _globals['_SEQUENCEDRAFTINPUT']._serialized_start=651
+  _globals['_SEQUENCEDRAFTINPUT']._serialized_end=833
+  _globals['_DRAFTSTEPRESPONSE']._serialized_start=836
+  _globals['_DRAFTSTEPRESPONSE']._serialized_end=964
+  _globals['_SEQUENCEDRAFTS']._serialized_start=966
+  _globals['_SEQUENCEDRAFTS']._serialized_end=1050
+  _globals['_DRAFTER']._serialized_start=1133
+  _globals['_DRAFTER']._serialized_end=1286
 # @@protoc_insertion_point(module_scope)

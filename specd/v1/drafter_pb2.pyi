@@ -22,7 +22,7 @@ class DrafterInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DrafterInfoResponse(_message.Message):
-    __slots__ = ("method", "hidden_kind", "aux_layer_ids", "vocab_size", "hidden_size", "max_num_draft_tokens", "fast_step_port", "takes_step_hidden_states")
+    __slots__ = ("method", "hidden_kind", "aux_layer_ids", "vocab_size", "hidden_size", "max_num_draft_tokens", "fast_step_port", "takes_step_hidden_states", "takes_attached_rows")
     METHOD_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_KIND_FIELD_NUMBER: _ClassVar[int]
     AUX_LAYER_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -31,6 +31,7 @@ class DrafterInfoResponse(_message.Message):
     MAX_NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FAST_STEP_PORT_FIELD_NUMBER: _ClassVar[int]
     TAKES_STEP_HIDDEN_STATES_FIELD_NUMBER: _ClassVar[int]
+    TAKES_ATTACHED_ROWS_FIELD_NUMBER: _ClassVar[int]
     method: str
     hidden_kind: HiddenKind
     aux_layer_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -39,7 +40,8 @@ class DrafterInfoResponse(_message.Message):
     max_num_draft_tokens: int
     fast_step_port: int
     takes_step_hidden_states: bool
-    def __init__(self, method: _Optional[str] = ..., hidden_kind: _Optional[_Union[HiddenKind, str]] = ..., aux_layer_ids: _Optional[_Iterable[int]] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., max_num_draft_tokens: _Optional[int] = ..., fast_step_port: _Optional[int] = ..., takes_step_hidden_states: _Optional[bool] = ...) -> None: ...
+    takes_attached_rows: bool
+    def __init__(self, method: _Optional[str] = ..., hidden_kind: _Optional[_Union[HiddenKind, str]] = ..., aux_layer_ids: _Optional[_Iterable[int]] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., max_num_draft_tokens: _Optional[int] = ..., fast_step_port: _Optional[int] = ..., takes_step_hidden_states: _Optional[bool] = ..., takes_attached_rows: _Optional[bool] = ...) -> None: ...
 
 class DraftStepRequest(_message.Message):
     __slots__ = ("step_id", "open", "sequences", "close", "hidden_states")

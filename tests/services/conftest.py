@@ -56,6 +56,19 @@ def ngram_drafter(tiny_models):
 
 
 @pytest.fixture(scope="module")
+def eagle3_drafter(tiny_models):
+    """A real EAGLE-3 drafter service (the tiny head) on loopback, gRPC and its fast step port."""
+    from services.drafter.server import load_drafter, start_server
+    from specd.messages import SpeculativeConfig
+
+    target = tiny_models["target-llama"]
+    spec = SpeculativeConfig(method="eagle3", num_speculative_tokens=3, model=str(tiny_models["draft-eagle3"]))
+    server = start_server(load_drafter(target, spec, target, max_num_draft_tokens=8), "127.0.0.1", 0, max_workers=4)
+    yield server
+    server.stop(0.5)
+
+
+@pytest.fixture(scope="module")
 def grammar_server(tiny_models):
     """A real grammar service on loopback for the tiny Llama target (test_grammar_service*.py)."""
     from services.grammar.server import load_grammar, start_server

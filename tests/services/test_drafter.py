@@ -143,6 +143,8 @@ def test_remote_greedy_equals_target_greedy(tiny_models, drafters, method):
     assert sum(s.stats.num_draft_tokens for s in seqs) > 0, "speculation never ran"
     assert remote.aux_layer_ids == list(getattr(server.servicer.proposer, "aux_layer_ids", []) or [])
     assert server.servicer.num_open_sequences == 0
+    # the heads' rows travelled beside the step messages (the fast path's ROWS frames)
+    assert (server.servicer.num_steps_with_attached_rows > 0) == (remote.hidden_kind != "none")
 
 
 @pytest.mark.parametrize("method", ["eagle3", "draft_model"])

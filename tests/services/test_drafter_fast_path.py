@@ -8,6 +8,7 @@ import time
 
 import grpc
 import pytest
+import torch
 
 from services.drafter.server import load_drafter, start_server
 from services.drafter.servicer import DrafterServicer
@@ -15,6 +16,7 @@ from specd.messages import SpeculativeConfig
 from specd.proposers.drafter_stream import (FAST_PATH_ENV, DrafterRejectedError, DrafterStream,
                                             DrafterUnavailableError)
 from specd.transport import step_frames
+from specd.transport.tensor_codec import tensor_meta_to_pb
 from specd.v1 import drafter_pb2
 from tests.services.test_drafter import SlowProposer
 
@@ -92,6 +94,62 @@ def test_bytes_that_are_no_request_are_refused_as_invalid(ngram_drafter):
     with socket.create_connection(("127.0.0.1", ngram_drafter.servicer.fast_step_port), timeout=10) as sock:
         sock.sendall(bytes([7, 0, 0, 0, 0]))  # not a frame kind: the connection is dropped
         assert step_frames.read_frame(sock) is None
+
+
+def test_malformed_rows_frames_are_refused(ngram_drafter):
+    """A ROWS frame whose message length overruns it is no frame (the connection is dropped);
+    rows attached to a step without hidden_states (their dtype and shape) are INVALID_ARGUMENT."""
+    port = ngram_drafter.servicer.fast_step_port
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(step_frames.HEADER.pack(step_frames.ROWS, 6) + step_frames.LENGTH.pack(99) + b"ab")
+        assert step_frames.read_frame(sock) is None
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        message = drafter_pb2.DraftStepRequest(open=[drafter_pb2.OpenSequence(seq_id=1)])
+        message.sequences.add(seq_id=1, new_token_ids=[5, 6], num_draft_tokens=2)
+        step_frames.send_with_rows(sock, message.SerializeToString(), memoryview(bytes(8)))
+        kind, payload = step_frames.read_frame(sock)
+        code, text = step_frames.parse_error(payload)
+        assert kind == step_frames.ERROR and code == grpc.StatusCode.INVALID_ARGUMENT and "without hidden_states" in text
+
+
+def test_rows_beside_the_message_draft_as_rows_inside_it(eagle3_drafter, monkeypatch):
+    """The step's rows attached to a ROWS frame (the fast path) or inside the message (gRPC, where
+    DrafterStream.send folds them in): the same drafts. Attached bytes that do not fit the shape
+    named in hidden_states are INVALID_ARGUMENT."""
+    server = eagle3_drafter
+    gen = torch.Generator().manual_seed(4)
+    rows = [torch.randn(3, server.servicer.hidden_size, generator=gen), torch.randn(2, server.servicer.hidden_size,
+                                                                                    generator=gen)]
+
+    def drafts(stream):
+        out = []
+        for step, (tokens, step_rows) in enumerate(zip([[5, 6, 7, 8], [9, 10]], rows)):
+            message = drafter_pb2.DraftStepRequest(open=[drafter_pb2.OpenSequence(seq_id=1)] if step == 0 else [])
+            message.sequences.add(seq_id=1, new_token_ids=tokens, num_draft_tokens=3, num_hidden_rows=len(step_rows))
+            tensor_meta_to_pb(step_rows, message.hidden_states)
+            stream.send(message, step_rows)
+            out.append(list(stream.receive(step, time.monotonic() + 10).sequences[0].token_ids))
+        return out
+    fast = DrafterStream(server.address, connect_timeout_s=10.0)
+    monkeypatch.setenv(FAST_PATH_ENV, "0")
+    slow = DrafterStream(server.address, connect_timeout_s=10.0)
+    try:
+        assert fast.takes_attached_rows and not slow.takes_attached_rows
+        attached = server.servicer.num_steps_with_attached_rows
+        got = drafts(fast)
+        assert server.servicer.num_steps_with_attached_rows == attached + 2
+        assert got == drafts(slow) and all(len(d) == 3 for d in got)
+    finally:
+        fast.shutdown()
+        slow.shutdown()
+    with socket.create_connection(("127.0.0.1", server.servicer.fast_step_port), timeout=10) as sock:
+        message = drafter_pb2.DraftStepRequest(open=[drafter_pb2.OpenSequence(seq_id=1)])
+        message.sequences.add(seq_id=1, new_token_ids=[5, 6, 7, 8], num_draft_tokens=3, num_hidden_rows=3)
+        tensor_meta_to_pb(rows[0], message.hidden_states)
+        step_frames.send_with_rows(sock, message.SerializeToString(), memoryview(bytes(rows[0].numel() * 4 - 4)))
+        kind, payload = step_frames.read_frame(sock)
+        code, text = step_frames.parse_error(payload)
+        assert kind == step_frames.ERROR and code == grpc.StatusCode.INVALID_ARGUMENT and "bytes for shape" in text
 
 
 def test_a_missed_deadline_is_unavailable_and_kills_the_stream():
@@ -185,5 +243,16 @@ def test_frames_of_every_size_arrive_whole_and_in_order():
             kind, got = step_frames.read_frame(right)
             assert kind == step_frames.MESSAGE and got == want
         writer.join()
+        # ROWS frames: the message and the rows' bytes, written from a tensor's memory, come apart
+        rows = torch.arange(3 * 1024 * 1024, dtype=torch.float32).view(-1, 1024)  # 12 MiB
+        for message in (b"", b"m" * 10, os.urandom(step_frames.ONE_WRITE_BYTES + 1)):
+            writer = threading.Thread(target=step_frames.send_with_rows,
+                                      args=(left, message, memoryview(rows.numpy()).cast("B")))
+            writer.start()
+            kind, payload = step_frames.read_frame(right)
+            got_message, got_rows = step_frames.split_rows(payload)
+            writer.join()
+            assert kind == step_frames.ROWS and bytes(got_message) == message
+            assert torch.equal(torch.frombuffer(got_rows, dtype=torch.float32).view(-1, 1024), rows)
         left.shutdown(socket.SHUT_WR)
         assert step_frames.read_frame(right) is None
