@@ -55,12 +55,8 @@ def pb_dtype(dtype: torch.dtype) -> int:
 def tensor_to_pb(t: torch.Tensor, out: common_pb2.Tensor | None = None) -> common_pb2.Tensor:
     """Encode a tensor (any device, any layout) into `out` (a sub-message to fill) or a new Tensor."""
     msg = common_pb2.Tensor() if out is None else out
-    msg.dtype = pb_dtype(t.dtype)
-    msg.shape[:] = list(t.shape)
-    host = t.detach().to("cpu").contiguous()
-    if host.dtype == torch.bfloat16:
-        host = host.view(torch.int16)  # same bits; numpy has no bfloat16
-    msg.data = host.numpy().tobytes()
+    tensor_meta_to_pb(t, msg)
+    msg.data = tensor_bytes(t).tobytes()
     return msg
 
 
@@ -75,9 +71,7 @@ def tensor_meta_to_pb(t: torch.Tensor, out: common_pb2.Tensor) -> common_pb2.Ten
 def tensor_bytes(t: torch.Tensor) -> memoryview:
     """A host tensor's data as bytes, without a copy where it is contiguous (bfloat16 as its bits)."""
     host = t.detach().to("cpu").contiguous()
-    if host.dtype == torch.bfloat16:
-        host = host.view(torch.int16)
-    return memoryview(host.numpy()).cast("B")
+    return memoryview(host.reshape(-1).view(torch.uint8).numpy())  # as bytes: numpy has no bfloat16
 
 
 def tensor_from_pb(msg: common_pb2.Tensor, *, copy: bool = False) -> torch.Tensor:

@@ -11,7 +11,8 @@ import torch
 from services.drafter.servicer import sampling_params_from_pb
 from specd.proposers.remote import HashRing, sampling_params_to_pb
 from specd.sampling_params import SamplingParams
-from specd.transport.tensor_codec import TensorCodecError, tensor_from_pb, tensor_to_pb
+from specd.transport.tensor_codec import (TensorCodecError, tensor_bytes, tensor_from_buffer, tensor_from_pb,
+                                         tensor_meta_to_pb, tensor_to_pb)
 from specd.v1 import common_pb2
 
 
@@ -41,6 +42,9 @@ def test_tensor_codec_round_trip_is_exact(dtype):
         assert len(wire.data) == case.numel() * case.element_size()
         copied = tensor_from_pb(wire, copy=True)
         assert torch.equal(copied, case)
+        # attached: the message names dtype and shape, the bytes travel apart (step_frames.ROWS)
+        meta = tensor_meta_to_pb(case, common_pb2.Tensor())
+        assert not meta.data and torch.equal(tensor_from_buffer(meta, bytearray(tensor_bytes(case))), case)
 
 
 def test_tensor_codec_rejects_bad_messages():
