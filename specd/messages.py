@@ -26,6 +26,14 @@ def _require(condition: bool, field_name: str, message: str) -> None:
         raise ConfigError(f"{field_name}: {message}")
 
 
+def _refuse_unsupported(config: Any, defaults: dict[str, Any]) -> None:
+    """lmdeploy's fields that specd does not implement yet: kept so that lmdeploy code constructs
+    the config unchanged, refused when set, so no setting is silently ignored."""
+    for name, default in defaults.items():
+        _require(getattr(config, name) == default, name,
+                 f"is not supported by specd yet; leave it at {default!r}")
+
+
 @dataclass
 class PytorchEngineConfig:
     """How the target model runs. Field names follow lmdeploy's PytorchEngineConfig."""
@@ -37,11 +45,11 @@ class PytorchEngineConfig:
     cache_max_entry_count: float = 0.8  # fraction of free GPU memory for the KV cache
     block_size: int = 64  # tokens per KV-cache block
     num_gpu_blocks: int = 0  # 0: derived from cache_max_entry_count (GPU) or session_len (CPU)
-    num_cpu_blocks: int = 0
+    num_cpu_blocks: int = 0  # not supported: no host-memory KV swap
     max_prefill_token_num: int = 8192
     device_type: str = "auto"  # auto | cpu | cuda
     eager_mode: bool = False  # False: CUDA graphs for verify/decode steps on CUDA (CPU: always eager)
-    enable_prefix_caching: bool = False
+    enable_prefix_caching: bool = False  # not supported yet: every request prefills its prompt
     runner: Literal["auto", "llama", "hf"] = "auto"  # "hf": transformers' AutoModelForCausalLM
     download_dir: str | None = None
     revision: str | None = None
@@ -62,6 +70,7 @@ class PytorchEngineConfig:
                  f"expected auto, cpu or cuda, got {self.device_type!r}")
         _require(self.runner in ("auto", "llama", "hf"), "runner",
                  f"expected auto, llama or hf, got {self.runner!r}")
+        _refuse_unsupported(self, {"num_cpu_blocks": 0, "enable_prefix_caching": False})
 
 
 @dataclass
@@ -75,7 +84,7 @@ class SpeculativeConfig:
     method: str = "eagle3"
     num_speculative_tokens: int = 1
     model: str = ""
-    quant_policy: int = 0
+    quant_policy: int = 0  # not supported: the draft KV cache is not quantized
     prompt_lookup_min: int = 1  # ngram: shortest suffix to match
     prompt_lookup_max: int = 4  # ngram: longest suffix to match
     replay_references: str = ""  # replay (bench only): JSON-lines file of prompt -> greedy output
@@ -93,6 +102,7 @@ class SpeculativeConfig:
         _require(1 <= self.prompt_lookup_min <= self.prompt_lookup_max, "prompt_lookup_min",
                  f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
                  f"{self.prompt_lookup_min}, {self.prompt_lookup_max}")
+        _refuse_unsupported(self, {"quant_policy": 0})
 
 
 @dataclass
@@ -113,13 +123,13 @@ class GenerationConfig:
     ignore_eos: bool = False
     random_seed: int | None = None
     stop_words: list[str] | None = None
-    bad_words: list[str] | None = None
+    bad_words: list[str] | None = None  # not supported yet (refused when set)
     stop_token_ids: list[int] | None = None
-    bad_token_ids: list[int] | None = None
+    bad_token_ids: list[int] | None = None  # not supported yet (refused when set)
     min_new_tokens: int | None = None
     skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True
-    logprobs: int | None = None
+    spaces_between_special_tokens: bool = True  # only True: special tokens are decoded as written
+    logprobs: int | None = None  # not supported yet (refused when set)
     response_format: dict | None = None
     include_stop_str_in_output: bool = False
 
@@ -138,6 +148,8 @@ class GenerationConfig:
                  "min_new_tokens", "must be between 0 and max_new_tokens")
         _require(self.random_seed is None or isinstance(self.random_seed, int), "random_seed",
                  f"must be an integer, got {self.random_seed!r}")
+        _refuse_unsupported(self, {"bad_words": None, "bad_token_ids": None,
+                                   "spaces_between_special_tokens": True, "logprobs": None})
 
     @property
     def is_greedy(self) -> bool:

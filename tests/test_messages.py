@@ -22,6 +22,26 @@ def test_bad_values_name_their_field(make, field):
         make()
 
 
+@pytest.mark.parametrize("make, field", [
+    (lambda: GenerationConfig(bad_words=["x"]), "bad_words"),
+    (lambda: GenerationConfig(bad_token_ids=[3]), "bad_token_ids"),
+    (lambda: GenerationConfig(spaces_between_special_tokens=False), "spaces_between_special_tokens"),
+    (lambda: GenerationConfig(logprobs=2), "logprobs"),
+    (lambda: PytorchEngineConfig(enable_prefix_caching=True), "enable_prefix_caching"),
+    (lambda: PytorchEngineConfig(num_cpu_blocks=16), "num_cpu_blocks"),
+    (lambda: SpeculativeConfig(method="ngram", quant_policy=8), "quant_policy"),
+])
+def test_unimplemented_lmdeploy_fields_are_refused_when_set(make, field):
+    with pytest.raises(ConfigError, match=f"^{field}: is not supported"):
+        make()
+
+
+def test_unimplemented_lmdeploy_fields_construct_at_their_defaults():
+    GenerationConfig(bad_words=None, bad_token_ids=None, spaces_between_special_tokens=True, logprobs=None)
+    PytorchEngineConfig(enable_prefix_caching=False, num_cpu_blocks=0)
+    SpeculativeConfig(method="ngram", quant_policy=0)
+
+
 def test_greedy_mapping_follows_lmdeploy():
     assert SamplingParams.from_generation_config(GenerationConfig()).is_greedy  # do_sample=False
     sampled = SamplingParams.from_generation_config(GenerationConfig(do_sample=True, temperature=0.7,
