@@ -2,7 +2,7 @@
 
 SIGTERM (or SIGINT) starts a graceful shutdown: both servers stop accepting, requests in flight
 get `grace_s` seconds to finish (their results keep flowing through the result reader), then the
-reader and the Redis connections close. Accepted requests live on in Redis (DESIGN.md): verifiers
+reader and the Redis connections close. Accepted requests live on in Redis (docs/design.md): verifiers
 finish them and their results expire; clients reconnect to another gateway.
 """
 
