@@ -3,7 +3,8 @@
 No torch.Generator is involved. The uniform for one (seed, position, salt, index) depends on those
 four integers only, not on the batch it is computed in, its row, the device or any earlier call.
 That is what lets a request resumed on another worker, or verified in a different batch,
-regenerate exactly the tokens it already emitted (docs/design.md, "Sampling seeded by (request seed, token position)").
+regenerate exactly the tokens it already emitted (docs/design.md, "Sampling seeded by (request
+seed, token position)").
 
 The hash is splitmix64 (Steele, Lea, Flood 2014) written in int64 tensor ops. Two things differ from
 the C version: torch's `>>` on int64 is arithmetic, so shifts are masked to make them logical; and
