@@ -7,13 +7,10 @@ flash-attn path, flash_attn_with_kvcache when installed and the blocks suit it, 
 SDPA always do; SPECD_ATTN_MERGE=1, opt-in and slower so far, merges the key chunks in the first
 kernel too; kernels/paged_decode_attention.py), o_proj, residual add +
 RMSNorm and the fused gate/up GEMM with silu * up in its epilogue, down_proj; the GEMMs take
-the skinny kernel at few rows (linear.py; above them cuBLAS, and silu * up is a kernel of its own),
-and with SPECD_NORM_FOLD=1 (norm_fold.py, opt-in until timed on the GPU) the split-K product before a norm
-finishes the residual add and the product after it scales its rows by 1 / rms: no norm kernel
-between them.
+the skinny kernel at few rows (linear.py; above them cuBLAS, and silu * up is a kernel of its own).
 o_proj and down_proj, whose outputs only feed the next RMSNorm's residual add, take the skinny
 kernel split-K where skinny_gemm.split_k_for says so: fp32 partials that the norm sums.
-Eight launches a layer (six with the norms folded in) where the PyTorch path takes about thirty, and no gathered K/V copies
+Eight launches a layer where the PyTorch path takes about thirty, and no gathered K/V copies
 (kernels/*.py say why each exists). On Hopper the kernels launch with PDL (kernels/pdl.py): each
 may start during its predecessor's tail, a GEMM streaming its first weight tile meanwhile; and
 under an L2 prefetch plan (kernels/l2_prefetch.py) each skinny GEMM pulls part of the next GEMM's
@@ -32,7 +29,7 @@ from collections.abc import Callable
 
 import torch
 
-from specd.models import norm_fold, skinny_gemm
+from specd.models import skinny_gemm
 from specd.models.kernels import l2_prefetch, norm_act, paged_decode_attention, rope_cache
 from specd.models.kv_cache import PagedKVCache
 from specd.models.linear import takes_skinny_kernel
@@ -66,33 +63,21 @@ def fused_forward(model, input_ids: torch.Tensor, positions: torch.Tensor, meta:
     wanted = set(aux_layer_ids)
     captured: dict[int, torch.Tensor] = {}
     delta = None  # the previous layer's MLP output, added to x by this layer's first norm
-    folded = None  # instead of delta: the previous down_proj folded the norm (norm_fold.py)
     layers = model.model.layers
     for i, layer in enumerate(layers):
         attn, mlp = layer.self_attn, layer.mlp
-        if folded is not None:
-            x, qkv = folded.residual, norm_fold.scaled_product(attn.qkv_proj, folded, eps)
-        else:
-            x, qkv = _norm_project(x, delta, layer.input_layernorm.weight, eps, attn.qkv_proj,
-                                   l2_prefetch.target_for("o", attn.o_proj.weight))
+        x, qkv = _norm_project(x, delta, layer.input_layernorm.weight, eps, attn.qkv_proj,
+                               l2_prefetch.target_for("o", attn.o_proj.weight))
         if i in wanted:
             captured[i] = x
         o = _attention(attn, qkv, cos, sin, meta, kv_cache, i).reshape(tokens, -1)
-        if norm_fold.applies(o, attn.o_proj, mlp.gate_up_proj):
-            folded = norm_fold.residual_product(attn.o_proj, o, x, layer.post_attention_layernorm.weight, kv_cache)
-            x, act = folded.residual, norm_fold.scaled_product(mlp.gate_up_proj, folded, eps, swiglu=True)
-        else:
-            attn_out = _residual_delta(attn.o_proj, o, l2_prefetch.target_for("gate_up", mlp.gate_up_proj.weight))
-            x, act = _norm_project(x, attn_out, layer.post_attention_layernorm.weight, eps, mlp.gate_up_proj,
-                                   l2_prefetch.target_for("down", mlp.down_proj.weight), swiglu=True)
+        attn_out = _residual_delta(attn.o_proj, o, l2_prefetch.target_for("gate_up", mlp.gate_up_proj.weight))
+        x, act = _norm_project(x, attn_out, layer.post_attention_layernorm.weight, eps, mlp.gate_up_proj,
+                               l2_prefetch.target_for("down", mlp.down_proj.weight), swiglu=True)
         following = layers[i + 1] if i + 1 < len(layers) else None
-        folded = delta = None
-        if following is not None and norm_fold.applies(act, mlp.down_proj, following.self_attn.qkv_proj):
-            folded = norm_fold.residual_product(mlp.down_proj, act, x, following.input_layernorm.weight, kv_cache)
-        else:
-            after_down = (l2_prefetch.target_for("qkv", following.self_attn.qkv_proj.weight) if following is not None
-                          else l2_prefetch.target_for("lm_head", getattr(model.lm_head, "weight", None)))
-            delta = _residual_delta(mlp.down_proj, act, after_down)
+        after_down = (l2_prefetch.target_for("qkv", following.self_attn.qkv_proj.weight) if following is not None
+                      else l2_prefetch.target_for("lm_head", getattr(model.lm_head, "weight", None)))
+        delta = _residual_delta(mlp.down_proj, act, after_down)
         if after_layer is not None:
             after_layer(i)
     _, hidden = norm_act.rms_norm(x, model.model.norm.weight, eps, delta)

@@ -17,10 +17,6 @@ to the model dtype as an unsplit product would be), and S is a fixed rule of the
 (`split_k_for`), not an autotuned choice and not a function of M: so the result is still
 deterministic and a row's result still does not depend on the batch.
 
-FINALIZE / ROW_SCALE (norm_fold.py, opt-in): the RMSNorm between two products folded into them,
-the split-K product before it finishing the residual add in each column block's last program,
-the product after it scaling its rows by 1 / rms.
-
 `skinny_linear` dispatches: CUDA, bf16/fp16, M <= MAX_ROWS, Triton importable, K a multiple of the
 smallest BLOCK_K -> the kernel; anything else -> F.linear (cuBLAS on CUDA, the CPU twin). The
 kernel is wrapped as a torch custom op, so torch.compile'd regions and CUDA-graph capture treat it
@@ -33,16 +29,12 @@ CPU (TRITON_INTERPRET=1) against float64.
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from specd.models.kernels.l2_prefetch import KINDS, prewait_lines
 from specd.models.kernels.pdl import launch_options, use_pdl
-
-if TYPE_CHECKING:
-    from specd.models.norm_fold import ResidualFinalize, RowScale
 
 MAX_ROWS = 32
 MIN_BLOCK_K = 64
@@ -114,7 +106,6 @@ def _configs():
 if triton is not None:
     from specd.models.kernels.l2_prefetch import _prefetch_l2, prefetch_share
     from specd.models.kernels.pdl import gdc_release, gdc_wait
-    from specd.models.kernels.residual_epilogue import finalize_residual, row_rstd
 
     def _divides_k(configs, named_args, **kwargs):
         """Only block shapes whose BLOCK_K divides a split's K range, K / SPLIT_K (the loop has no
@@ -122,29 +113,21 @@ if triton is not None:
         k_len = named_args["K"] // {**named_args, **kwargs}["SPLIT_K"]  # a keyword from _launch
         return [c for c in configs if k_len % c.kwargs["BLOCK_K"] == 0] or configs[-1:]
 
-    @triton.autotune(configs=_configs(), key=["M_BUCKET", "N", "K", "SWIGLU", "SPLIT_K", "FINALIZE", "ROW_SCALE"],
+    @triton.autotune(configs=_configs(), key=["M_BUCKET", "N", "K", "SWIGLU", "SPLIT_K"],
                      prune_configs_by={"early_config_prune": _divides_k})
     @triton.jit
     def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ys, stride_ym,
                             pf_ptr, pf_units, pf_regions, pf_region_stride,
-                            eps, fx_ptr, stride_fx, fw_ptr, fr_ptr, fh_ptr, stride_fr, fss_ptr, fcnt_ptr, ss_ptr,
                             M_BUCKET: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                             SWIGLU: tl.constexpr, SPLIT_K: tl.constexpr, USE_PDL: tl.constexpr,
                             PF_KIND: tl.constexpr = 0, PF_UNIT: tl.constexpr = 64,
-                            PREWAIT_LINES: tl.constexpr = 0, FINALIZE: tl.constexpr = False,
-                            ROW_SCALE: tl.constexpr = 0):
+                            PREWAIT_LINES: tl.constexpr = 0):
         """Grid (cdiv(N, BLOCK_N), SPLIT_K). SPLIT_K 1: y [M, N] in x's dtype. SPLIT_K > 1: program
         (n, s) sums K range s (K / SPLIT_K long) into y[s] of fp32 partials y [SPLIT_K, M, N].
         PF_KIND > 0: after its stores, each program prefetches its share of the next GEMM's
-        weights into L2 (pf_*: kernels/l2_prefetch.py).
-        FINALIZE (norm_fold.py): y is fp32 partials and each column block's last program finishes
-        the residual add after them (residual_epilogue.finalize_residual: fx + sum(y) to fr, times
-        fw to fh, squares' sums to fss; fcnt its arrival counters). ROW_SCALE > 0 (norm_fold.py):
-        the product times each row's 1 / rms from squares' sums ss_ptr [K / 16, M] (ROW_SCALE:
-        K / 16 rounded up to a power of two)."""
-        # silu(gate) * up is not linear: it needs the whole sum, so no split with the epilogue;
-        # the norm's row scale needs every K: no split either
-        tl.static_assert(SPLIT_K == 1 or not (SWIGLU or ROW_SCALE > 0))
+        weights into L2 (pf_*: kernels/l2_prefetch.py)."""
+        # silu(gate) * up is not linear: it needs the whole sum, so no split with the epilogue
+        tl.static_assert(SPLIT_K == 1 or not SWIGLU)
         pid = tl.program_id(0)
         split = tl.program_id(1)
         k_len = K // SPLIT_K  # a multiple of BLOCK_K (_divides_k, split_k_for)
@@ -169,8 +152,6 @@ if triton is not None:
             if SWIGLU:
                 _prefetch_l2(pre + N * stride_wn, 2)
         gdc_wait(USE_PDL)
-        if ROW_SCALE > 0:  # loaded before the loop: its latency hides under the weight stream's
-            row_scale = row_rstd(ss_ptr, rows, M, K, eps, ROW_SCALE)
         x = tl.load(x_ptrs, mask=row_ok, other=0.0)
         acc = tl.dot(x, tl.trans(w))  # [M_BUCKET, BLOCK_N] float32
         acc_up = tl.zeros((M_BUCKET, BLOCK_N), dtype=tl.float32)
@@ -189,13 +170,6 @@ if triton is not None:
         # The successor may launch once every program is past its loads: not earlier, or its
         # waiting programs would hold SM room that this grid's later waves need (pdl.py).
         gdc_release(USE_PDL)
-        if ROW_SCALE > 0:  # the norm's 1 / rms, a per-row scale of the product
-            acc = acc * row_scale[:, None]
-            acc_up = acc_up * row_scale[:, None]
-        if FINALIZE:  # the residual's tile and the norm's weight, read while this program finishes
-            fin_ok = row_ok & (cols[None, :] < N)
-            fin_x = tl.load(fx_ptr + rows[:, None] * stride_fx + cols[None, :], mask=fin_ok, other=0.0)
-            fin_w = tl.load(fw_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
         out = acc.to(y_ptr.dtype.element_ty)  # partials: fp32 already, nothing rounded
         if SWIGLU:  # silu(gate) * up, rounded as the unfused path rounds (norm_act.silu_mul)
             gate = out.to(tl.float32)
@@ -204,9 +178,6 @@ if triton is not None:
             out = (act * up).to(y_ptr.dtype.element_ty)
         y_ptrs = y_ptr + split * stride_ys + rows[:, None] * stride_ym + cols[None, :]
         tl.store(y_ptrs, out, mask=row_ok & (cols[None, :] < N))
-        if FINALIZE:
-            finalize_residual(y_ptr, stride_ys, stride_ym, fin_x, fin_w, fr_ptr, fh_ptr, stride_fr,
-                              fss_ptr, fcnt_ptr, pid, rows, cols, M, N, SPLIT_K, M_BUCKET, BLOCK_N)
         if PF_KIND > 0:  # the next GEMM's weights, while this grid's last programs finish
             prefetch_share(pf_ptr, pf_units, pf_regions, pf_region_stride,
                            split * tl.num_programs(0) + pid, tl.num_programs(0) * tl.num_programs(1),
@@ -253,16 +224,12 @@ def _pinned_splits(n: int, k: int) -> int | None:
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, n: int, swiglu: bool, splits: int = 1,
             prefetch: torch.Tensor | None = None, prefetch_units: int = 0, prefetch_regions: int = 1,
-            prefetch_kind: int = 0, finalize: ResidualFinalize | None = None,
-            row_scale: RowScale | None = None) -> torch.Tensor:
-    """y [M, N] in x's dtype (splits 1), or fp32 partials [splits, M, N] (splits > 1, or finalize);
-    prefetch_*: what the programs pull into L2 after their stores (kernels/l2_prefetch.PrefetchTarget);
-    finalize, row_scale: the norm folded into the GEMMs around it (norm_fold.py)."""
+            prefetch_kind: int = 0) -> torch.Tensor:
+    """y [M, N] in x's dtype (splits 1), or fp32 partials [splits, M, N] (splits > 1);
+    prefetch_*: what the programs pull into L2 after their stores (kernels/l2_prefetch.PrefetchTarget)."""
     m, k = x.shape
     assert k % (splits * MIN_BLOCK_K) == 0, (k, splits)
-    assert row_scale is None or splits == 1, "the row scale needs every K in one program"
-    partials = splits > 1 or finalize is not None
-    shape, dtype = ((splits, m, n), torch.float32) if partials else ((m, n), x.dtype)
+    shape, dtype = ((splits, m, n), torch.float32) if splits > 1 else ((m, n), x.dtype)
     y = torch.empty(shape, dtype=dtype, device=x.device)
     if m == 0:
         return y
@@ -272,24 +239,13 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, n: int, swiglu: bool, splits:
         options = {"PF_KIND": prefetch_kind, "PF_UNIT": PREFETCH_UNIT_ELEMS[prefetch_kind]}
     else:
         prefetch, prefetch_units, prefetch_regions = weight, 0, 1
-    eps = 0.0
-    fold = (x, 0, x, x, x, 0, x, x, x)  # fx, stride_fx, fw, fr, fh, stride_fr, fss, fcnt, ss: unused
-    if finalize is not None:
-        f = finalize
-        fold = (f.residual, f.residual.stride(0), f.norm_weight, f.residual_out, f.normed_out,
-                f.residual_out.stride(0), f.squares, f.counters, x)
-        options["FINALIZE"] = True
-    if row_scale is not None:
-        fold = fold[:-1] + (row_scale.squares,)
-        options["ROW_SCALE"] = triton.next_power_of_2(k // 16)
-        eps = row_scale.eps
     prewait = prewait_lines(x)
     if prewait:
         options["PREWAIT_LINES"] = prewait
     pinned = pinned_config(n, k, splits) or tuned_config(x, n, k, swiglu, splits)
     kernel = _skinny_gemm_kernel.fn if pinned else _skinny_gemm_kernel  # the JIT function: no autotuning
     kernel[grid](x, weight, y, m, n, k, x.stride(0), weight.stride(0), m * n, n,
-                 prefetch, prefetch_units, prefetch_regions, prefetch.numel() // prefetch_regions, eps, *fold,
+                 prefetch, prefetch_units, prefetch_regions, prefetch.numel() // prefetch_regions,
                  M_BUCKET=_row_bucket(m), SWIGLU=swiglu, SPLIT_K=splits,
                  **options, **(pinned or {}), **launch_options(use_pdl(x)))
     return y

@@ -12,12 +12,6 @@ import pytest
 triton = pytest.importorskip("triton", reason="triton (xgrammar pulls it)")
 
 
-# the skinny GEMM's arguments of the folded norm (norm_fold.py), unused unless FINALIZE / ROW_SCALE
-FOLD_SIG = {"fx_ptr":"*bf16","stride_fx":"i32","fw_ptr":"*bf16","fr_ptr":"*bf16","fh_ptr":"*bf16","stride_fr":"i32",
-            "fss_ptr":"*fp32","fcnt_ptr":"*i32","ss_ptr":"*fp32","FINALIZE":"constexpr","ROW_SCALE":"constexpr"}
-NO_FOLD = {"FINALIZE":False,"ROW_SCALE":0}
-
-
 def test_kernels_compile_to_sm90_ptx():
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -81,30 +75,14 @@ def test_kernels_compile_to_sm90_ptx():
     gemm_sig = {"x_ptr":P,"w_ptr":P,"y_ptr":P,"M":"i32","N":"i32","K":"i32","stride_xm":"i32","stride_wn":"i32","stride_ys":"i32","stride_ym":"i32",
                 "pf_ptr":P,"pf_units":"i32","pf_regions":"i32","pf_region_stride":"i64",
                 "M_BUCKET":"constexpr","BLOCK_N":"constexpr","BLOCK_K":"constexpr","SWIGLU":"constexpr","SPLIT_K":"constexpr",
-                "eps":"fp32","PF_KIND":"constexpr","PF_UNIT":"constexpr","PREWAIT_LINES":"constexpr", **FOLD_SIG}
+                "PF_KIND":"constexpr","PF_UNIT":"constexpr","PREWAIT_LINES":"constexpr"}
     # plain, SwiGLU, split-K partials
     for y_ptr, swiglu, split_k in [(P, False, 1), (P, True, 1), ("*fp32", False, 2)]:
         comp(skinny_gemm._skinny_gemm_kernel.fn, dict(gemm_sig, y_ptr=y_ptr), {"M_BUCKET":16,"BLOCK_N":32,"BLOCK_K":128,"SWIGLU":swiglu,"SPLIT_K":split_k,
-             "PF_KIND":0,"PF_UNIT":64,"PREWAIT_LINES":0,**NO_FOLD}, release_after_loads=True)
-    # the norm folded (norm_fold.py): split-K partials finished by each column block's last program
-    # (after the wait, the arrival, then the partials read past L1), at 16 and 32 rows; the products
-    # after it scaled by the rows' 1 / rms (their squares' sums read after the wait)
-    for m_bucket in (16, 32):
-        consts = {"M_BUCKET":m_bucket,"BLOCK_N":32,"BLOCK_K":128,"SWIGLU":False,"SPLIT_K":2,"PF_KIND":0,"PF_UNIT":64,
-                  "PREWAIT_LINES":0,"FINALIZE":True,"ROW_SCALE":0}
-        comp(skinny_gemm._skinny_gemm_kernel.fn, dict(gemm_sig, y_ptr="*fp32"), consts, release_after_loads=False)
-        ptx = triton.compile(ASTSource(fn=skinny_gemm._skinny_gemm_kernel.fn, signature=dict(gemm_sig, y_ptr="*fp32", USE_PDL="constexpr"),
-                                       constexprs=dict(consts, USE_PDL=True)), target=tgt).asm["ptx"]
-        wait, arrival = ptx.index("griddepcontrol.wait"), ptx.index("atom.global.gpu.acq_rel.add")
-        assert wait < arrival < ptx.index("ld.global.cg", arrival), m_bucket
-    for swiglu in (False, True):
-        consts = {"M_BUCKET":16,"BLOCK_N":64,"BLOCK_K":128,"SWIGLU":swiglu,"SPLIT_K":1,"PF_KIND":0,"PF_UNIT":64,
-                  "PREWAIT_LINES":0,"FINALIZE":False,"ROW_SCALE":256}
-        comp(skinny_gemm._skinny_gemm_kernel.fn, gemm_sig, consts, release_after_loads=True)
-    for swiglu, row_scale in [(True, 0), (False, 256)]:  # SwiGLU's epilogue and the row scale need the whole sum
-        with pytest.raises(CompileTimeAssertionFailure):
-            comp(skinny_gemm._skinny_gemm_kernel.fn, dict(gemm_sig, y_ptr="*fp32"), {"M_BUCKET":16,"BLOCK_N":32,"BLOCK_K":128,"SWIGLU":swiglu,"SPLIT_K":2,
-                 "PREWAIT_LINES":0,"FINALIZE":False,"ROW_SCALE":row_scale})
+             "PF_KIND":0,"PF_UNIT":64,"PREWAIT_LINES":0}, release_after_loads=True)
+    with pytest.raises(CompileTimeAssertionFailure):  # SwiGLU's epilogue needs the whole sum
+        comp(skinny_gemm._skinny_gemm_kernel.fn, dict(gemm_sig, y_ptr="*fp32"), {"M_BUCKET":16,"BLOCK_N":32,"BLOCK_K":128,"SWIGLU":True,"SPLIT_K":2,
+             "PREWAIT_LINES":0})
 
 
 def test_gemm_epilogue_prefetch_compiles_after_the_release_and_the_stores():
@@ -119,13 +97,13 @@ def test_gemm_epilogue_prefetch_compiles_after_the_release_and_the_stores():
     P = "*bf16"
     sig = {"x_ptr":P,"w_ptr":P,"y_ptr":P,"M":"i32","N":"i32","K":"i32","stride_xm":"i32","stride_wn":"i32","stride_ys":"i32",
            "stride_ym":"i32","pf_ptr":P,"pf_units":"i32","pf_regions":"i32","pf_region_stride":"i64",
-           "eps":"fp32","M_BUCKET":"constexpr",
+           "M_BUCKET":"constexpr",
            "BLOCK_N":"constexpr","BLOCK_K":"constexpr","SWIGLU":"constexpr","SPLIT_K":"constexpr","USE_PDL":"constexpr",
-           "PF_KIND":"constexpr","PF_UNIT":"constexpr","PREWAIT_LINES":"constexpr", **FOLD_SIG}
+           "PF_KIND":"constexpr","PF_UNIT":"constexpr","PREWAIT_LINES":"constexpr"}
     instruction = {1: "prefetch.global.L2", 2: "prefetch.global.L2", 3: "cp.async.bulk.prefetch.L2.global"}
     for kind, unit in [(0, 64), (1, 16), (2, 64), (3, 2048)]:
         consts = {"M_BUCKET":16,"BLOCK_N":32,"BLOCK_K":128,"SWIGLU":True,"SPLIT_K":1,"USE_PDL":True,"PF_KIND":kind,"PF_UNIT":unit,
-                  "PREWAIT_LINES":0,**NO_FOLD}
+                  "PREWAIT_LINES":0}
         ptx = triton.compile(ASTSource(fn=skinny_gemm._skinny_gemm_kernel.fn, signature=sig, constexprs=consts),
                              target=GPUTarget("cuda", 90, 32)).asm["ptx"]
         if kind == 0:
