@@ -109,7 +109,7 @@ def step_split_ms(before: dict, after: dict) -> dict[str, float]:
 # "off-ownread" / "replay-ownread" with the busy verifier's request read on a round trip of its own
 # (services/verifier/admission.py ReadRider: it rides the result round trip by default), "-grpcsteps"
 # with the drafter round trip on the gRPC stream instead of the fast socket path (drafter_stream.py),
-# "-head2" with its graphs in two parts, the first two layers launched first (models/cuda_graphs.py), "-stage"
+# "-stage"
 # with the verify batch staged while drafts are out (engine/staging.py, the default again since
 # runs 63-64; "-nostage" without it), "-syncemit" with the
 # result flush on the loop's thread (services/verifier/writer.py: no writer thread to take the GIL
@@ -120,8 +120,7 @@ def step_split_ms(before: dict, after: dict) -> dict[str, float]:
 # bench/trace_summary.py: at batch 1 these steps fall in the second and third timed rounds),
 # "-dtrace" with one of the drafter's steps 100-139, host ops and named ranges included (its
 # own time split: inputs, propose, answer; pair it with --e2e-batches 128 to trace that batch).
-VARIANTS = {"-head2": {"SPECD_GRAPH_HEAD_LAYERS": "2"},
-            "-stage": {"SPECD_STAGE_VERIFY": "1"}, "-nostage": {"SPECD_STAGE_VERIFY": "0"}, "-stagelate": {"SPECD_STAGE_VERIFY": "late"},
+VARIANTS = {"-stage": {"SPECD_STAGE_VERIFY": "1"}, "-nostage": {"SPECD_STAGE_VERIFY": "0"}, "-stagelate": {"SPECD_STAGE_VERIFY": "late"},
             "-grpcsteps": {"SPECD_DRAFTER_FAST_PATH": "0"}, "-sync": {"SPECD_DRAFT_AHEAD": "0"}, "-nohandoff": {"SPECD_DRAFT_SEND_HANDOFF": "0"},
             "-nocarry": {"SPECD_DRAFT_CARRY": "0"}, "-ownread": {"SPECD_VERIFIER_RIDE_READS": "0"},
             "-carry4": {"SPECD_DRAFT_CARRY": "4"},  # one step's worth at the bench's k = 3

@@ -78,7 +78,7 @@ class _Pending:
 
 
 def _stub_body(vocab: int, hidden: int):
-    def body(self, entry, aux_layer_ids, after_layer=None) -> None:
+    def body(self, entry, aux_layer_ids) -> None:
         if getattr(entry, "stub_outputs", False):
             return
         rows = entry.batch * entry.qlen

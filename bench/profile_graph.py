@@ -133,15 +133,14 @@ def profile_replays(runner: LlamaRunner, batch: int, q: int, context: int, repea
             "counts": best["counts"], "middle_layer": layer}
 
 
-HOST_PHASES = ("bookkeeping", "fill", "to replay", "replay call", "later replays", "outputs", "rest + sync")
+HOST_PHASES = ("bookkeeping", "fill", "to replay", "replay call", "outputs", "rest + sync")
 
 
 def host_phases(runner: LlamaRunner, step, n: int = 30) -> tuple[list[float], dict[str, float]]:
     """What the step bench times, a step's wall (us, n of them), and the median of each of its host
     phases: the runner's bookkeeping before the static inputs are filled, the fill (their host
-    buffer and its copy to the device), on to the first graph's replay call, the call itself (the
-    head graph's, cuda_graphs.py), the later parts' calls (0 for a graph in one part), the
-    outputs after them (row gathers), and the rest (the bench's rollback, the wait for the device).
+    buffer and its copy to the device), on to the graph's replay call, the call itself, the
+    outputs after it (row gathers), and the rest (the bench's rollback, the wait for the device).
     Only a process's first case is clean: after a torch.profiler session, CUPTI's hooks stay and
     slow every CUDA call (BENCHMARKS.md, runs 15-17)."""
     marks: dict[str, list[float]] = {}
@@ -167,7 +166,7 @@ def host_phases(runner: LlamaRunner, step, n: int = 30) -> tuple[list[float], di
             walls.append((t1 - t0) * 1e6)
             if "replay" in marks and "fill" in marks:
                 fill, replays = marks["fill"], marks["replay"]
-                cuts = [t0, fill[0], fill[1], replays[0], replays[1], replays[-1], marks["forward"][1], t1]
+                cuts = [t0, fill[0], fill[1], replays[0], replays[1], marks["forward"][1], t1]
                 phases.append([(b - a) * 1e6 for a, b in zip(cuts, cuts[1:])])
     host = {p: round(sorted(col)[len(col) // 2], 1) for p, col in zip(HOST_PHASES, zip(*phases))} if phases else {}
     return walls, host

@@ -12,14 +12,6 @@ and the replay is the step's one CUDA call before its kernels (each call costs 1
 on the H200 machine). An event recorded right after the copy node guards the buffer: a fill waits
 for it only when the host runs a whole step ahead of the device.
 
-With `SPECD_GRAPH_HEAD_LAYERS=N` (graph_layout.py; an experiment, not yet timed on the GPU; default 0: one graph)
-the fused body is captured in two parts, a head (the input copy, the embedding and the first N
-layers) and the rest. Why: the replay call of the 8B step's ~265 nodes took 12-190 us of host time
-on the H200 VMs (BENCHMARKS.md), all of it before the first kernel runs. If that time grows with
-the nodes, the head's few nodes launch sooner and the rest launches while the head runs (~0.13 ms
-a layer at 8B). Both parts share the memory pool; the tensors passing from one to the other are
-live across the cut (held by the capture's frame), as make_graphed_callables' chains hold theirs.
-
 For each (B, Q, NB, aux layers) key, the first batch that needs it captures a graph (CUDA) or,
 on CPU and with graphs off, simply runs the same body eagerly: the CPU twin executes the very code
 that is captured, so tests on CPU prove the static path's logits equal the eager path's.
@@ -48,7 +40,7 @@ import torch
 
 from specd.models.fused_forward import fused_forward
 from specd.models.graph_chain import GraphChain
-from specd.models.graph_layout import batch_buckets, graph_head_layers, width_bucket
+from specd.models.graph_layout import batch_buckets, width_bucket
 from specd.models.kv_cache import PagedKVCache
 from specd.models.llama import EAGER_REGIONS, LayerRegions
 from specd.models.static_attention import StaticAttentionMetadata
@@ -190,15 +182,13 @@ class StaticForward:
         self._fill(entry, [], [], [], [])
 
     # ---- running -------------------------------------------------------------------------------
-    def _body(self, entry: StaticEntry, aux_layer_ids: tuple[int, ...], after_layer=None) -> None:
-        """The forward over the entry's buffers; after_layer(i) (the fused body only) runs once
-        layer i is launched: where the capture cuts the head graph off."""
+    def _body(self, entry: StaticEntry, aux_layer_ids: tuple[int, ...]) -> None:
+        """The forward over the entry's buffers."""
         input_ids, positions, slots, ctx_lens, tables, _ = entry.views()
         meta = StaticAttentionMetadata(ctx_lens=ctx_lens, block_tables=tables, slot_mapping=slots,
                                        query_len=entry.qlen, block_size=self.block_size)
         if self.fused:
-            hidden, aux = fused_forward(self.model, input_ids, positions, meta, self.kv_cache, aux_layer_ids,
-                                        after_layer)
+            hidden, aux = fused_forward(self.model, input_ids, positions, meta, self.kv_cache, aux_layer_ids)
         else:
             hidden, aux = self.model(input_ids, positions, meta, self.kv_cache, aux_layer_ids, self.regions)
         entry.hidden, entry.aux = hidden, aux
@@ -278,13 +268,11 @@ class StaticForward:
         torch.cuda.current_stream(self.device).wait_stream(stream)
         if self._pool is None or os.environ.get(GRAPH_POOL_ENV) == "fresh":
             self._pool = torch.cuda.graph_pool_handle()
-        head = graph_head_layers()
-        cut = head if self.fused and 0 < head < len(self.model.model.layers) else None
         chain = GraphChain(self._pool, self.device, debug=bool(os.environ.get(GRAPH_DEBUG_ENV)))
         with chain, torch.no_grad():
             if entry.copy_in_graph:
                 self._copy_inputs(entry)
-            self._body(entry, aux_layer_ids, (lambda i: chain.cut() if i + 1 == cut else None))
+            self._body(entry, aux_layer_ids)
         debug_dir = os.environ.get(GRAPH_DEBUG_ENV)
         if debug_dir:
             os.makedirs(debug_dir, exist_ok=True)
@@ -345,7 +333,7 @@ class StaticForward:
         graph's lm_head covers every row all the same (a static prefill is 256 rows at most)."""
         entry = prepared.entry
         if entry.graphs:
-            for graph in entry.graphs:  # the head's launch first: the device starts on it
+            for graph in entry.graphs:
                 graph.replay()
         else:
             with torch.no_grad():

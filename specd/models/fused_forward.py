@@ -25,8 +25,6 @@ head_dim. Otherwise StaticForward runs the PyTorch body (the twin the tests comp
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from specd.models import skinny_gemm
@@ -49,12 +47,9 @@ def applies(model, kv_cache: PagedKVCache) -> bool:
 
 
 def fused_forward(model, input_ids: torch.Tensor, positions: torch.Tensor, meta: StaticAttentionMetadata,
-                  kv_cache: PagedKVCache, aux_layer_ids: tuple[int, ...] = (),
-                  after_layer: Callable[[int], None] | None = None
+                  kv_cache: PagedKVCache, aux_layer_ids: tuple[int, ...] = ()
                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """LlamaForCausalLM.forward's contract: (hidden [T, H] after the final norm, aux or None).
-    after_layer(i), when given, runs once layer i's kernels are launched (cuda_graphs.py cuts its
-    capture into two graphs there)."""
+    """LlamaForCausalLM.forward's contract: (hidden [T, H] after the final norm, aux or None)."""
     config = model.config
     eps = config.rms_norm_eps
     x = model.model.embed_tokens(input_ids)  # [T, H]
@@ -78,8 +73,6 @@ def fused_forward(model, input_ids: torch.Tensor, positions: torch.Tensor, meta:
         after_down = (l2_prefetch.target_for("qkv", following.self_attn.qkv_proj.weight) if following is not None
                       else l2_prefetch.target_for("lm_head", getattr(model.lm_head, "weight", None)))
         delta = _residual_delta(mlp.down_proj, act, after_down)
-        if after_layer is not None:
-            after_layer(i)
     _, hidden = norm_act.rms_norm(x, model.model.norm.weight, eps, delta)
     aux = torch.cat([captured[i] for i in aux_layer_ids], dim=-1) if aux_layer_ids else None
     return hidden, aux

@@ -152,7 +152,6 @@ def test_method_suffixes_name_their_settings():
 
     assert base_method("replay") == ("replay", {})
     assert base_method("replay-grpcsteps") == ("replay", {"SPECD_DRAFTER_FAST_PATH": "0"})
-    assert base_method("replay-head2") == ("replay", {"SPECD_GRAPH_HEAD_LAYERS": "2"})
     assert base_method("replay-nostage-nopdl") == ("replay", {"SPECD_STAGE_VERIFY": "0", "SPECD_PDL": "off"})
     assert base_method("replay-stage") == ("replay", {"SPECD_STAGE_VERIFY": "1"})
     assert base_method("replay-stagelate") == ("replay", {"SPECD_STAGE_VERIFY": "late"})

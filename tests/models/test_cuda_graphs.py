@@ -13,7 +13,7 @@ import torch
 from specd.messages import PytorchEngineConfig
 from specd.models.base import SequenceChunk
 from specd.models.cuda_graphs import GRAPH_INPUT_COPY_ENV
-from specd.models.graph_layout import GRAPH_HEAD_LAYERS_ENV, batch_buckets, graph_head_layers, width_bucket
+from specd.models.graph_layout import batch_buckets, width_bucket
 from specd.models.llama_runner import LlamaRunner
 
 TOL = 1e-5
@@ -97,22 +97,6 @@ def test_cuda_graphs_with_unsynchronised_replays_equal_synchronised_ones(input_c
     worst = max(((a - b).abs().max() / b.abs().max()).item() for a, b in zip(got, ref))
     print(f"cuda: max |graphs - eager| / max |eager| = {worst:.3g}")
     assert worst < 0.1
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs: the hook's CPU twin is in test_triton_kernels")
-def test_head_graph_cut_changes_no_bit(checkpoint, monkeypatch):
-    """The capture cut in two (a head graph of one layer, then the rest) replays what one graph
-    does, bit for bit, aux features included; each layout holds two graphs."""
-    path = checkpoint("llama")
-    outs = {}
-    for head in ("0", "1"):
-        monkeypatch.setenv(GRAPH_HEAD_LAYERS_ENV, head)
-        runner = make_runner(path, True, device_type="cuda", block_size=16, dtype="bfloat16")
-        runner.set_aux_hidden_layers([0, 2])
-        outs[head] = script(runner, want_aux=True)
-        assert runner.static.fused
-        assert {len(e.graphs) for e in runner.static._entries.values()} == ({1} if head == "0" else {2})
-    assert all(torch.equal(a, b) for a, b in zip(outs["0"], outs["1"]))
 
 
 def test_graphs_dropped_then_captured_again_replay_the_same_bits(checkpoint):
@@ -205,17 +189,6 @@ def test_captures_out_of_memory_on_cuda_leave_those_layouts_eager_and_the_rest_c
     assert runner.static.num_captures == len(attempts) // 2 >= 2
     worst = max(((a.float() - b.float()).norm() / b.float().norm()).item() for a, b in zip(got, want))
     assert worst < 1e-2, worst
-
-
-def test_graph_head_layers_setting(monkeypatch):
-    monkeypatch.delenv(GRAPH_HEAD_LAYERS_ENV, raising=False)
-    assert graph_head_layers() == 0
-    monkeypatch.setenv(GRAPH_HEAD_LAYERS_ENV, "2")
-    assert graph_head_layers() == 2
-    for bad in ("-1", "two"):
-        monkeypatch.setenv(GRAPH_HEAD_LAYERS_ENV, bad)
-        with pytest.raises(ValueError, match=GRAPH_HEAD_LAYERS_ENV):
-            graph_head_layers()
 
 
 def test_static_path_aux_hidden_states(checkpoint):
