@@ -57,19 +57,6 @@ def pdl_for_e2e(rows, info: dict, q: int) -> str | None:
     return "1" if identical and row.specd_graphs_ms < row.specd_no_pdl_ms else "0"
 
 
-def l2_prefetch_for_e2e(rows, info: dict, q: int) -> str | None:
-    """The L2 prefetch plan the e2e stacks run: the fastest of the step's plans at batch 1,
-    q = k + 1 where it beat the plain graphs and every plan's outputs matched bit for bit; None
-    when no plan was timed or none won."""
-    row = next((r for r in rows if r.batch == 1 and r.q == q), None)
-    if row is None or not row.l2_prefetch_ms:
-        return None
-    if any(c.get("l2_prefetch_vs_none_max_abs") not in (None, 0) for c in info.get("output_checks", [])):
-        return None
-    plan, ms = min(row.l2_prefetch_ms.items(), key=lambda kv: kv[1])
-    return plan if ms < row.specd_graphs_ms else None
-
-
 def _prepare_e2e_models(args, work: Path) -> tuple[Path, dict, int]:
     """(target, drafts by method, vocab to draw prompts from) for the chosen size."""
     from bench.e2e import DRAFT_NAMES
@@ -140,9 +127,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work-dir", type=Path, default=None, help="synthetic checkpoints (default: OUT/work)")
     ap.add_argument("--step-batches", type=_ints, default=None, help="default 1,8,32,64,128 (small: 1,4)")
     ap.add_argument("--context", type=int, default=None, help="cached tokens per sequence (default 1024; small 32)")
-    ap.add_argument("--l2-prefetch-plans", type=lambda t: [p for p in t.split(";") if p], default=[],
-                    help="step: also time each L2 prefetch plan (kernels/l2_prefetch.py), ';'-separated, "
-                         "e.g. 'o=32;o=32,gate_up=8,kind=sector'")
     ap.add_argument("--step-env-variants", type=lambda t: [p for p in t.split(";") if p], default=[],
                     help="step: also time the graphs under each set of kernel settings, ';'-separated, e.g. "
                          "'SPECD_ATTN_PROGRAMS=132;SPECD_ATTN_PROGRAMS=528' (logits compared with the default); "
@@ -238,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
             bandwidth_tbs=args.bandwidth_tbs, with_transformers=not args.no_transformers,
             warmup=1 if args.small else 3, iters=3 if args.small else 30,
             block_size=8 if args.small else 64, compile_mode=args.compile,
-            compile_budget_s=args.compile_budget_s, l2_plans=args.l2_prefetch_plans,
+            compile_budget_s=args.compile_budget_s,
             env_variants=args.step_env_variants, graph_captures=args.step_captures or (1 if args.small else 3))
         sections.append(write_step_results(rows, info, out))
         print(sections[-1], flush=True)
@@ -247,10 +231,6 @@ def main(argv: list[str] | None = None) -> int:
         if e2e_pdl is not None and "SPECD_PDL" not in os.environ:
             os.environ["SPECD_PDL"] = e2e_pdl  # the e2e stacks inherit it
             print(f"e2e: SPECD_PDL={e2e_pdl} (the faster of the step's PDL columns, outputs identical)", flush=True)
-        e2e_plan = l2_prefetch_for_e2e(rows, info, args.k + 1)
-        if e2e_plan is not None and "SPECD_L2_PREFETCH" not in os.environ:
-            os.environ["SPECD_L2_PREFETCH"] = e2e_plan
-            print(f"e2e: SPECD_L2_PREFETCH={e2e_plan} (the step's fastest plan, outputs identical)", flush=True)
         del rows
         _release_gpu_memory("step")
     if "e2e" in args.what:

@@ -31,8 +31,8 @@ from specd.models.llama_runner import LlamaRunner
 from specd.models.merged_linear import checkpoint_tensors
 
 from bench.step_timing import _median_ms, time_specd, time_specd_staged
-from bench.step_variants import check_env_variants, check_step_outputs, time_env_variants, time_l2_prefetch, \
-    time_recaptured, time_without_pdl
+from bench.step_variants import check_env_variants, check_step_outputs, time_env_variants, time_recaptured, \
+    time_without_pdl
 
 SHAPES = {
     "8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
@@ -55,7 +55,6 @@ class StepRow:
     specd_compiled_ms: float | None = None  # graphs + torch.compile'd layer regions
     specd_torch_ops_ms: float | None = None  # graphs over PyTorch ops only (cuBLAS, SDPA): the twin
     specd_no_pdl_ms: float | None = None  # graphs over the kernels, launched without PDL (CUDA only)
-    l2_prefetch_ms: dict[str, float] = field(default_factory=dict)  # plan -> graphs ms under it (CUDA)
     env_variant_ms: dict[str, float] = field(default_factory=dict)  # "K=V,..." -> graphs ms under it
     specd_graphs_captures_ms: list[float] = field(default_factory=list)  # each capture's time; the median above
     # The default graphs as the engine launches a verify step: the batch staged while the drafts
@@ -166,7 +165,7 @@ def unless_out_of_memory(column: str, oom: list[str], measure):
 def run_step_bench(shape: str = "8b", batches=(1, 8, 32, 64, 128), qs=(1, 4), context: int = 1024,
                    device: str | None = None, bandwidth_tbs: float = 4.8, warmup: int = 3, iters: int = 10,
                    with_transformers: bool = True, block_size: int = 64, compile_mode: str | None = None,
-                   compile_budget_s: float = 240.0, l2_plans: list[str] = (), prefill_lens=(32, 128),
+                   compile_budget_s: float = 240.0, prefill_lens=(32, 128),
                    env_variants: list[str] = (), graph_captures: int = 1) -> tuple[list[StepRow], dict]:
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
@@ -204,7 +203,6 @@ def run_step_bench(shape: str = "8b", batches=(1, 8, 32, 64, 128), qs=(1, 4), co
             g = sorted(each)[len(each) // 2]
             st = time_specd_staged(graphs, batch, q, context, warmup, iters)
             n = time_without_pdl(graphs, batch, q, context, warmup, iters) if dev.type == "cuda" else None
-            pf = time_l2_prefetch(graphs, list(l2_plans), batch, q, context, warmup, iters) if dev.type == "cuda" else {}
             ev, evs = time_env_variants(graphs, list(env_variants), batch, q, context, warmup, iters)
             c = time_specd(torch_ops, batch, q, context, warmup, iters)
             e = time_specd(eager, batch, q, context, warmup, iters)
@@ -212,13 +210,11 @@ def run_step_bench(shape: str = "8b", batches=(1, 8, 32, 64, 128), qs=(1, 4), co
             h = (unless_out_of_memory("transformers", oom, lambda: time_transformers(
                 hf, config, batch, q, context, dev, dtype, warmup, iters)) if hf is not None else None)
             rows.append(StepRow(batch, q, g, e, h, floor_ms, specd_torch_ops_ms=c, specd_no_pdl_ms=n,
-                                l2_prefetch_ms=pf, env_variant_ms=ev, specd_graphs_captures_ms=each,
+                                env_variant_ms=ev, specd_graphs_captures_ms=each,
                                 specd_staged_ms=st, env_variant_staged_ms=evs, out_of_memory=tuple(oom)))
             print(format_row(rows[-1]), flush=True)
             if len(each) > 1:
                 print(f"  graphs, each capture: {', '.join(f'{ms:.3f}' for ms in each)} ms", flush=True)
-            for plan, ms in pf.items():
-                print(f"  l2 prefetch {plan}: {ms:.3f} ms (graphs {g:.3f})", flush=True)
             for spec, ms in ev.items():
                 print(f"  env {spec}: {ms:.3f} ms (graphs {g:.3f}), staged {evs[spec]:.3f} ms (graphs {st:.3f})",
                       flush=True)
@@ -229,8 +225,7 @@ def run_step_bench(shape: str = "8b", batches=(1, 8, 32, 64, 128), qs=(1, 4), co
         print(f"prefill batch 1, {p['tokens']} tokens: graphs {p['graphs_ms']:.2f} ms, eager {p['eager_ms']:.2f} ms",
               flush=True)
     checks = check_step_outputs(graphs, torch_ops, context, [(b, q) for b in (1, 8, 64) if b <= max(batches)
-                                                            for q in (max(qs),)],
-                                l2_plans=list(l2_plans) if dev.type == "cuda" else [])
+                                                            for q in (max(qs),)])
     compile_info = time_compiled_column(compiled, rows, context, warmup, iters, compile_budget_s)
     info = {"shape": shape, "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
             "dtype": str(dtype), "context": context, "weight_bytes": weight_bytes,
@@ -320,7 +315,6 @@ def write_step_results(rows: list[StepRow], info: dict, out_dir: Path) -> str:
               "unstaged max |diff|; kernels vs PyTorch-ops relative error):"]
     lines += [f"- {c['batch']}, {c['q']}: {c['pdl_vs_no_pdl_max_abs']:.3g}; {c['staged_vs_unstaged_max_abs']:.3g}; "
               f"{c['kernels_vs_torch_ops_rel_err']:.3g}"
-              f"{'' if c.get('l2_prefetch_vs_none_max_abs') is None else '; L2 prefetch plans vs none max |diff| %.3g' % c['l2_prefetch_vs_none_max_abs']}"
               f"{'' if c['finite'] else ' (NOT FINITE)'}" for c in info.get("output_checks", [])]
     if info.get("prefill"):
         lines += ["", "prefill forward, batch 1, empty cache (graphs: the static path's Q bucket; eager: varlen):", "",
@@ -337,12 +331,6 @@ def write_step_results(rows: list[StepRow], info: dict, out_dir: Path) -> str:
         lines += [f"| {r.batch} | {r.q} | {spec} | {ms:.2f} | {ms / r.specd_graphs_ms:.3f}x | {ms / r.floor_ms:.2f}x | "
                   f"{_variant_staged(r, spec)} | {checks.get(spec, {}).get('rel_err', float('nan')):.2g} |"
                   for r, spec, ms in variants]
-    plans = [(r, plan, ms) for r in rows for plan, ms in r.l2_prefetch_ms.items()]
-    if plans:
-        lines += ["", "L2 prefetch plans (kernels/l2_prefetch.py), graphs with PDL as above:", "",
-                  "| batch | q | plan | ms | vs graphs | / floor |", "|---|---|---|---|---|---|"]
-        lines += [f"| {r.batch} | {r.q} | {plan} | {ms:.2f} | {ms / r.specd_graphs_ms:.3f}x | {ms / r.floor_ms:.2f}x |"
-                  for r, plan, ms in plans]
     table = "\n".join(lines) + "\n"
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "step.md").write_text(table)

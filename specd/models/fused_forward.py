@@ -12,9 +12,8 @@ o_proj and down_proj, whose outputs only feed the next RMSNorm's residual add, t
 kernel split-K where skinny_gemm.split_k_for says so: fp32 partials that the norm sums.
 Eight launches a layer where the PyTorch path takes about thirty, and no gathered K/V copies
 (kernels/*.py say why each exists). On Hopper the kernels launch with PDL (kernels/pdl.py): each
-may start during its predecessor's tail, a GEMM streaming its first weight tile meanwhile; and
-under an L2 prefetch plan (kernels/l2_prefetch.py) each skinny GEMM pulls part of the next GEMM's
-weights into L2 once its own loads are done.
+may start during its predecessor's tail, a GEMM streaming its first weight tile (and prefetching
+the next lines of its weight rows into L2) meanwhile.
 
 It computes what LlamaForCausalLM.forward computes (the same modules' weights; the deferred
 residual add changes no value: the residual entering layer i is materialised by layer i's first
@@ -28,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from specd.models import skinny_gemm
-from specd.models.kernels import l2_prefetch, norm_act, paged_decode_attention, rope_cache
+from specd.models.kernels import norm_act, paged_decode_attention, rope_cache
 from specd.models.kv_cache import PagedKVCache
 from specd.models.linear import takes_skinny_kernel
 from specd.models.static_attention import StaticAttentionMetadata, flash_kvcache_applies, static_paged_attention
@@ -61,18 +60,13 @@ def fused_forward(model, input_ids: torch.Tensor, positions: torch.Tensor, meta:
     layers = model.model.layers
     for i, layer in enumerate(layers):
         attn, mlp = layer.self_attn, layer.mlp
-        x, qkv = _norm_project(x, delta, layer.input_layernorm.weight, eps, attn.qkv_proj,
-                               l2_prefetch.target_for("o", attn.o_proj.weight))
+        x, qkv = _norm_project(x, delta, layer.input_layernorm.weight, eps, attn.qkv_proj)
         if i in wanted:
             captured[i] = x
         o = _attention(attn, qkv, cos, sin, meta, kv_cache, i).reshape(tokens, -1)
-        attn_out = _residual_delta(attn.o_proj, o, l2_prefetch.target_for("gate_up", mlp.gate_up_proj.weight))
-        x, act = _norm_project(x, attn_out, layer.post_attention_layernorm.weight, eps, mlp.gate_up_proj,
-                               l2_prefetch.target_for("down", mlp.down_proj.weight), swiglu=True)
-        following = layers[i + 1] if i + 1 < len(layers) else None
-        after_down = (l2_prefetch.target_for("qkv", following.self_attn.qkv_proj.weight) if following is not None
-                      else l2_prefetch.target_for("lm_head", getattr(model.lm_head, "weight", None)))
-        delta = _residual_delta(mlp.down_proj, act, after_down)
+        attn_out = _residual_delta(attn.o_proj, o)
+        x, act = _norm_project(x, attn_out, layer.post_attention_layernorm.weight, eps, mlp.gate_up_proj, swiglu=True)
+        delta = _residual_delta(mlp.down_proj, act)
     _, hidden = norm_act.rms_norm(x, model.model.norm.weight, eps, delta)
     aux = torch.cat([captured[i] for i in aux_layer_ids], dim=-1) if aux_layer_ids else None
     return hidden, aux
@@ -101,43 +95,28 @@ def _attention(attn, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, me
         attn.sliding_window, counter_owner=kv_cache)
 
 
-def _prefetch_args(target: l2_prefetch.PrefetchTarget | None) -> tuple:
-    """The skinny GEMM ops' trailing prefetch arguments for target (none: no prefetch)."""
-    if target is None:
-        return ()
-    return (target.weight, target.units, target.regions, target.kind_code)
-
-
 def _norm_project(x: torch.Tensor, delta: torch.Tensor | None, norm_weight: torch.Tensor, eps: float, proj,
-                  prefetch: l2_prefetch.PrefetchTarget | None, swiglu: bool = False
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+                  swiglu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(residual x + delta, proj(RMSNorm(residual))), silu(gate) * up of it with swiglu: the norm
     kernel, then the product."""
     x, h = norm_act.rms_norm(x, norm_weight, eps, delta)
-    return x, (_swiglu(proj, h, prefetch) if swiglu else _project(proj, h, prefetch))
+    return x, (_swiglu(proj, h) if swiglu else proj(h))
 
 
-def _project(proj, h: torch.Tensor, prefetch: l2_prefetch.PrefetchTarget | None) -> torch.Tensor:
-    """proj(h); through the skinny kernel with its epilogue prefetch where the kernel applies."""
-    if prefetch is not None and proj.bias is None and takes_skinny_kernel(h, proj.weight):
-        return skinny_gemm.skinny_gemm(h, proj.weight, *_prefetch_args(prefetch))
-    return proj(h)
-
-
-def _residual_delta(proj, h: torch.Tensor, prefetch: l2_prefetch.PrefetchTarget | None = None) -> torch.Tensor:
+def _residual_delta(proj, h: torch.Tensor) -> torch.Tensor:
     """proj(h) as an rms_norm delta: fp32 split-K partials [S, T, N] where the skinny kernel takes
     the product (few rows, "auto" backend), there is no bias and split_k_for(N, K) > 1; else
     proj(h) [T, N] (S = 1 would only add an fp32 round trip)."""
     if proj.bias is None and takes_skinny_kernel(h, proj.weight):
         splits = skinny_gemm.split_k_for(*proj.weight.shape)
         if splits > 1:
-            return skinny_gemm.skinny_gemm_partials(h, proj.weight, splits, *_prefetch_args(prefetch))
-    return _project(proj, h, prefetch)
+            return skinny_gemm.skinny_gemm_partials(h, proj.weight, splits)
+    return proj(h)
 
 
-def _swiglu(gate_up_proj, h: torch.Tensor, prefetch: l2_prefetch.PrefetchTarget | None = None) -> torch.Tensor:
+def _swiglu(gate_up_proj, h: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up of the fused gate/up projection: one kernel where the skinny GEMM takes the
     product (few rows), else the product and then the activation kernel."""
     if gate_up_proj.bias is None and takes_skinny_kernel(h, gate_up_proj.weight):
-        return skinny_gemm.skinny_gemm_swiglu(h, gate_up_proj.weight, *_prefetch_args(prefetch))
+        return skinny_gemm.skinny_gemm_swiglu(h, gate_up_proj.weight)
     return norm_act.silu_mul(gate_up_proj(h))

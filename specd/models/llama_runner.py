@@ -34,7 +34,6 @@ from specd.models.base import check_chunks, chunk_offsets, ForwardOutput, last_r
 from specd.models.append_plan import AppendPlan
 from specd.models.cuda_graphs import DEFAULT_MAX_PREFILL_ROWS, StaticForward
 from specd.models.hf_config import LlamaArchConfig
-from specd.models.kernels.l2_prefetch import PrefetchPlan, l2_prefetch_scope, resolve_plan
 from specd.models.kernels.pdl import pdl_launches, resolve_pdl_mode
 from specd.models.kv_cache import CacheFullError, PagedKVCache
 from specd.models.linear import gemm_backend, resolve_gemm_backend
@@ -52,7 +51,7 @@ class LlamaRunner:
                  model: LlamaForCausalLM | None = None, config: LlamaArchConfig | None = None,
                  use_static_path: bool | None = None, compile_mode: str | None = None,
                  gemm: str | None = None, kernels: str | None = None, pdl: str | None = None,
-                 l2_prefetch: str | PrefetchPlan | None = None, kv_cache: PagedKVCache | None = None) -> None:
+                 kv_cache: PagedKVCache | None = None) -> None:
         """model/config: an already built model (the bench's random weights) instead of loading.
         kv_cache: another runner's cache over the same model, shared (the step bench times three
         paths one at a time: one 8B cache of 18 GB at batch 128, not three); its shape must be
@@ -65,15 +64,12 @@ class LlamaRunner:
         gemm: "auto" | "torch" (linear.py); None reads SPECD_GEMM, default "auto".
         kernels: "auto" | "off" (fused_forward.py); None reads SPECD_KERNELS, default "auto".
         pdl: "auto" | "off" (kernels/pdl.py); None reads SPECD_PDL, default "auto".
-        l2_prefetch: a plan (kernels/l2_prefetch.py, e.g. "o=32"); None reads SPECD_L2_PREFETCH,
-        default "off".
         """
         kernels = kernels or os.environ.get(KERNELS_ENV) or "auto"
         if kernels not in ("auto", "off"):
             raise ValueError(f"kernels: expected auto or off, got {kernels!r}")
         self.gemm = resolve_gemm_backend(gemm)
         self.pdl = resolve_pdl_mode(pdl)
-        self.l2_prefetch = resolve_plan(l2_prefetch)
         engine_config = engine_config or PytorchEngineConfig()
         self.model_dir = Path(model_dir)
         self.engine_config = engine_config
@@ -294,9 +290,9 @@ class LlamaRunner:
 
     @contextmanager
     def _kernel_settings(self):
-        """The runner's GEMM backend, PDL mode and L2 prefetch plan for what launches inside, and
+        """The runner's GEMM backend and PDL mode for what launches inside, and
         for the graphs captured inside (a graph keeps its capture's settings)."""
-        with gemm_backend(self.gemm), pdl_launches(self.pdl), l2_prefetch_scope(self.l2_prefetch):
+        with gemm_backend(self.gemm), pdl_launches(self.pdl):
             yield
 
     def _forward(self, chunks: list[SequenceChunk], want_hidden: bool, want_aux_hidden: bool,

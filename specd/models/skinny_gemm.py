@@ -33,12 +33,14 @@ import os
 import torch
 import torch.nn.functional as F
 
-from specd.models.kernels.l2_prefetch import KINDS, prewait_lines
 from specd.models.kernels.pdl import launch_options, use_pdl
 
 MAX_ROWS = 32
 MIN_BLOCK_K = 64
-PREFETCH_UNIT_ELEMS = {code: unit for code, unit in KINDS.values()}  # prefetch kind -> elements a unit
+# Bytes of each weight row a program pulls into L2 before its PDL wait, past the first tile it
+# loads anyway, while the kernel before it (a norm, the attention merge) leaves HBM idle: on the
+# H200's 8B step 512 gained 1-2.7%, 2048 and more lost (BENCHMARKS.md, "The GPU fast path").
+PREWAIT_BYTES = 512
 
 try:
     import triton
@@ -91,6 +93,16 @@ def pinned_config(n: int, k: int, splits: int) -> dict | None:
     return None
 
 
+def prewait_lines(x: torch.Tensor) -> int:
+    """128-byte lines of each weight row prefetched before the PDL wait (PREWAIT_BYTES as a power
+    of two of lines); none without PDL (nothing to overlap), before sm_90, on CPU and in the
+    interpreter. A hint: it cannot change a result."""
+    if (os.environ.get("TRITON_INTERPRET") == "1" or not use_pdl(x)
+            or torch.cuda.get_device_capability(x.device)[0] < 9):
+        return 0
+    return 1 << (PREWAIT_BYTES // 128 - 1).bit_length()  # the next power of two (tl.arange's length)
+
+
 def _configs():
     if _INTERPRET:  # the interpreter runs every config on CPU: keep it to one, small
         return [triton.Config({"BLOCK_N": 16, "BLOCK_K": 64}, num_warps=4, num_stages=1)]
@@ -104,8 +116,13 @@ def _configs():
 
 
 if triton is not None:
-    from specd.models.kernels.l2_prefetch import _prefetch_l2, prefetch_share
     from specd.models.kernels.pdl import gdc_release, gdc_wait
+
+    @triton.jit
+    def _prefetch_l2(ptrs):
+        """One L2 prefetch per address in ptrs (a hint: nothing comes back, nothing waits)."""
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs],
+                                  dtype=tl.int32, is_pure=False, pack=1)
 
     def _divides_k(configs, named_args, **kwargs):
         """Only block shapes whose BLOCK_K divides a split's K range, K / SPLIT_K (the loop has no
@@ -117,15 +134,13 @@ if triton is not None:
                      prune_configs_by={"early_config_prune": _divides_k})
     @triton.jit
     def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ys, stride_ym,
-                            pf_ptr, pf_units, pf_regions, pf_region_stride,
                             M_BUCKET: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                             SWIGLU: tl.constexpr, SPLIT_K: tl.constexpr, USE_PDL: tl.constexpr,
-                            PF_KIND: tl.constexpr = 0, PF_UNIT: tl.constexpr = 64,
                             PREWAIT_LINES: tl.constexpr = 0):
         """Grid (cdiv(N, BLOCK_N), SPLIT_K). SPLIT_K 1: y [M, N] in x's dtype. SPLIT_K > 1: program
         (n, s) sums K range s (K / SPLIT_K long) into y[s] of fp32 partials y [SPLIT_K, M, N].
-        PF_KIND > 0: after its stores, each program prefetches its share of the next GEMM's
-        weights into L2 (pf_*: kernels/l2_prefetch.py)."""
+        PREWAIT_LINES > 0: that many 128-byte lines of each weight row past the first tile are
+        prefetched into L2 before the PDL wait (prewait_lines)."""
         # silu(gate) * up is not linear: it needs the whole sum, so no split with the epilogue
         tl.static_assert(SPLIT_K == 1 or not SWIGLU)
         pid = tl.program_id(0)
@@ -148,9 +163,9 @@ if triton is not None:
         if PREWAIT_LINES > 0:  # the next lines of each weight row into L2 while the predecessor runs
             lines = BLOCK_K + tl.arange(0, PREWAIT_LINES) * 64  # 128-byte lines of 2-byte elements
             pre = w_ptr + cols[:, None] * stride_wn + split * k_len + tl.minimum(lines, k_len - 64)[None, :]
-            _prefetch_l2(pre, 2)
+            _prefetch_l2(pre)
             if SWIGLU:
-                _prefetch_l2(pre + N * stride_wn, 2)
+                _prefetch_l2(pre + N * stride_wn)
         gdc_wait(USE_PDL)
         x = tl.load(x_ptrs, mask=row_ok, other=0.0)
         acc = tl.dot(x, tl.trans(w))  # [M_BUCKET, BLOCK_N] float32
@@ -178,10 +193,6 @@ if triton is not None:
             out = (act * up).to(y_ptr.dtype.element_ty)
         y_ptrs = y_ptr + split * stride_ys + rows[:, None] * stride_ym + cols[None, :]
         tl.store(y_ptrs, out, mask=row_ok & (cols[None, :] < N))
-        if PF_KIND > 0:  # the next GEMM's weights, while this grid's last programs finish
-            prefetch_share(pf_ptr, pf_units, pf_regions, pf_region_stride,
-                           split * tl.num_programs(0) + pid, tl.num_programs(0) * tl.num_programs(1),
-                           PF_KIND, PF_UNIT)
 
 
 def _row_bucket(m: int) -> int:
@@ -222,11 +233,8 @@ def _pinned_splits(n: int, k: int) -> int | None:
     return None
 
 
-def _launch(x: torch.Tensor, weight: torch.Tensor, n: int, swiglu: bool, splits: int = 1,
-            prefetch: torch.Tensor | None = None, prefetch_units: int = 0, prefetch_regions: int = 1,
-            prefetch_kind: int = 0) -> torch.Tensor:
-    """y [M, N] in x's dtype (splits 1), or fp32 partials [splits, M, N] (splits > 1);
-    prefetch_*: what the programs pull into L2 after their stores (kernels/l2_prefetch.PrefetchTarget)."""
+def _launch(x: torch.Tensor, weight: torch.Tensor, n: int, swiglu: bool, splits: int = 1) -> torch.Tensor:
+    """y [M, N] in x's dtype (splits 1), or fp32 partials [splits, M, N] (splits > 1)."""
     m, k = x.shape
     assert k % (splits * MIN_BLOCK_K) == 0, (k, splits)
     shape, dtype = ((splits, m, n), torch.float32) if splits > 1 else ((m, n), x.dtype)
@@ -235,66 +243,50 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, n: int, swiglu: bool, splits:
         return y
     grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), splits)  # noqa: E731 - Triton's grid idiom
     options = {}
-    if prefetch is not None and prefetch_kind > 0 and prefetch_units > 0:
-        options = {"PF_KIND": prefetch_kind, "PF_UNIT": PREFETCH_UNIT_ELEMS[prefetch_kind]}
-    else:
-        prefetch, prefetch_units, prefetch_regions = weight, 0, 1
     prewait = prewait_lines(x)
     if prewait:
         options["PREWAIT_LINES"] = prewait
     pinned = pinned_config(n, k, splits) or tuned_config(x, n, k, swiglu, splits)
     kernel = _skinny_gemm_kernel.fn if pinned else _skinny_gemm_kernel  # the JIT function: no autotuning
-    kernel[grid](x, weight, y, m, n, k, x.stride(0), weight.stride(0), m * n, n,
-                 prefetch, prefetch_units, prefetch_regions, prefetch.numel() // prefetch_regions,
-                 M_BUCKET=_row_bucket(m), SWIGLU=swiglu, SPLIT_K=splits,
+    kernel[grid](x, weight, y, m, n, k, x.stride(0), weight.stride(0), m * n, n, M_BUCKET=_row_bucket(m), SWIGLU=swiglu, SPLIT_K=splits,
                  **options, **(pinned or {}), **launch_options(use_pdl(x)))
     return y
 
 
 @torch.library.custom_op("specd::skinny_gemm", mutates_args=())
-def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, prefetch: torch.Tensor | None = None,
-                prefetch_units: int = 0, prefetch_regions: int = 1, prefetch_kind: int = 0) -> torch.Tensor:
-    """x [M, K] @ weight[N, K]^T -> [M, N] in x's dtype (float32 accumulation). prefetch_*: the
-    next GEMM's weights to pull into L2 (kernels/l2_prefetch.py; never changes the result)."""
-    return _launch(x, weight, weight.shape[0], False, 1, prefetch, prefetch_units, prefetch_regions, prefetch_kind)
+def skinny_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ weight[N, K]^T -> [M, N] in x's dtype (float32 accumulation)."""
+    return _launch(x, weight, weight.shape[0], False, 1)
 
 
 @skinny_gemm.register_fake
-def _(x: torch.Tensor, weight: torch.Tensor, prefetch=None, prefetch_units=0, prefetch_regions=1,
-      prefetch_kind=0) -> torch.Tensor:
+def _(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return x.new_empty((x.shape[0], weight.shape[0]))
 
 
 @torch.library.custom_op("specd::skinny_gemm_partials", mutates_args=())
-def skinny_gemm_partials(x: torch.Tensor, weight: torch.Tensor, splits: int, prefetch: torch.Tensor | None = None,
-                         prefetch_units: int = 0, prefetch_regions: int = 1, prefetch_kind: int = 0) -> torch.Tensor:
+def skinny_gemm_partials(x: torch.Tensor, weight: torch.Tensor, splits: int) -> torch.Tensor:
     """Split-K: x [M, K], weight [N, K] -> fp32 partials [splits, M, N] whose sum over dim 0 is
     x @ weight^T (K % (splits * MIN_BLOCK_K) == 0; split_k_for picks splits). The consumer sums
-    them (norm_act.rms_norm's delta). prefetch_*: as skinny_gemm's."""
-    return _launch(x, weight, weight.shape[0], False, splits, prefetch, prefetch_units, prefetch_regions,
-                   prefetch_kind)
+    them (norm_act.rms_norm's delta)."""
+    return _launch(x, weight, weight.shape[0], False, splits)
 
 
 @skinny_gemm_partials.register_fake
-def _(x: torch.Tensor, weight: torch.Tensor, splits: int, prefetch=None, prefetch_units=0, prefetch_regions=1,
-      prefetch_kind=0) -> torch.Tensor:
+def _(x: torch.Tensor, weight: torch.Tensor, splits: int) -> torch.Tensor:
     return x.new_empty((splits, x.shape[0], weight.shape[0]), dtype=torch.float32)
 
 
 @torch.library.custom_op("specd::skinny_gemm_swiglu", mutates_args=())
-def skinny_gemm_swiglu(x: torch.Tensor, gate_up: torch.Tensor, prefetch: torch.Tensor | None = None,
-                       prefetch_units: int = 0, prefetch_regions: int = 1, prefetch_kind: int = 0) -> torch.Tensor:
+def skinny_gemm_swiglu(x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
     """SwiGLU's product and activation in one kernel: gate_up [2 I, K] (gate rows, then up rows);
     returns silu(x @ gate^T) * (x @ up^T) [M, I], each product rounded to x's dtype first, as
-    norm_act.silu_mul over the unfused product rounds (one launch and no [M, 2 I] round trip).
-    prefetch_*: as skinny_gemm's."""
-    return _launch(x, gate_up, gate_up.shape[0] // 2, True, 1, prefetch, prefetch_units, prefetch_regions,
-                   prefetch_kind)
+    norm_act.silu_mul over the unfused product rounds (one launch and no [M, 2 I] round trip)."""
+    return _launch(x, gate_up, gate_up.shape[0] // 2, True, 1)
 
 
 @skinny_gemm_swiglu.register_fake
-def _(x: torch.Tensor, gate_up: torch.Tensor, prefetch=None, prefetch_units=0, prefetch_regions=1,
-      prefetch_kind=0) -> torch.Tensor:
+def _(x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
     return x.new_empty((x.shape[0], gate_up.shape[0] // 2))
 
 

@@ -243,28 +243,28 @@ def test_a_staged_forward_equals_the_plain_one(runner):
 def test_a_layout_met_first_by_the_stage_is_prepared_under_the_runners_settings(runner, monkeypatch):
     """A graph keeps its capture's kernel settings and serves every later forward of its layout,
     staged or not; so the stage, where a layout may be met (and captured) first, must prepare it
-    under the runner's GEMM backend, PDL mode and L2 prefetch plan, as forward does. (Captured
-    outside them, run 56-60's staged stacks replayed cuBLAS graphs without PDL, ~0.37 ms slower.)"""
+    under the runner's GEMM backend and PDL mode, as forward does. (Captured outside them, staged
+    stacks replayed cuBLAS graphs without PDL, ~0.37 ms slower.)"""
     from specd.models import linear
     from specd.models.cuda_graphs import StaticForward
-    from specd.models.kernels import l2_prefetch, pdl
+    from specd.models.kernels import pdl
 
     seen = []  # the settings in force at each prepare (where a new layout is captured)
     prepare = StaticForward.prepare
 
     def spy(self, *args, **kwargs):
-        seen.append((linear.active_backend(), pdl.active_mode(), l2_prefetch.active_plan()))
+        seen.append((linear.active_backend(), pdl.active_mode()))
         return prepare(self, *args, **kwargs)
     monkeypatch.setattr(StaticForward, "prepare", spy)
     runner.gemm, runner.pdl = "auto", "auto"  # not the settings outside any runner's scope
-    outside = (linear.active_backend(), pdl.active_mode(), l2_prefetch.active_plan())
-    assert outside[:2] == ("torch", "off")
+    outside = (linear.active_backend(), pdl.active_mode())
+    assert outside == ("torch", "off")
     assert runner.stage([SequenceChunk(0, [21, 0, 0, 0]), SequenceChunk(1, [31, 0])])
     runner.forward([SequenceChunk(0, [21, 22, 23, 24]), SequenceChunk(1, [31, 32])])  # takes the stage
     runner.forward([SequenceChunk(0, [25]), SequenceChunk(1, [33])])  # unstaged: prepared in forward
     assert runner.num_staged_forwards == 1
-    assert seen == [("auto", "auto", runner.l2_prefetch)] * 2
-    assert (linear.active_backend(), pdl.active_mode(), l2_prefetch.active_plan()) == outside  # restored
+    assert seen == [("auto", "auto")] * 2
+    assert (linear.active_backend(), pdl.active_mode()) == outside  # restored
 
 
 @pytest.mark.parametrize("other_call", [

@@ -73,22 +73,21 @@ def test_kernels_compile_to_sm90_ptx():
     comp(pda._combine_kernel, {"acc_ptr":"*fp32","ml_ptr":"*fp32","out_ptr":P,"stride_ot":"i32","stride_oh":"i32",
       "QLEN":"constexpr","GROUP":"constexpr","ROWS":"constexpr","D":"constexpr","SPLITS":"constexpr"},{"QLEN":4,"GROUP":4,"ROWS":16,"D":128,"SPLITS":17})
     gemm_sig = {"x_ptr":P,"w_ptr":P,"y_ptr":P,"M":"i32","N":"i32","K":"i32","stride_xm":"i32","stride_wn":"i32","stride_ys":"i32","stride_ym":"i32",
-                "pf_ptr":P,"pf_units":"i32","pf_regions":"i32","pf_region_stride":"i64",
                 "M_BUCKET":"constexpr","BLOCK_N":"constexpr","BLOCK_K":"constexpr","SWIGLU":"constexpr","SPLIT_K":"constexpr",
-                "PF_KIND":"constexpr","PF_UNIT":"constexpr","PREWAIT_LINES":"constexpr"}
+                "PREWAIT_LINES":"constexpr"}
     # plain, SwiGLU, split-K partials
     for y_ptr, swiglu, split_k in [(P, False, 1), (P, True, 1), ("*fp32", False, 2)]:
         comp(skinny_gemm._skinny_gemm_kernel.fn, dict(gemm_sig, y_ptr=y_ptr), {"M_BUCKET":16,"BLOCK_N":32,"BLOCK_K":128,"SWIGLU":swiglu,"SPLIT_K":split_k,
-             "PF_KIND":0,"PF_UNIT":64,"PREWAIT_LINES":0}, release_after_loads=True)
+             "PREWAIT_LINES":0}, release_after_loads=True)
     with pytest.raises(CompileTimeAssertionFailure):  # SwiGLU's epilogue needs the whole sum
         comp(skinny_gemm._skinny_gemm_kernel.fn, dict(gemm_sig, y_ptr="*fp32"), {"M_BUCKET":16,"BLOCK_N":32,"BLOCK_K":128,"SWIGLU":True,"SPLIT_K":2,
              "PREWAIT_LINES":0})
 
 
-def test_gemm_epilogue_prefetch_compiles_after_the_release_and_the_stores():
-    """kernels/l2_prefetch.py: each kind emits its instruction, only after the K loop's release
-    and the output store (a prefetch issued earlier would compete with the GEMM's own loads), and
-    PF_KIND 0 emits none."""
+def test_gemm_prewait_prefetch_comes_before_the_pdl_wait():
+    """The program's own next weight lines, prefetched into L2 before the PDL wait (skinny_gemm's
+    PREWAIT_LINES; 8 lines of 64 gate rows and 64 up rows over 128 threads: 8 instructions a
+    thread), and none with PREWAIT_LINES 0."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -96,26 +95,12 @@ def test_gemm_epilogue_prefetch_compiles_after_the_release_and_the_stores():
 
     P = "*bf16"
     sig = {"x_ptr":P,"w_ptr":P,"y_ptr":P,"M":"i32","N":"i32","K":"i32","stride_xm":"i32","stride_wn":"i32","stride_ys":"i32",
-           "stride_ym":"i32","pf_ptr":P,"pf_units":"i32","pf_regions":"i32","pf_region_stride":"i64",
-           "M_BUCKET":"constexpr",
-           "BLOCK_N":"constexpr","BLOCK_K":"constexpr","SWIGLU":"constexpr","SPLIT_K":"constexpr","USE_PDL":"constexpr",
-           "PF_KIND":"constexpr","PF_UNIT":"constexpr","PREWAIT_LINES":"constexpr"}
-    instruction = {1: "prefetch.global.L2", 2: "prefetch.global.L2", 3: "cp.async.bulk.prefetch.L2.global"}
-    for kind, unit in [(0, 64), (1, 16), (2, 64), (3, 2048)]:
-        consts = {"M_BUCKET":16,"BLOCK_N":32,"BLOCK_K":128,"SWIGLU":True,"SPLIT_K":1,"USE_PDL":True,"PF_KIND":kind,"PF_UNIT":unit,
-                  "PREWAIT_LINES":0}
+           "stride_ym":"i32","M_BUCKET":"constexpr","BLOCK_N":"constexpr","BLOCK_K":"constexpr","SWIGLU":"constexpr",
+           "SPLIT_K":"constexpr","USE_PDL":"constexpr","PREWAIT_LINES":"constexpr"}
+    for lines in (0, 8):
+        consts = {"M_BUCKET":16,"BLOCK_N":64,"BLOCK_K":128,"SWIGLU":True,"SPLIT_K":1,"USE_PDL":True,"PREWAIT_LINES":lines}
         ptx = triton.compile(ASTSource(fn=skinny_gemm._skinny_gemm_kernel.fn, signature=sig, constexprs=consts),
                              target=GPUTarget("cuda", 90, 32)).asm["ptx"]
-        if kind == 0:
-            assert "prefetch" not in ptx
-            continue
-        first = ptx.index(instruction[kind])
-        assert first > ptx.index("griddepcontrol.launch_dependents"), kind
-        assert first > ptx.rindex("st.global"), kind
-    # SPECD_GEMM_PREWAIT_BYTES: the program's own next weight lines, prefetched before the PDL wait
-    # (8 lines of 64 gate rows and 64 up rows over 128 threads: 8 instructions a thread)
-    consts.update(PF_KIND=0, PREWAIT_LINES=8, BLOCK_N=64)
-    ptx = triton.compile(ASTSource(fn=skinny_gemm._skinny_gemm_kernel.fn, signature=sig, constexprs=consts),
-                         target=GPUTarget("cuda", 90, 32)).asm["ptx"]
-    assert ptx.count("prefetch.global.L2") == 8
-    assert ptx.rindex("prefetch.global.L2") < ptx.index("griddepcontrol.wait")
+        assert ptx.count("prefetch.global.L2") == lines
+        if lines:
+            assert ptx.rindex("prefetch.global.L2") < ptx.index("griddepcontrol.wait")
