@@ -2,10 +2,9 @@
 
 Per decoder layer: RMSNorm (fused with the previous layer's residual add) and the fused QKV GEMM,
 split-KV paged attention with RoPE and the paged-cache write of the new tokens folded into its first
-kernel (two kernels; SPECD_ATTN_ROPE=0 runs RoPE + the cache write as a kernel of its own, as the
-flash-attn path, flash_attn_with_kvcache when installed and the blocks suit it, and the prefill's
-SDPA always do; SPECD_ATTN_MERGE=1, opt-in and slower so far, merges the key chunks in the first
-kernel too; kernels/paged_decode_attention.py), o_proj, residual add +
+kernel (two kernels, kernels/paged_decode_attention.py; the flash-attn path, flash_attn_with_kvcache
+when installed and the blocks suit it, and the prefill's SDPA run RoPE + the cache write as a kernel
+of its own, kernels/rope_cache.py), o_proj, residual add +
 RMSNorm and the fused gate/up GEMM with silu * up in its epilogue, down_proj; the GEMMs take
 the skinny kernel at few rows (linear.py; above them cuBLAS, and silu * up is a kernel of its own).
 o_proj and down_proj, whose outputs only feed the next RMSNorm's residual add, take the skinny
@@ -81,18 +80,13 @@ def _attention(attn, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, me
     # prefill, cuda_graphs.py) overflow the decode kernel's tile: the PyTorch twin (SDPA)
     other_attention = (flash_kvcache_applies(qkv, meta)
                        or not paged_decode_attention.serves_query_len(meta.query_len))
-    if not other_attention and paged_decode_attention.folds_rope():  # SPECD_ATTN_ROPE=1: no rope kernel
+    if not other_attention:  # RoPE and the cache write inside the attention kernel
         return paged_decode_attention.rope_paged_decode_attention(
             qkv, cos, sin, meta.slot_mapping, cache_k, cache_v, meta.ctx_lens, meta.block_tables,
-            meta.query_len, attn.num_heads, attn.scale, attn.sliding_window, counter_owner=kv_cache)
+            meta.query_len, attn.num_heads, attn.scale, attn.sliding_window)
     q = rope_cache.rope_and_cache_write(qkv, cos, sin, meta.slot_mapping, cache_k, cache_v,
                                         attn.num_heads, attn.num_kv_heads)  # [T, Hq, D]
-    if other_attention:
-        return static_paged_attention(q, cache_k, cache_v, meta, attn.scale, attn.sliding_window)
-    # counters: the in-kernel merge's (SPECD_ATTN_MERGE=1), one set per model's cache
-    return paged_decode_attention.paged_decode_attention(
-        q, cache_k, cache_v, meta.ctx_lens, meta.block_tables, meta.query_len, attn.scale,
-        attn.sliding_window, counter_owner=kv_cache)
+    return static_paged_attention(q, cache_k, cache_v, meta, attn.scale, attn.sliding_window)
 
 
 def _norm_project(x: torch.Tensor, delta: torch.Tensor | None, norm_weight: torch.Tensor, eps: float, proj,

@@ -47,27 +47,22 @@ def test_kernels_compile_to_sm90_ptx():
     for delta_ptr, splits in [(P, 0), (P, 1), ("*fp32", 2)]:  # no delta, a bf16 delta, split-K partials
         comp(norm_act._rmsnorm_kernel, dict(norm_sig, delta_ptr=delta_ptr), {"H":4096,"BLOCK":4096,"DELTA_SPLITS":splits})
     comp(norm_act._silu_mul_kernel, {"gu_ptr":P,"out_ptr":P,"stride_gu":"i32","stride_o":"i32","inter":"i32","BLOCK":"constexpr"},{"BLOCK":1024})
-    attn_sig = {"q_ptr":P,"k_ptr":P,"v_ptr":P,"tables_ptr":"*i64","ctx_ptr":"*i64","acc_ptr":"*fp32","ml_ptr":"*fp32","out_ptr":P,
-      "counter_ptr":"*i32","cos_ptr":P,"sin_ptr":P,"slots_ptr":"*i64",
-      "stride_qt":"i32","stride_qh":"i32","stride_kb":"i32","stride_ks":"i32","stride_kh":"i32","stride_tb":"i32","stride_ot":"i32","stride_oh":"i32",
+    attn_sig = {"q_ptr":P,"k_ptr":P,"v_ptr":P,"tables_ptr":"*i64","ctx_ptr":"*i64","acc_ptr":"*fp32","ml_ptr":"*fp32",
+      "cos_ptr":P,"sin_ptr":P,"slots_ptr":"*i64",
+      "stride_qt":"i32","stride_qh":"i32","stride_kb":"i32","stride_ks":"i32","stride_kh":"i32","stride_tb":"i32",
       "stride_cos":"i32","scale":"fp32","window":"i32","tiles_per_split":"i32",
       "QLEN":"constexpr","GROUP":"constexpr","ROWS":"constexpr","D":"constexpr","BLOCK_SIZE":"constexpr","BLOCK_N":"constexpr","HAS_WINDOW":"constexpr",
-      "ROPE":"constexpr","MERGE":"constexpr","SPLITS":"constexpr"}
-    attn_consts = {"QLEN":4,"GROUP":4,"ROWS":16,"D":128,"BLOCK_SIZE":64,"BLOCK_N":64,"HAS_WINDOW":True,"ROPE":False,"MERGE":False,"SPLITS":0}
-    # plain; the rope fold (kernels/paged_decode_attention.py); the merge fold with several splits and
-    # with one (the direct store); both folds
-    for rope, merge, splits in [(False, False, 0), (True, False, 0), (False, True, 4), (False, True, 1), (True, True, 4)]:
-        consts = dict(attn_consts, ROPE=rope, MERGE=merge, SPLITS=splits)
+      "ROPE":"constexpr"}
+    attn_consts = {"QLEN":4,"GROUP":4,"ROWS":16,"D":128,"BLOCK_SIZE":64,"BLOCK_N":64,"HAS_WINDOW":True,"ROPE":False}
+    for rope in (False, True):  # q rotated already (the draft heads); the rope fold (the verify step)
+        consts = dict(attn_consts, ROPE=rope)
         comp(pda._partials_kernel, attn_sig, consts)
         # the host-copied ctx and block table (and the rope tables, slots) are read before the wait
-        # (pdl.py); the cache writes and the merge's arrival after it
+        # (pdl.py); the cache writes after it
         ptx = triton.compile(ASTSource(fn=pda._partials_kernel, signature=dict(attn_sig, USE_PDL="constexpr"),
                                        constexprs=dict(consts, USE_PDL=True)), target=tgt).asm["ptx"]
         wait = ptx.index("griddepcontrol.wait")
         assert ptx.index("ld.global") < wait
-        assert ("atom.global.gpu.acq_rel.add" in ptx) == (merge and splits > 1), (rope, merge, splits)
-        if merge and splits > 1:
-            assert wait < ptx.index("atom.global") < ptx.index("ld.global.cg"), (rope, splits)  # the last one reads
         if rope:  # the k/v writes, then the barrier before the key loop's reads
             assert wait < ptx.index("st.global") < ptx.index("bar.sync", ptx.index("st.global"))
     comp(pda._combine_kernel, {"acc_ptr":"*fp32","ml_ptr":"*fp32","out_ptr":P,"stride_ot":"i32","stride_oh":"i32",
