@@ -49,15 +49,11 @@ except Exception:  # ImportError, or a broken install: the F.linear path serves
     triton = None
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-# Experiments: pin a product's block shape instead of the autotuner's pick (read at capture time),
-# "N/K/S:BLOCK_N/BLOCK_K/warps/stages" joined by "+", e.g. SPECD_GEMM_CONFIG=4096/4096/2:32/256/4/4.
-GEMM_CONFIG_ENV = "SPECD_GEMM_CONFIG"
 
-
-# Block shapes measured inside the 8B verify graph on an H200 (batch 1, q 4: M bucket 16;
-# BENCHMARKS.md, run 14, each product's added time per layer): the autotuner times a product alone
-# from a cold L2, which ranks these shapes differently from the graph and, timing noise deciding,
-# picked o_proj shapes 1-4 us a layer slower in some processes (runs 11, 13). Keyed by (M bucket,
+# Block shapes measured inside the 8B verify graph on an H200 (batch 1, q 4: M bucket 16; each
+# product's added time per layer, BENCHMARKS.md, "The GPU fast path"): the autotuner times a product
+# alone from a cold L2, which ranks these shapes differently from the graph and, timing noise
+# deciding, picked o_proj shapes 1-4 us a layer slower in some processes. Keyed by (M bucket,
 # N, K, SwiGLU, splits); used on compute capability 9.0; other shapes and devices autotune.
 TUNED_SM90 = {
     (16, 6144, 4096, False, 1): (64, 128, 4, 4),  # qkv: 15.4 us against the autotuner's 16.4
@@ -75,22 +71,6 @@ def tuned_config(x: torch.Tensor, n: int, k: int, swiglu: bool, splits: int) -> 
         return None
     block_n, block_k, warps, stages = shape
     return {"BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": warps, "num_stages": stages}
-
-
-def pinned_config(n: int, k: int, splits: int) -> dict | None:
-    """The SPECD_GEMM_CONFIG launch options pinned for weight [N, K] split `splits` ways, or None."""
-    for part in filter(None, os.environ.get(GEMM_CONFIG_ENV, "").split("+")):
-        shape, sep, config = part.partition(":")
-        try:
-            if not sep or tuple(int(v) for v in shape.split("/")) != (n, k, splits):
-                continue
-            block_n, block_k, warps, stages = (int(v) for v in config.split("/"))
-        except ValueError:
-            raise ValueError(f"{GEMM_CONFIG_ENV}: expected N/K/S:BLOCK_N/BLOCK_K/warps/stages, got {part!r}") from None
-        if (k // splits) % block_k:
-            raise ValueError(f"{GEMM_CONFIG_ENV}: BLOCK_K {block_k} does not divide K / S = {k // splits}")
-        return {"BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": warps, "num_stages": stages}
-    return None
 
 
 def prewait_lines(x: torch.Tensor) -> int:
@@ -210,27 +190,7 @@ def split_k_for(n: int, k: int) -> int:
     (fused_forward: o_proj and down_proj, whose outputs go to an rms_norm).
     Why fixed and not autotuned: the split changes the fp32 summation order, so it must be a rule
     of the shape alone (never of M, nor of a timing), like today's one-program-per-column sum."""
-    pinned = _pinned_splits(n, k)
-    if pinned is not None:
-        return pinned
     return 2 if n <= 8192 and k % (2 * MIN_BLOCK_K) == 0 else 1
-
-
-GEMM_SPLITS_ENV = "SPECD_GEMM_SPLITS"  # experiments: "N/K:S" joined by "+" pins split_k_for's answer
-
-
-def _pinned_splits(n: int, k: int) -> int | None:
-    for part in filter(None, os.environ.get(GEMM_SPLITS_ENV, "").split("+")):
-        shape, _, splits = part.partition(":")
-        try:
-            if tuple(int(v) for v in shape.split("/")) == (n, k):
-                s = int(splits)
-                if s < 1 or k % (s * MIN_BLOCK_K):
-                    raise ValueError
-                return s
-        except ValueError:
-            raise ValueError(f"{GEMM_SPLITS_ENV}: expected N/K:S with K a multiple of S * {MIN_BLOCK_K}, got {part!r}") from None
-    return None
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, n: int, swiglu: bool, splits: int = 1) -> torch.Tensor:
@@ -246,10 +206,10 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, n: int, swiglu: bool, splits:
     prewait = prewait_lines(x)
     if prewait:
         options["PREWAIT_LINES"] = prewait
-    pinned = pinned_config(n, k, splits) or tuned_config(x, n, k, swiglu, splits)
-    kernel = _skinny_gemm_kernel.fn if pinned else _skinny_gemm_kernel  # the JIT function: no autotuning
+    tuned = tuned_config(x, n, k, swiglu, splits)
+    kernel = _skinny_gemm_kernel.fn if tuned else _skinny_gemm_kernel  # the JIT function: no autotuning
     kernel[grid](x, weight, y, m, n, k, x.stride(0), weight.stride(0), m * n, n, M_BUCKET=_row_bucket(m), SWIGLU=swiglu, SPLIT_K=splits,
-                 **options, **(pinned or {}), **launch_options(use_pdl(x)))
+                 **options, **(tuned or {}), **launch_options(use_pdl(x)))
     return y
 
 
