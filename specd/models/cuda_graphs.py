@@ -53,13 +53,9 @@ DEFAULT_MAX_QUERY_LEN = 16  # k + 1 up to 15 drafts; longer chunks are prefill-l
 # 256 rows a 128K-vocab graph holds 131 MB of logits, and at most 10 (B, Q) prefill buckets exist.
 DEFAULT_MAX_PREFILL_ROWS = 256
 DEFAULT_MAX_CONTEXT = 8192  # tokens gathered per slot; beyond, the eager path (no graph)
-# Experiments (read at capture): "fresh" gives each capture a memory pool of its own; a directory
-# name dumps each captured graph there (CUDAGraph.debug_dump: its nodes and edges, as DOT).
-GRAPH_POOL_ENV = "SPECD_GRAPH_POOL"
+# A diagnostic (read at capture): a directory to dump each captured graph into
+# (CUDAGraph.debug_dump: its nodes and edges, as DOT).
 GRAPH_DEBUG_ENV = "SPECD_GRAPH_DEBUG_DIR"
-# "fill": the graphs' input copy runs in the fill, from pageable memory, as a CUDA call of its own
-# (the A/B twin of the copy captured into the graph; read when a layout's buffers are made).
-GRAPH_INPUT_COPY_ENV = "SPECD_GRAPH_INPUT_COPY"
 
 
 class StaticForward:
@@ -90,8 +86,8 @@ class StaticForward:
 
     @property
     def copy_in_graph(self) -> bool:
-        """Whether new layouts' graphs copy their inputs in the replay (GRAPH_INPUT_COPY_ENV)."""
-        return self.use_cuda_graphs and os.environ.get(GRAPH_INPUT_COPY_ENV) != "fill"
+        """Whether new layouts' graphs copy their inputs in the replay (under CUDA graphs)."""
+        return self.use_cuda_graphs
 
     # ---- layout --------------------------------------------------------------------------------
     def _bucket(self, batch: int) -> int | None:
@@ -249,7 +245,7 @@ class StaticForward:
         self._entries.clear()
         self._prefill_prepared.clear()
         # The pool went with its last graph (torch frees a private pool whose graphs are all gone);
-        # capturing into its stale handle trips the allocator's use-count assert (run 46).
+        # capturing into its stale handle trips the allocator's use-count assert.
         self._pool = None
 
     def _capture(self, entry: StaticEntry, aux_layer_ids: tuple[int, ...]) -> None:
@@ -266,7 +262,7 @@ class StaticForward:
             for _ in range(2):
                 self._body(entry, aux_layer_ids)
         torch.cuda.current_stream(self.device).wait_stream(stream)
-        if self._pool is None or os.environ.get(GRAPH_POOL_ENV) == "fresh":
+        if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         chain = GraphChain(self._pool, self.device, debug=bool(os.environ.get(GRAPH_DEBUG_ENV)))
         with chain, torch.no_grad():

@@ -211,7 +211,7 @@ class LlamaRunner:
         try:
             # Under the runner's kernel settings, as forward: a layout met first here is captured
             # here, and its graph serves every later forward of that layout, staged or not.
-            # (Without them, run 56-60's staged stacks captured cuBLAS graphs without PDL: 360
+            # (Without them, staged stacks captured cuBLAS graphs without PDL: 360
             # launches instead of 263, every forward of those layouts ~0.37 ms slower on an H100.)
             with self._kernel_settings():
                 prepared = self._prepare_static(chunks, starts, slots, layout, want_aux_hidden)

@@ -12,7 +12,6 @@ import torch
 
 from specd.messages import PytorchEngineConfig
 from specd.models.base import SequenceChunk
-from specd.models.cuda_graphs import GRAPH_INPUT_COPY_ENV
 from specd.models.graph_layout import batch_buckets, width_bucket
 from specd.models.llama_runner import LlamaRunner
 
@@ -77,19 +76,15 @@ def test_static_path_equals_eager(kind, checkpoint):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs: the CPU twin is the test above")
-@pytest.mark.parametrize("input_copy", ["graph", "fill"])
-def test_cuda_graphs_with_unsynchronised_replays_equal_synchronised_ones(input_copy, checkpoint, monkeypatch):
+def test_cuda_graphs_with_unsynchronised_replays_equal_synchronised_ones(checkpoint):
     """On CUDA the graphs copy their inputs from a pinned buffer in the replay itself: the script's
     forwards follow one another without a sync, so each fill must wait for the last replay's copy.
     Bit for bit the outputs of the same graphs run with a sync after every forward; and near the
-    eager path's (Triton's fp32 products run on TF32 tensor cores: ~1e-2 relative after 4 layers).
-    ("fill": the A/B twin, the copy issued by the fill from pageable memory.)"""
-    if input_copy == "fill":
-        monkeypatch.setenv(GRAPH_INPUT_COPY_ENV, "fill")
+    eager path's (Triton's fp32 products run on TF32 tensor cores: ~1e-2 relative after 4 layers)."""
     path = checkpoint("llama")  # block size 16: the CUDA attention kernel's smallest key tile
     runners = [make_runner(path, static, device_type="cuda", block_size=16) for static in (True, True, False)]
     graphs, synced, eager = runners
-    assert graphs.static.copy_in_graph == (input_copy == "graph")
+    assert graphs.static.copy_in_graph
     got, want = script(graphs), script(synced, after_forward=torch.cuda.synchronize)
     assert graphs.static.num_captures >= 5 and graphs.static.num_static_forwards == 6
     assert all(torch.equal(a, b) for a, b in zip(got, want))
