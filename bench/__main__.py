@@ -11,10 +11,8 @@ graph replay's span, PDL overlaps included (bench/profile_graph.py); all three C
 Results land in DIR as step.md / step.json and e2e.md / e2e.json (rewritten after every method,
 so a run cut short keeps what it measured), and summary.md (both tables).
 
-`--compile` adds the graphs + torch.compile column to the step table (default mode; or name one:
-`--compile max-autotune-no-cudagraphs`); `--e2e-compile MODE` has the e2e verifiers compile too
-(SPECD_COMPILE in their environment). SIGTERM (the suite's timeout) ends the run through the
-normal exit path, so every stack it started is stopped.
+SIGTERM (the suite's timeout) ends the run through the normal exit path, so every stack it started
+is stopped.
 """
 
 from __future__ import annotations
@@ -157,13 +155,6 @@ def main(argv: list[str] | None = None) -> int:
                     help="replay drafter's expected acceptance length (tokens per step)")
     ap.add_argument("--device", default=None, help="default cuda when available, else cpu")
     ap.add_argument("--drafter-device", default=None, help="the e2e drafters' device (default: --device's)")
-    ap.add_argument("--compile", nargs="?", const="default", default=None, metavar="MODE",
-                    help="step: add the graphs + torch.compile column (MODE: default | "
-                         "max-autotune-no-cudagraphs)")
-    ap.add_argument("--compile-budget-s", type=float, default=240.0,
-                    help="step: stop adding compiled rows after this many seconds (rows left empty)")
-    ap.add_argument("--e2e-compile", default=None, metavar="MODE",
-                    help="e2e: verifiers torch.compile their static path in MODE")
     args = ap.parse_args(argv)
     # Default SIGTERM kills at once, skipping the `finally` that stops the e2e stacks.
     signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
@@ -221,8 +212,7 @@ def main(argv: list[str] | None = None) -> int:
             qs=(1, args.k + 1), context=args.context or (32 if args.small else 1024), device=device,
             bandwidth_tbs=args.bandwidth_tbs, with_transformers=not args.no_transformers,
             warmup=1 if args.small else 3, iters=3 if args.small else 30,
-            block_size=8 if args.small else 64, compile_mode=args.compile,
-            compile_budget_s=args.compile_budget_s,
+            block_size=8 if args.small else 64,
             env_variants=args.step_env_variants, graph_captures=args.step_captures or (1 if args.small else 3))
         sections.append(write_step_results(rows, info, out))
         print(sections[-1], flush=True)
@@ -242,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
             batches=args.e2e_batches or ([1, 4] if args.small else [1, 8, 64, 128]),
             max_tokens=args.max_tokens or (12 if args.small else 128), k=args.k, device=device,
             replay_acceptance=args.replay_acceptance, work_dir=work, vocab_for_prompts=vocab,
-            on_row=lambda r, i: write_e2e_results(r, i, out), compile_mode=args.e2e_compile,
+            on_row=lambda r, i: write_e2e_results(r, i, out),
             min_requests=args.e2e_min_requests or (1 if args.small else 8), drafter_device=args.drafter_device)
         sections.append(write_e2e_results(rows, info, out))
         print(sections[-1], flush=True)

@@ -294,13 +294,11 @@ def format_row(r: E2ERow) -> str:
 
 def run_e2e_bench(target: Path, drafts: dict, methods: list[str], batches: list[int],
                   max_tokens: int, k: int, device: str, replay_acceptance: float, work_dir: Path,
-                  vocab_for_prompts: int, on_row=None, compile_mode: str | None = None,
+                  vocab_for_prompts: int, on_row=None,
                   min_requests: int = 1, drafter_device: str | None = None) -> tuple[list[E2ERow], dict]:
     """Every method over every batch size; "off" always runs first (references, baseline). A round
     at batch B sends at least min_requests requests, in waves of B (waves_for). drafter_device:
     where the drafters run (None: the verifier's device, the drafter then takes a tenth of it).
-
-    compile_mode: the verifiers torch.compile their static path (SPECD_COMPILE); None: off.
     """
     from specd.proposers.replay import corrupt_rate_for, write_references
 
@@ -310,10 +308,10 @@ def run_e2e_bench(target: Path, drafts: dict, methods: list[str], batches: list[
     info: dict = {"k": k, "max_tokens": max_tokens, "device": device, "stack_start_s": {},
                   "drafter_device": drafter_device or device,
                   "min_requests": min_requests,
-                  "compile_mode": compile_mode, "pdl": os.environ.get("SPECD_PDL", "default")}
+                  "pdl": os.environ.get("SPECD_PDL", "default")}
     off: dict[int, E2ERow] = {}
     for method in methods:
-        env, expected = {"SPECD_COMPILE": compile_mode or "0"}, None
+        env, expected = {}, None
         if base_method(method)[0] == "replay":
             refs = work_dir / "replay_references.jsonl"
             write_references(refs, [(list(p), out) for p, out in info["off_outputs"].items()])
@@ -342,7 +340,7 @@ def run_e2e_bench(target: Path, drafts: dict, methods: list[str], batches: list[
 def write_e2e_results(rows: list[E2ERow], info: dict, out_dir: Path) -> str:
     lines = [f"end to end through the services, k = {info['k']}, {info['max_tokens']} output tokens per "
              f"request (greedy, ignore_eos), a round at least {info.get('min_requests', 1)} requests in waves "
-             f"of the batch, device {info['device']} (drafters: {info.get('drafter_device', info['device'])}), compile {info.get('compile_mode') or 'off'}, "
+             f"of the batch, device {info['device']} (drafters: {info.get('drafter_device', info['device'])}), "
              f"SPECD_PDL {info.get('pdl', 'default')}; stack start s: {info['stack_start_s']}",
              "", HEADER, "|---|---|---|---|---|---|---|---|---|"]
     lines += [format_row(r) for r in rows]

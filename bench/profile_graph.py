@@ -199,7 +199,7 @@ def run_timeline(cases=((1, 4), (1, 1)), context: int = 1024, env_variants: list
     ec = PytorchEngineConfig(max_batch_size=batch_max, block_size=64,
                              num_gpu_blocks=batch_max * -(-(context + 16) // 64) + 8,
                              session_len=context + 16, device_type="cuda", dtype="bfloat16")
-    runner = LlamaRunner(".", ec, model=model, config=config, use_static_path=True, compile_mode="0",
+    runner = LlamaRunner(".", ec, model=model, config=config, use_static_path=True,
                          gemm="auto", kernels="auto", pdl="auto")
     out = []
     for spec in ("", *env_variants):

@@ -1,15 +1,11 @@
-"""Verify-step time of an 8B-shaped Llama: specd (CUDA graphs, graphs + torch.compile, eager) vs
-transformers, vs the floor.
+"""Verify-step time of an 8B-shaped Llama: specd (CUDA graphs, eager) vs transformers, vs the floor.
 
 The target forward of one engine step (all layers + lm_head, logits for every new token) over a
 batch whose sequences each hold `context` cached tokens, appending q tokens per sequence (q = 1:
 plain decode; q = k + 1: verification of k drafts). Random bf16 weights are drawn directly on
 the device (no checkpoint); transformers' LlamaForCausalLM uses the very same tensors (no copy)
 with its own DynamicCache at the same context and sdpa attention. The floor is reading every
-weight once at the GPU's memory bandwidth (default 4.8 TB/s, the H200). With `compile_mode`
-(`python -m bench step --compile`) a third specd runner over the same weights runs the static path
-with each layer's attention-free regions torch.compile'd (specd/models/compile.py) under the same
-CUDA graphs; its compile time is spent in each shape's warm-up and reported in the info.
+weight once at the GPU's memory bandwidth (default 4.8 TB/s, the H200).
 
     python -m bench step --out results/            # 8B shape on CUDA
     python -m bench step --small --out /tmp/x      # toy shape, CPU, seconds (the CPU test)
@@ -52,7 +48,6 @@ class StepRow:
     specd_eager_ms: float
     transformers_ms: float | None
     floor_ms: float
-    specd_compiled_ms: float | None = None  # graphs + torch.compile'd layer regions
     specd_torch_ops_ms: float | None = None  # graphs over PyTorch ops only (cuBLAS, SDPA): the twin
     specd_no_pdl_ms: float | None = None  # graphs over the kernels, launched without PDL (CUDA only)
     env_variant_ms: dict[str, float] = field(default_factory=dict)  # "K=V,..." -> graphs ms under it
@@ -64,10 +59,6 @@ class StepRow:
     # Columns whose run did not fit the device's memory (printed OOM): on an 80 GB card, the
     # transformers twin's DynamicCache at batch 128 (17 GB) beside three runners' caches.
     out_of_memory: tuple[str, ...] = ()
-
-    @property
-    def compiled_over_floor(self) -> float | None:
-        return None if self.specd_compiled_ms is None else self.specd_compiled_ms / self.floor_ms
 
     @property
     def graphs_over_floor(self) -> float:
@@ -164,8 +155,7 @@ def unless_out_of_memory(column: str, oom: list[str], measure):
 
 def run_step_bench(shape: str = "8b", batches=(1, 8, 32, 64, 128), qs=(1, 4), context: int = 1024,
                    device: str | None = None, bandwidth_tbs: float = 4.8, warmup: int = 3, iters: int = 10,
-                   with_transformers: bool = True, block_size: int = 64, compile_mode: str | None = None,
-                   compile_budget_s: float = 240.0, prefill_lens=(32, 128),
+                   with_transformers: bool = True, block_size: int = 64, prefill_lens=(32, 128),
                    env_variants: list[str] = (), graph_captures: int = 1) -> tuple[list[StepRow], dict]:
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
@@ -180,20 +170,16 @@ def run_step_bench(shape: str = "8b", batches=(1, 8, 32, 64, 128), qs=(1, 4), co
                                         device_type=dev.type,
                                         dtype="bfloat16" if dtype == torch.bfloat16 else "float32")
     # Graphs on CUDA; on CPU the static-buffer path without capture (same code, no graph).
-    # compile_mode "0": these two never compile, whatever SPECD_COMPILE says.
     # The default: specd's Triton kernels (fused_forward.py) and the skinny GEMM where they apply;
     # "torch ops": the same static path over PyTorch ops only (cuBLAS, SDPA), their CPU twin.
     graphs = LlamaRunner(".", engine_config, model=model, config=config, use_static_path=True,
-                         compile_mode="0", gemm="auto", kernels="auto", pdl="auto")
+                         gemm="auto", kernels="auto", pdl="auto")
     # One KV cache for all of them (each timing adds its sequences and frees them): three 8B
     # caches at batch 128 (18 GB each) and transformers' own did not fit an 80 GB card (run 50).
     shared = graphs.kv_cache
     torch_ops = LlamaRunner(".", engine_config, model=model, config=config, use_static_path=True,
-                            compile_mode="0", gemm="torch", kernels="off", kv_cache=shared)
-    eager = LlamaRunner(".", engine_config, model=model, config=config, use_static_path=False,
-                        compile_mode="0", kv_cache=shared)
-    compiled = (LlamaRunner(".", engine_config, model=model, config=config, use_static_path=True,
-                            compile_mode=compile_mode, kv_cache=shared) if compile_mode else None)
+                            gemm="torch", kernels="off", kv_cache=shared)
+    eager = LlamaRunner(".", engine_config, model=model, config=config, use_static_path=False, kv_cache=shared)
     hf = transformers_twin(model, config, dev) if with_transformers else None
     init_s = time.perf_counter() - t0
     rows = []
@@ -226,40 +212,14 @@ def run_step_bench(shape: str = "8b", batches=(1, 8, 32, 64, 128), qs=(1, 4), co
               flush=True)
     checks = check_step_outputs(graphs, torch_ops, context, [(b, q) for b in (1, 8, 64) if b <= max(batches)
                                                             for q in (max(qs),)])
-    compile_info = time_compiled_column(compiled, rows, context, warmup, iters, compile_budget_s)
     info = {"shape": shape, "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
             "dtype": str(dtype), "context": context, "weight_bytes": weight_bytes,
             "bandwidth_tbs": bandwidth_tbs, "init_s": round(init_s, 2),
             "graph_captures": graphs.static.num_captures, "fused_kernels": graphs.static.fused, "torch": torch.__version__,
-            "compile_mode": compile_mode, "sdpa_backend": sdpa_backend(config, dtype, dev),
+            "sdpa_backend": sdpa_backend(config, dtype, dev),
             "output_checks": checks, "prefill": prefill,
-            "env_variant_checks": check_env_variants(graphs, context, list(env_variants), 1, max(qs)),
-            **compile_info}
+            "env_variant_checks": check_env_variants(graphs, context, list(env_variants), 1, max(qs))}
     return rows, info
-
-
-def time_compiled_column(compiled: LlamaRunner | None, rows: list[StepRow], context: int, warmup: int,
-                         iters: int, budget_s: float) -> dict:
-    """Fill specd_compiled_ms row by row, after every other column is measured: a compile or
-    capture failure then costs this column only (recorded as compile_error), and rows past the
-    time budget (compiles take seconds per shape) stay empty instead of eating the e2e half."""
-    if compiled is None:
-        return {}
-    t0, info = time.perf_counter(), {}
-    for row in rows:
-        if time.perf_counter() - t0 > budget_s:
-            info["compile_skipped_rows"] = info.get("compile_skipped_rows", 0) + 1
-            continue
-        try:
-            row.specd_compiled_ms = time_specd(compiled, row.batch, row.q, context, warmup, iters)
-        except Exception as e:  # noqa: BLE001 - reported in the results, the other columns stand
-            info["compile_error"] = f"batch {row.batch} q {row.q}: {type(e).__name__}: {e}"[:2000]
-            print(f"compile column stopped: {info['compile_error']}", flush=True)
-            break
-        print(format_row(row), flush=True)
-    # Compiles (first call per shape) + captures + the timed runs of that column.
-    info["compile_column_s"] = round(time.perf_counter() - t0, 1)
-    return info
 
 
 def sdpa_backend(config: LlamaArchConfig, dtype: torch.dtype, device: torch.device) -> str:
@@ -277,9 +237,8 @@ def sdpa_backend(config: LlamaArchConfig, dtype: torch.dtype, device: torch.devi
         return f"unknown ({type(e).__name__})"
 
 
-HEADER = ("| batch | q | specd graphs ms | specd graphs staged ms | specd graphs no-PDL ms | specd graphs+compile ms | specd graphs torch-ops ms "
-          "| specd eager ms | transformers ms | floor ms | graphs / floor | staged / floor | graphs+compile / floor | transformers / graphs "
-          "| transformers / graphs+compile |")
+HEADER = ("| batch | q | specd graphs ms | specd graphs staged ms | specd graphs no-PDL ms | specd graphs torch-ops ms "
+          "| specd eager ms | transformers ms | floor ms | graphs / floor | staged / floor | transformers / graphs |")
 
 
 def format_row(r: StepRow) -> str:
@@ -290,11 +249,9 @@ def format_row(r: StepRow) -> str:
         return f"{num / den:.{digits}f}x" if num is not None and den is not None else "-"
 
     return (f"| {r.batch} | {r.q} | {ms(r.specd_graphs_ms)} | {ms(r.specd_staged_ms)} | {ms(r.specd_no_pdl_ms)} | "
-            f"{ms(r.specd_compiled_ms)} | {ms(r.specd_torch_ops_ms)} | {ms(r.specd_eager_ms)} | "
+            f"{ms(r.specd_torch_ops_ms)} | {ms(r.specd_eager_ms)} | "
             f"{ms(r.transformers_ms, 'transformers')} | {r.floor_ms:.2f} | {r.graphs_over_floor:.2f}x | "
-            f"{times(r.specd_staged_ms, r.floor_ms, 2)} | {times(r.specd_compiled_ms, r.floor_ms, 2)} | "
-            f"{times(r.transformers_ms, r.specd_graphs_ms, 1)} | "
-            f"{times(r.transformers_ms, r.specd_compiled_ms, 1)} |")
+            f"{times(r.specd_staged_ms, r.floor_ms, 2)} | {times(r.transformers_ms, r.specd_graphs_ms, 1)} |")
 
 
 def _variant_staged(r: StepRow, spec: str) -> str:
@@ -308,7 +265,7 @@ def _variant_staged(r: StepRow, spec: str) -> str:
 def write_step_results(rows: list[StepRow], info: dict, out_dir: Path) -> str:
     lines = [f"verify-step forward, {info['shape']} shape, {info['dtype']}, context {info['context']}, "
              f"{info['device']}; floor = {info['weight_bytes'] / 1e9:.2f} GB of weights at "
-             f"{info['bandwidth_tbs']} TB/s; compile mode {info.get('compile_mode') or 'off'}, "
+             f"{info['bandwidth_tbs']} TB/s; "
              f"SDPA kernel {info.get('sdpa_backend')}", "", HEADER, "|" + "---|" * HEADER.count(" | ") + "---|"]
     lines += [format_row(r) for r in rows]
     lines += ["", "outputs on the same cached keys and values (batch, q: PDL vs no-PDL max |diff|; staged vs "
@@ -336,7 +293,6 @@ def write_step_results(rows: list[StepRow], info: dict, out_dir: Path) -> str:
     (out_dir / "step.md").write_text(table)
     (out_dir / "step.json").write_text(json.dumps(
         {"info": info, "rows": [asdict(r) | {"graphs_over_floor": r.graphs_over_floor,
-                                              "compiled_over_floor": r.compiled_over_floor,
                                               "staged_over_floor": r.staged_over_floor,
                                               "transformers_over_graphs": r.transformers_over_graphs}
                                 for r in rows]}, indent=1))

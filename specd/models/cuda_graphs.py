@@ -16,10 +16,8 @@ For each (B, Q, NB, aux layers) key, the first batch that needs it captures a gr
 on CPU and with graphs off, simply runs the same body eagerly: the CPU twin executes the very code
 that is captured, so tests on CPU prove the static path's logits equal the eager path's.
 
-`regions` (llama.LayerRegions) picks how each layer's attention-free pieces run: eager, or
-torch.compile'd (compile.py: kernel fusion under the same capture). They compile on first use,
-which is the warm-up before a capture. `fused` instead runs the whole body through specd's Triton
-kernels (fused_forward.py); the PyTorch body is its twin.
+`fused` runs the whole body through specd's Triton kernels (fused_forward.py); the PyTorch body
+(LlamaForCausalLM.forward) is its twin.
 
 Padding rows and padding slots write to the KV cache's scratch block, never to a real sequence.
 A batch whose longest chunk is longer than `max_query_len` (a prefill) has its Q rounded up to a
@@ -42,7 +40,6 @@ from specd.models.fused_forward import fused_forward
 from specd.models.graph_chain import GraphChain
 from specd.models.graph_layout import batch_buckets, width_bucket
 from specd.models.kv_cache import PagedKVCache
-from specd.models.llama import EAGER_REGIONS, LayerRegions
 from specd.models.static_attention import StaticAttentionMetadata
 from specd.models.static_entry import PreparedBatch, StaticEntry
 
@@ -63,8 +60,7 @@ class StaticForward:
 
     def __init__(self, model, kv_cache: PagedKVCache, *, max_batch_size: int,
                  use_cuda_graphs: bool, max_query_len: int = DEFAULT_MAX_QUERY_LEN,
-                 max_context: int = DEFAULT_MAX_CONTEXT, regions: LayerRegions = EAGER_REGIONS,
-                 fused: bool = False, max_prefill_rows: int = DEFAULT_MAX_PREFILL_ROWS) -> None:
+                 max_context: int = DEFAULT_MAX_CONTEXT, fused: bool = False, max_prefill_rows: int = DEFAULT_MAX_PREFILL_ROWS) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = kv_cache.block_size
@@ -74,7 +70,6 @@ class StaticForward:
         self.max_context = max_context
         self.device = kv_cache.device
         self.use_cuda_graphs = use_cuda_graphs and self.device.type == "cuda"
-        self.regions = regions
         self.fused = fused
         self._entries: dict[tuple, StaticEntry] = {}
         self._prefill_prepared: set[tuple[int, ...]] = set()  # aux-layer sets whose prefill layouts exist
@@ -186,7 +181,7 @@ class StaticForward:
         if self.fused:
             hidden, aux = fused_forward(self.model, input_ids, positions, meta, self.kv_cache, aux_layer_ids)
         else:
-            hidden, aux = self.model(input_ids, positions, meta, self.kv_cache, aux_layer_ids, self.regions)
+            hidden, aux = self.model(input_ids, positions, meta, self.kv_cache, aux_layer_ids)
         entry.hidden, entry.aux = hidden, aux
         entry.logits = self.model.compute_logits(hidden)  # [B * Q, V] float32
 

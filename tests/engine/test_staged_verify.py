@@ -56,7 +56,7 @@ def static_engine(target, stage: bool | str | None, config: PytorchEngineConfig 
     None: SPECD_STAGE_VERIFY unset, the default)."""
     spec = SpeculativeConfig(method=method, num_speculative_tokens=K, model=str(draft) if draft else "")
     plain = build_engine(target, config, spec)
-    runner = LlamaRunner(str(target), config, use_static_path=True, compile_mode="0")
+    runner = LlamaRunner(str(target), config, use_static_path=True)
     if plain.runner.aux_layer_ids != runner.aux_layer_ids:
         runner.set_aux_hidden_layers(plain.runner.aux_layer_ids)
     env = {k: v for k, v in os.environ.items() if k != STAGE_VERIFY_ENV}
@@ -213,7 +213,7 @@ def test_aux_hidden_proposer(tiny_models):
 
 @pytest.fixture()
 def runner(target):
-    r = LlamaRunner(str(target), CONFIG, use_static_path=True, compile_mode="0")
+    r = LlamaRunner(str(target), CONFIG, use_static_path=True)
     for seq_id, prompt in ((0, [5, 6, 7, 8, 9]), (1, [11, 12, 13])):
         r.add_sequence(seq_id)
         r.forward([SequenceChunk(seq_id, prompt)])
@@ -299,7 +299,7 @@ def test_no_stage_where_the_static_path_does_not_apply(target):
     eager.forward([SequenceChunk(0, [5, 6, 7])])
     assert not eager.stage([SequenceChunk(0, [8, 0, 0, 0])]) and not eager.staged
     small = PytorchEngineConfig(max_batch_size=8, block_size=8, session_len=256, num_gpu_blocks=2)
-    full = LlamaRunner(str(target), small, use_static_path=True, compile_mode="0")
+    full = LlamaRunner(str(target), small, use_static_path=True)
     full.add_sequence(0)
     full.forward([SequenceChunk(0, [5] * 16)])  # both blocks filled
     assert not full.stage([SequenceChunk(0, [8, 0, 0, 0])]) and not full.staged  # no room: nothing staged

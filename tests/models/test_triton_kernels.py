@@ -156,7 +156,7 @@ def test_fused_static_forward_equals_the_pytorch_body():
                                  device_type="cpu", dtype="float16")
         results = {}
         for kernels in ("auto", "off"):
-            r = LlamaRunner(".", ec, model=model, config=cfg, use_static_path=True, compile_mode="0",
+            r = LlamaRunner(".", ec, model=model, config=cfg, use_static_path=True,
                             gemm="torch", kernels=kernels)
             assert r.static.fused == (kernels == "auto")
             r.set_aux_hidden_layers([0, 1])
