@@ -125,10 +125,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work-dir", type=Path, default=None, help="synthetic checkpoints (default: OUT/work)")
     ap.add_argument("--step-batches", type=_ints, default=None, help="default 1,8,32,64,128 (small: 1,4)")
     ap.add_argument("--context", type=int, default=None, help="cached tokens per sequence (default 1024; small 32)")
-    ap.add_argument("--step-env-variants", type=lambda t: [p for p in t.split(";") if p], default=[],
-                    help="step: also time the graphs under each set of kernel settings, ';'-separated, e.g. "
-                         "'SPECD_ATTN_PROGRAMS=132;SPECD_ATTN_PROGRAMS=528' (logits compared with the default); "
-                         "timeline: the batch 1 q 4 timeline under each")
     ap.add_argument("--timeline-gaps-ms", type=lambda t: [float(x) for x in t.split(",") if x], default=[],
                     help="timeline: also batch 1 q 4 as the engine runs it, unstaged and staged, after each "
                          "idle gap (ms, ','-separated: the drafter round trip), e.g. 0.4,2")
@@ -196,8 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         from bench.profile_graph import run_timeline, write_timeline
 
         try:  # diagnostics only, as the profile
-            sections.append(write_timeline(run_timeline(env_variants=args.step_env_variants,
-                                                         gaps_ms=args.timeline_gaps_ms), out))
+            sections.append(write_timeline(run_timeline(gaps_ms=args.timeline_gaps_ms), out))
             print(sections[-1], flush=True)
         except Exception as e:  # noqa: BLE001
             print(f"timeline failed: {type(e).__name__}: {e}"[:3000], flush=True)
@@ -213,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
             bandwidth_tbs=args.bandwidth_tbs, with_transformers=not args.no_transformers,
             warmup=1 if args.small else 3, iters=3 if args.small else 30,
             block_size=8 if args.small else 64,
-            env_variants=args.step_env_variants, graph_captures=args.step_captures or (1 if args.small else 3))
+            graph_captures=args.step_captures or (1 if args.small else 3))
         sections.append(write_step_results(rows, info, out))
         print(sections[-1], flush=True)
         print(f"step bench done at {time.perf_counter() - t_start:.0f} s", flush=True)

@@ -27,8 +27,7 @@ from specd.models.llama_runner import LlamaRunner
 from specd.models.merged_linear import checkpoint_tensors
 
 from bench.step_timing import _median_ms, time_specd, time_specd_staged
-from bench.step_variants import check_env_variants, check_step_outputs, time_env_variants, time_recaptured, \
-    time_without_pdl
+from bench.step_variants import check_step_outputs, time_recaptured, time_without_pdl
 
 SHAPES = {
     "8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
@@ -50,12 +49,10 @@ class StepRow:
     floor_ms: float
     specd_torch_ops_ms: float | None = None  # graphs over PyTorch ops only (cuBLAS, SDPA): the twin
     specd_no_pdl_ms: float | None = None  # graphs over the kernels, launched without PDL (CUDA only)
-    env_variant_ms: dict[str, float] = field(default_factory=dict)  # "K=V,..." -> graphs ms under it
     specd_graphs_captures_ms: list[float] = field(default_factory=list)  # each capture's time; the median above
     # The default graphs as the engine launches a verify step: the batch staged while the drafts
     # were out (slots, buffers), timed from the token ids' write to the replay's end.
     specd_staged_ms: float | None = None
-    env_variant_staged_ms: dict[str, float] = field(default_factory=dict)  # "K=V,..." -> staged ms under it
     # Columns whose run did not fit the device's memory (printed OOM): on an 80 GB card, the
     # transformers twin's DynamicCache at batch 128 (17 GB) beside three runners' caches.
     out_of_memory: tuple[str, ...] = ()
@@ -156,7 +153,7 @@ def unless_out_of_memory(column: str, oom: list[str], measure):
 def run_step_bench(shape: str = "8b", batches=(1, 8, 32, 64, 128), qs=(1, 4), context: int = 1024,
                    device: str | None = None, bandwidth_tbs: float = 4.8, warmup: int = 3, iters: int = 10,
                    with_transformers: bool = True, block_size: int = 64, prefill_lens=(32, 128),
-                   env_variants: list[str] = (), graph_captures: int = 1) -> tuple[list[StepRow], dict]:
+                   graph_captures: int = 1) -> tuple[list[StepRow], dict]:
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     config = arch_config(shape)
@@ -189,21 +186,16 @@ def run_step_bench(shape: str = "8b", batches=(1, 8, 32, 64, 128), qs=(1, 4), co
             g = sorted(each)[len(each) // 2]
             st = time_specd_staged(graphs, batch, q, context, warmup, iters)
             n = time_without_pdl(graphs, batch, q, context, warmup, iters) if dev.type == "cuda" else None
-            ev, evs = time_env_variants(graphs, list(env_variants), batch, q, context, warmup, iters)
             c = time_specd(torch_ops, batch, q, context, warmup, iters)
             e = time_specd(eager, batch, q, context, warmup, iters)
             oom: list[str] = []
             h = (unless_out_of_memory("transformers", oom, lambda: time_transformers(
                 hf, config, batch, q, context, dev, dtype, warmup, iters)) if hf is not None else None)
             rows.append(StepRow(batch, q, g, e, h, floor_ms, specd_torch_ops_ms=c, specd_no_pdl_ms=n,
-                                env_variant_ms=ev, specd_graphs_captures_ms=each,
-                                specd_staged_ms=st, env_variant_staged_ms=evs, out_of_memory=tuple(oom)))
+                                specd_graphs_captures_ms=each, specd_staged_ms=st, out_of_memory=tuple(oom)))
             print(format_row(rows[-1]), flush=True)
             if len(each) > 1:
                 print(f"  graphs, each capture: {', '.join(f'{ms:.3f}' for ms in each)} ms", flush=True)
-            for spec, ms in ev.items():
-                print(f"  env {spec}: {ms:.3f} ms (graphs {g:.3f}), staged {evs[spec]:.3f} ms (graphs {st:.3f})",
-                      flush=True)
     prefill = [{"tokens": n, "graphs_ms": time_specd(graphs, 1, n, 0, warmup, iters),
                 "eager_ms": time_specd(eager, 1, n, 0, warmup, iters)}
                for n in prefill_lens if n <= context + max(qs)]  # within the runners' session_len
@@ -217,8 +209,7 @@ def run_step_bench(shape: str = "8b", batches=(1, 8, 32, 64, 128), qs=(1, 4), co
             "bandwidth_tbs": bandwidth_tbs, "init_s": round(init_s, 2),
             "graph_captures": graphs.static.num_captures, "fused_kernels": graphs.static.fused, "torch": torch.__version__,
             "sdpa_backend": sdpa_backend(config, dtype, dev),
-            "output_checks": checks, "prefill": prefill,
-            "env_variant_checks": check_env_variants(graphs, context, list(env_variants), 1, max(qs))}
+            "output_checks": checks, "prefill": prefill}
     return rows, info
 
 
@@ -254,14 +245,6 @@ def format_row(r: StepRow) -> str:
             f"{times(r.specd_staged_ms, r.floor_ms, 2)} | {times(r.transformers_ms, r.specd_graphs_ms, 1)} |")
 
 
-def _variant_staged(r: StepRow, spec: str) -> str:
-    """A kernel experiment's staged columns (ms, vs the default graphs staged, / floor)."""
-    ms = r.env_variant_staged_ms.get(spec)
-    if ms is None or r.specd_staged_ms is None:
-        return "- | - | -"
-    return f"{ms:.2f} | {ms / r.specd_staged_ms:.3f}x | {ms / r.floor_ms:.2f}x"
-
-
 def write_step_results(rows: list[StepRow], info: dict, out_dir: Path) -> str:
     lines = [f"verify-step forward, {info['shape']} shape, {info['dtype']}, context {info['context']}, "
              f"{info['device']}; floor = {info['weight_bytes'] / 1e9:.2f} GB of weights at "
@@ -278,16 +261,6 @@ def write_step_results(rows: list[StepRow], info: dict, out_dir: Path) -> str:
                   "| prompt tokens | graphs ms | eager ms | eager / graphs |", "|---|---|---|---|"]
         lines += [f"| {p['tokens']} | {p['graphs_ms']:.2f} | {p['eager_ms']:.2f} | {p['eager_ms'] / p['graphs_ms']:.1f}x |"
                   for p in info["prefill"]]
-    variants = [(r, spec, ms) for r in rows for spec, ms in r.env_variant_ms.items()]
-    if variants:
-        checks = info.get("env_variant_checks", {})
-        lines += ["", "kernel experiments (environment settings, graphs captured under each; logits vs the "
-                  "default graphs at batch 1, q max):", "",
-                  "| batch | q | settings | ms | vs graphs | / floor | staged ms | vs graphs staged | staged / floor "
-                  "| rel err |", "|---|---|---|---|---|---|---|---|---|---|"]
-        lines += [f"| {r.batch} | {r.q} | {spec} | {ms:.2f} | {ms / r.specd_graphs_ms:.3f}x | {ms / r.floor_ms:.2f}x | "
-                  f"{_variant_staged(r, spec)} | {checks.get(spec, {}).get('rel_err', float('nan')):.2g} |"
-                  for r, spec, ms in variants]
     table = "\n".join(lines) + "\n"
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "step.md").write_text(table)

@@ -1,16 +1,11 @@
-"""The step bench's other columns of one runner: the same graphs under another launch setting
-(no PDL, kernel experiments' environment settings), captured again under
-each, and what each computes against the default (bench/step.py)."""
+"""The step bench's other columns of one runner: the same graphs captured again, and under another
+launch setting (no PDL), and what each computes against the default (bench/step.py)."""
 
 from __future__ import annotations
 
-import contextlib
-import os
-from unittest import mock
-
 import torch
 
-from bench.step_timing import step_logits, time_specd, time_specd_staged
+from bench.step_timing import step_logits, time_specd
 from specd.models.llama_runner import LlamaRunner
 
 
@@ -37,7 +32,7 @@ def time_recaptured(runner: LlamaRunner, batch: int, q: int, context: int, warmu
                     captures: int) -> list[float]:
     """The runner's graphs timed `captures` times, dropped and captured again before each but the
     first: one capture's time moved by 1.5% (up to 3.4%) from capture to capture of the very same
-    graphs on the H200 (run 10, BENCHMARKS.md), more than some settings under test."""
+    graphs on the H200 (BENCHMARKS.md, "The GPU fast path"), more than some settings under test."""
     out = []
     for i in range(captures):
         if i:
@@ -50,49 +45,6 @@ def time_without_pdl(runner: LlamaRunner, batch: int, q: int, context: int, warm
     """The same runner with its kernels launched without PDL (kernels/pdl.py)."""
     with runner_setting(runner, "pdl", "off"):
         return time_specd(runner, batch, q, context, warmup, iters)
-
-
-@contextlib.contextmanager
-def env_variant(runner: LlamaRunner, spec: str):
-    """The environment settings of a kernel experiment ("SPECD_ATTN_PROGRAMS=132"; the kernels read
-    them at capture time), with the runner's graphs dropped before and after, so the variant's
-    graphs are captured under them and nothing else differs."""
-    settings = dict(part.split("=", 1) for part in spec.split(",") if part)
-    with mock.patch.dict(os.environ, settings):
-        runner.static.drop_graphs()
-        try:
-            yield runner
-        finally:
-            runner.static.drop_graphs()
-
-
-def time_env_variants(runner: LlamaRunner, variants: list[str], batch: int, q: int, context: int, warmup: int,
-                      iters: int) -> tuple[dict[str, float], dict[str, float]]:
-    """The same runner under each environment variant (env_variant), PDL as configured: ({spec:
-    ms}, {spec: ms staged}), the second as time_specd_staged times the step."""
-    plain, staged = {}, {}
-    for spec in variants:
-        with env_variant(runner, spec):
-            plain[spec] = time_specd(runner, batch, q, context, warmup, iters)
-            staged[spec] = time_specd_staged(runner, batch, q, context, warmup, iters)
-    return plain, staged
-
-
-def check_env_variants(graphs: LlamaRunner, context: int, variants: list[str], batch: int, q: int) -> dict:
-    """Each variant's logits against the default graphs' on the same cached keys and values: a
-    variant may change the fp32 summation order (split-K, more key chunks), so this is the
-    relative error, expected at bf16 rounding (~1e-3) or below, and zero for a hint; and the
-    variant staged against itself unstaged (the same graph: must be bit-identical)."""
-    base = step_logits(graphs, batch, q, context).double()
-    out = {}
-    for spec in variants:
-        with env_variant(graphs, spec):
-            got = step_logits(graphs, batch, q, context).double()
-            staged = step_logits(graphs, batch, q, context, staged=True).double()
-        out[spec] = {"max_abs": (got - base).abs().max().item(),
-                     "rel_err": ((got - base).norm() / base.norm()).item(),
-                     "staged_vs_unstaged_max_abs": (staged - got).abs().max().item()}
-    return out
 
 
 def check_step_outputs(graphs: LlamaRunner, torch_ops: LlamaRunner, context: int, shapes) -> list[dict]:
