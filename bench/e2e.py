@@ -109,9 +109,8 @@ def step_split_ms(before: dict, after: dict) -> dict[str, float]:
 # "off-ownread" / "replay-ownread" with the busy verifier's request read on a round trip of its own
 # (services/verifier/admission.py ReadRider: it rides the result round trip by default), "-grpcsteps"
 # with the drafter round trip on the gRPC stream instead of the fast socket path (drafter_stream.py),
-# "-stage"
-# with the verify batch staged while drafts are out (engine/staging.py, the default again since
-# runs 63-64; "-nostage" without it), "-syncemit" with the
+# "-stage" with the verify batch staged while drafts are out (engine/staging.py, the default;
+# "-nostage" without it), "-syncemit" with the
 # result flush on the loop's thread (services/verifier/writer.py: no writer thread to take the GIL
 # at the launch), "-switch50" with the verifier's GIL switch interval at 50 us (verifier/cli.py),
 # "-stagelate" with the batch staged after the step's result flush is handed over (staging.py),
@@ -133,8 +132,9 @@ VARIANTS = {"-stage": {"SPECD_STAGE_VERIFY": "1"}, "-nostage": {"SPECD_STAGE_VER
 def base_method(label: str) -> tuple[str, dict]:
     """("replay-sync") -> ("replay", {"SPECD_DRAFT_AHEAD": "0"}): the method and its variants'
     env; suffixes combine ("replay-nostage-nopdl"). A trailing "#N" names another stack of the
-    same method ("replay-stage#2"): why: stacks of one method differ by several percent (BENCHMARKS.md,
-    runs 60-61: 2.72x and 2.58x), so an A/B within that needs each side twice, interleaved."""
+    same method ("replay-stage#2"): why: stacks of one method differ by several percent
+    (2.72x and 2.58x for two replay stacks of the same code), so an A/B within that needs each side
+    twice, interleaved."""
     label = label.partition("#")[0]
     env: dict = {}
     while True:

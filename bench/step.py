@@ -172,7 +172,7 @@ def run_step_bench(shape: str = "8b", batches=(1, 8, 32, 64, 128), qs=(1, 4), co
     graphs = LlamaRunner(".", engine_config, model=model, config=config, use_static_path=True,
                          gemm="auto", kernels="auto", pdl="auto")
     # One KV cache for all of them (each timing adds its sequences and frees them): three 8B
-    # caches at batch 128 (18 GB each) and transformers' own did not fit an 80 GB card (run 50).
+    # caches at batch 128 (18 GB each) and transformers' own did not fit an 80 GB card.
     shared = graphs.kv_cache
     torch_ops = LlamaRunner(".", engine_config, model=model, config=config, use_static_path=True,
                             gemm="torch", kernels="off", kv_cache=shared)

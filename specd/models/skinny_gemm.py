@@ -19,8 +19,8 @@ deterministic and a row's result still does not depend on the batch.
 
 `skinny_linear` dispatches: CUDA, bf16/fp16, M <= MAX_ROWS, Triton importable, K a multiple of the
 smallest BLOCK_K -> the kernel; anything else -> F.linear (cuBLAS on CUDA, the CPU twin). The
-kernel is wrapped as a torch custom op, so torch.compile'd regions and CUDA-graph capture treat it
-as one opaque call. Block shapes are autotuned per (M bucket, N, K, S) on first use, i.e. during the
+kernel is wrapped as a torch custom op, so CUDA-graph capture (and torch.compile) treat it as one
+opaque call. Block shapes are autotuned per (M bucket, N, K, S) on first use, i.e. during the
 static path's warm-up, before any capture, except the 8B shapes at few rows on Hopper, whose shapes
 were measured inside the verify graph (TUNED_SM90). Tests run the kernel through Triton's interpreter on
 CPU (TRITON_INTERPRET=1) against float64.

@@ -49,8 +49,8 @@ def test_a_runner_without_the_static_path_says_its_step_does_not_stage():
 
 
 def test_runners_sharing_one_cache_compute_what_each_computes_alone():
-    """The step bench's three paths over one KV cache (run 50: three 8B caches and transformers'
-    did not fit an 80 GB card): each timing adds and frees its sequences, so a path's logits on
+    """The step bench's three paths over one KV cache (three 8B caches and transformers' did not
+    fit an 80 GB card): each timing adds and frees its sequences, so a path's logits on
     the shared cache are its logits on a cache of its own; a cache of another shape is refused."""
     static = _runner(static=True)
     config = static.config

@@ -110,8 +110,7 @@ def test_full_drafts_stage_every_step_but_the_first(target, kind):
 
 
 def test_staging_is_on_by_default_and_0_turns_it_off(target):
-    """SPECD_STAGE_VERIFY unset: staged (on by default since BENCHMARKS.md runs 63-64, where the
-    staged stacks led in 6 of 9 pairs since the fix); "0" stages nothing."""
+    """SPECD_STAGE_VERIFY unset: staged (on by default); "0" stages nothing."""
     prompts, params = make_requests(512, seed=6)
     default = static_engine(target, stage=None, wrapper=FullDrafts, carry=0)
     default.generate(prompts, params)

@@ -97,7 +97,7 @@ def test_cuda_graphs_with_unsynchronised_replays_equal_synchronised_ones(checkpo
 def test_graphs_dropped_then_captured_again_replay_the_same_bits(checkpoint):
     """drop_graphs (what the step bench's recaptures and launch settings do) frees the graphs and
     their memory pool; capturing again must take a new pool (a stale handle asserted in torch's
-    allocator, run 46) and replay the first capture's bits. On CPU: the static buffers made again."""
+    allocator) and replay the first capture's bits. On CPU: the static buffers made again."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     runner = make_runner(checkpoint("llama"), True, device_type=device, block_size=16, dtype="bfloat16")
     first = script(runner)
@@ -113,7 +113,7 @@ def test_graphs_dropped_then_captured_again_replay_the_same_bits(checkpoint):
 def test_a_capture_can_take_memory_the_allocator_holds_cached():
     """With all but 256 MiB of the device's free memory cached by the allocator (a tensor made and
     dropped, as an eager prefill's activations are), a capture that needs 1 GiB still succeeds:
-    the chain hands the cached blocks back first, as torch.cuda.graph does (run 47 OOMed without)."""
+    the chain hands the cached blocks back first, as torch.cuda.graph does (an 8B capture OOMed without)."""
     from specd.models.graph_chain import GraphChain
 
     torch.cuda.empty_cache()
@@ -134,7 +134,7 @@ def test_a_capture_can_take_memory_the_allocator_holds_cached():
 
 
 def test_a_layout_whose_capture_runs_out_of_memory_runs_without_a_graph(checkpoint, monkeypatch, caplog):
-    """A capture's OOM (run 47: batch 128 on an H100) leaves that layout on its eager body, with a
+    """A capture's OOM (batch 128 of an 8B model on an H100) leaves that layout on its eager body, with a
     warning, instead of failing the step and every request the engine holds; its outputs are the
     eager runner's, and the layout is not tried again. On CPU the capture is made to raise (the
     static buffers are the CPU twin; CUDA's own OOM is test_a_capture_can_take_memory_...)."""
@@ -160,7 +160,7 @@ def test_a_layout_whose_capture_runs_out_of_memory_runs_without_a_graph(checkpoi
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs: the CPU twin is the test above")
 def test_captures_out_of_memory_on_cuda_leave_those_layouts_eager_and_the_rest_captured(checkpoint, monkeypatch):
-    """Every other capture raises OOM inside the live capture (from its lm_head, as in run 47):
+    """Every other capture raises OOM inside the live capture (from its lm_head, as on the H100):
     the capture ends, the layout runs eagerly, later layouts still capture (a new pool where the
     failed graph took the only one), and the outputs stay those of a runner whose captures all
     fit (bf16: the same kernels, launched from a graph or not)."""
