@@ -11,10 +11,8 @@ graph replay's span, PDL overlaps included (bench/profile_graph.py); all three C
 Results land in DIR as step.md / step.json and e2e.md / e2e.json (rewritten after every method,
 so a run cut short keeps what it measured), and summary.md (both tables).
 
-`--compile` adds the graphs + torch.compile column to the step table (default mode; or name one:
-`--compile max-autotune-no-cudagraphs`); `--e2e-compile MODE` has the e2e verifiers compile too
-(SPECD_COMPILE in their environment). SIGTERM (the suite's timeout) ends the run through the
-normal exit path, so every stack it started is stopped.
+SIGTERM (the suite's timeout) ends the run through the normal exit path, so every stack it started
+is stopped.
 """
 
 from __future__ import annotations
@@ -57,19 +55,6 @@ def pdl_for_e2e(rows, info: dict, q: int) -> str | None:
     return "1" if identical and row.specd_graphs_ms < row.specd_no_pdl_ms else "0"
 
 
-def l2_prefetch_for_e2e(rows, info: dict, q: int) -> str | None:
-    """The L2 prefetch plan the e2e stacks run: the fastest of the step's plans at batch 1,
-    q = k + 1 where it beat the plain graphs and every plan's outputs matched bit for bit; None
-    when no plan was timed or none won."""
-    row = next((r for r in rows if r.batch == 1 and r.q == q), None)
-    if row is None or not row.l2_prefetch_ms:
-        return None
-    if any(c.get("l2_prefetch_vs_none_max_abs") not in (None, 0) for c in info.get("output_checks", [])):
-        return None
-    plan, ms = min(row.l2_prefetch_ms.items(), key=lambda kv: kv[1])
-    return plan if ms < row.specd_graphs_ms else None
-
-
 def _prepare_e2e_models(args, work: Path) -> tuple[Path, dict, int]:
     """(target, drafts by method, vocab to draw prompts from) for the chosen size."""
     from bench.e2e import DRAFT_NAMES
@@ -110,8 +95,8 @@ def _prepare_e2e_models(args, work: Path) -> tuple[Path, dict, int]:
 
     # Written only when their method's turn comes: off and replay never wait for them. A write on
     # the GPU hands the bench process's cached memory back after it: the stacks that start next
-    # size their KV caches from what is free, and in run 67 the bench process still held 8.4 GB
-    # from writing the target while an eagle3 stack's verifier ran out of memory.
+    # size their KV caches from what is free (an eagle3 stack's verifier once ran out of memory
+    # while the bench process still held 8.4 GB from writing the target).
     drafts = {"draft_model": draft_model, "eagle3": eagle3}
     return target, drafts, 500
 
@@ -140,13 +125,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work-dir", type=Path, default=None, help="synthetic checkpoints (default: OUT/work)")
     ap.add_argument("--step-batches", type=_ints, default=None, help="default 1,8,32,64,128 (small: 1,4)")
     ap.add_argument("--context", type=int, default=None, help="cached tokens per sequence (default 1024; small 32)")
-    ap.add_argument("--l2-prefetch-plans", type=lambda t: [p for p in t.split(";") if p], default=[],
-                    help="step: also time each L2 prefetch plan (kernels/l2_prefetch.py), ';'-separated, "
-                         "e.g. 'o=32;o=32,gate_up=8,kind=sector'")
-    ap.add_argument("--step-env-variants", type=lambda t: [p for p in t.split(";") if p], default=[],
-                    help="step: also time the graphs under each set of kernel settings, ';'-separated, e.g. "
-                         "'SPECD_ATTN_PROGRAMS=132;SPECD_ATTN_PROGRAMS=528' (logits compared with the default); "
-                         "timeline: the batch 1 q 4 timeline under each")
     ap.add_argument("--timeline-gaps-ms", type=lambda t: [float(x) for x in t.split(",") if x], default=[],
                     help="timeline: also batch 1 q 4 as the engine runs it, unstaged and staged, after each "
                          "idle gap (ms, ','-separated: the drafter round trip), e.g. 0.4,2")
@@ -173,13 +151,6 @@ def main(argv: list[str] | None = None) -> int:
                     help="replay drafter's expected acceptance length (tokens per step)")
     ap.add_argument("--device", default=None, help="default cuda when available, else cpu")
     ap.add_argument("--drafter-device", default=None, help="the e2e drafters' device (default: --device's)")
-    ap.add_argument("--compile", nargs="?", const="default", default=None, metavar="MODE",
-                    help="step: add the graphs + torch.compile column (MODE: default | "
-                         "max-autotune-no-cudagraphs)")
-    ap.add_argument("--compile-budget-s", type=float, default=240.0,
-                    help="step: stop adding compiled rows after this many seconds (rows left empty)")
-    ap.add_argument("--e2e-compile", default=None, metavar="MODE",
-                    help="e2e: verifiers torch.compile their static path in MODE")
     args = ap.parse_args(argv)
     # Default SIGTERM kills at once, skipping the `finally` that stops the e2e stacks.
     signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
@@ -221,8 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         from bench.profile_graph import run_timeline, write_timeline
 
         try:  # diagnostics only, as the profile
-            sections.append(write_timeline(run_timeline(env_variants=args.step_env_variants,
-                                                         gaps_ms=args.timeline_gaps_ms), out))
+            sections.append(write_timeline(run_timeline(gaps_ms=args.timeline_gaps_ms), out))
             print(sections[-1], flush=True)
         except Exception as e:  # noqa: BLE001
             print(f"timeline failed: {type(e).__name__}: {e}"[:3000], flush=True)
@@ -237,9 +207,8 @@ def main(argv: list[str] | None = None) -> int:
             qs=(1, args.k + 1), context=args.context or (32 if args.small else 1024), device=device,
             bandwidth_tbs=args.bandwidth_tbs, with_transformers=not args.no_transformers,
             warmup=1 if args.small else 3, iters=3 if args.small else 30,
-            block_size=8 if args.small else 64, compile_mode=args.compile,
-            compile_budget_s=args.compile_budget_s, l2_plans=args.l2_prefetch_plans,
-            env_variants=args.step_env_variants, graph_captures=args.step_captures or (1 if args.small else 3))
+            block_size=8 if args.small else 64,
+            graph_captures=args.step_captures or (1 if args.small else 3))
         sections.append(write_step_results(rows, info, out))
         print(sections[-1], flush=True)
         print(f"step bench done at {time.perf_counter() - t_start:.0f} s", flush=True)
@@ -247,10 +216,6 @@ def main(argv: list[str] | None = None) -> int:
         if e2e_pdl is not None and "SPECD_PDL" not in os.environ:
             os.environ["SPECD_PDL"] = e2e_pdl  # the e2e stacks inherit it
             print(f"e2e: SPECD_PDL={e2e_pdl} (the faster of the step's PDL columns, outputs identical)", flush=True)
-        e2e_plan = l2_prefetch_for_e2e(rows, info, args.k + 1)
-        if e2e_plan is not None and "SPECD_L2_PREFETCH" not in os.environ:
-            os.environ["SPECD_L2_PREFETCH"] = e2e_plan
-            print(f"e2e: SPECD_L2_PREFETCH={e2e_plan} (the step's fastest plan, outputs identical)", flush=True)
         del rows
         _release_gpu_memory("step")
     if "e2e" in args.what:
@@ -262,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
             batches=args.e2e_batches or ([1, 4] if args.small else [1, 8, 64, 128]),
             max_tokens=args.max_tokens or (12 if args.small else 128), k=args.k, device=device,
             replay_acceptance=args.replay_acceptance, work_dir=work, vocab_for_prompts=vocab,
-            on_row=lambda r, i: write_e2e_results(r, i, out), compile_mode=args.e2e_compile,
+            on_row=lambda r, i: write_e2e_results(r, i, out),
             min_requests=args.e2e_min_requests or (1 if args.small else 8), drafter_device=args.drafter_device)
         sections.append(write_e2e_results(rows, info, out))
         print(sections[-1], flush=True)

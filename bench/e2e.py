@@ -109,10 +109,8 @@ def step_split_ms(before: dict, after: dict) -> dict[str, float]:
 # "off-ownread" / "replay-ownread" with the busy verifier's request read on a round trip of its own
 # (services/verifier/admission.py ReadRider: it rides the result round trip by default), "-grpcsteps"
 # with the drafter round trip on the gRPC stream instead of the fast socket path (drafter_stream.py),
-# "-fold" with the verifier's norms folded into its GEMMs (models/norm_fold.py), "-head2" with its
-# graphs in two parts, the first two layers launched first (models/cuda_graphs.py), "-stage"
-# with the verify batch staged while drafts are out (engine/staging.py, the default again since
-# runs 63-64; "-nostage" without it), "-syncemit" with the
+# "-stage" with the verify batch staged while drafts are out (engine/staging.py, the default;
+# "-nostage" without it), "-syncemit" with the
 # result flush on the loop's thread (services/verifier/writer.py: no writer thread to take the GIL
 # at the launch), "-switch50" with the verifier's GIL switch interval at 50 us (verifier/cli.py),
 # "-stagelate" with the batch staged after the step's result flush is handed over (staging.py),
@@ -121,8 +119,7 @@ def step_split_ms(before: dict, after: dict) -> dict[str, float]:
 # bench/trace_summary.py: at batch 1 these steps fall in the second and third timed rounds),
 # "-dtrace" with one of the drafter's steps 100-139, host ops and named ranges included (its
 # own time split: inputs, propose, answer; pair it with --e2e-batches 128 to trace that batch).
-VARIANTS = {"-fold": {"SPECD_NORM_FOLD": "1"}, "-head2": {"SPECD_GRAPH_HEAD_LAYERS": "2"},
-            "-stage": {"SPECD_STAGE_VERIFY": "1"}, "-nostage": {"SPECD_STAGE_VERIFY": "0"}, "-stagelate": {"SPECD_STAGE_VERIFY": "late"},
+VARIANTS = {"-stage": {"SPECD_STAGE_VERIFY": "1"}, "-nostage": {"SPECD_STAGE_VERIFY": "0"}, "-stagelate": {"SPECD_STAGE_VERIFY": "late"},
             "-grpcsteps": {"SPECD_DRAFTER_FAST_PATH": "0"}, "-sync": {"SPECD_DRAFT_AHEAD": "0"}, "-nohandoff": {"SPECD_DRAFT_SEND_HANDOFF": "0"},
             "-nocarry": {"SPECD_DRAFT_CARRY": "0"}, "-ownread": {"SPECD_VERIFIER_RIDE_READS": "0"},
             "-carry4": {"SPECD_DRAFT_CARRY": "4"},  # one step's worth at the bench's k = 3
@@ -135,8 +132,9 @@ VARIANTS = {"-fold": {"SPECD_NORM_FOLD": "1"}, "-head2": {"SPECD_GRAPH_HEAD_LAYE
 def base_method(label: str) -> tuple[str, dict]:
     """("replay-sync") -> ("replay", {"SPECD_DRAFT_AHEAD": "0"}): the method and its variants'
     env; suffixes combine ("replay-nostage-nopdl"). A trailing "#N" names another stack of the
-    same method ("replay-stage#2"): why: stacks of one method differ by several percent (BENCHMARKS.md,
-    runs 60-61: 2.72x and 2.58x), so an A/B within that needs each side twice, interleaved."""
+    same method ("replay-stage#2"): why: stacks of one method differ by several percent
+    (2.72x and 2.58x for two replay stacks of the same code), so an A/B within that needs each side
+    twice, interleaved."""
     label = label.partition("#")[0]
     env: dict = {}
     while True:
@@ -296,13 +294,11 @@ def format_row(r: E2ERow) -> str:
 
 def run_e2e_bench(target: Path, drafts: dict, methods: list[str], batches: list[int],
                   max_tokens: int, k: int, device: str, replay_acceptance: float, work_dir: Path,
-                  vocab_for_prompts: int, on_row=None, compile_mode: str | None = None,
+                  vocab_for_prompts: int, on_row=None,
                   min_requests: int = 1, drafter_device: str | None = None) -> tuple[list[E2ERow], dict]:
     """Every method over every batch size; "off" always runs first (references, baseline). A round
     at batch B sends at least min_requests requests, in waves of B (waves_for). drafter_device:
     where the drafters run (None: the verifier's device, the drafter then takes a tenth of it).
-
-    compile_mode: the verifiers torch.compile their static path (SPECD_COMPILE); None: off.
     """
     from specd.proposers.replay import corrupt_rate_for, write_references
 
@@ -312,10 +308,10 @@ def run_e2e_bench(target: Path, drafts: dict, methods: list[str], batches: list[
     info: dict = {"k": k, "max_tokens": max_tokens, "device": device, "stack_start_s": {},
                   "drafter_device": drafter_device or device,
                   "min_requests": min_requests,
-                  "compile_mode": compile_mode, "pdl": os.environ.get("SPECD_PDL", "default")}
+                  "pdl": os.environ.get("SPECD_PDL", "default")}
     off: dict[int, E2ERow] = {}
     for method in methods:
-        env, expected = {"SPECD_COMPILE": compile_mode or "0"}, None
+        env, expected = {}, None
         if base_method(method)[0] == "replay":
             refs = work_dir / "replay_references.jsonl"
             write_references(refs, [(list(p), out) for p, out in info["off_outputs"].items()])
@@ -344,7 +340,7 @@ def run_e2e_bench(target: Path, drafts: dict, methods: list[str], batches: list[
 def write_e2e_results(rows: list[E2ERow], info: dict, out_dir: Path) -> str:
     lines = [f"end to end through the services, k = {info['k']}, {info['max_tokens']} output tokens per "
              f"request (greedy, ignore_eos), a round at least {info.get('min_requests', 1)} requests in waves "
-             f"of the batch, device {info['device']} (drafters: {info.get('drafter_device', info['device'])}), compile {info.get('compile_mode') or 'off'}, "
+             f"of the batch, device {info['device']} (drafters: {info.get('drafter_device', info['device'])}), "
              f"SPECD_PDL {info.get('pdl', 'default')}; stack start s: {info['stack_start_s']}",
              "", HEADER, "|---|---|---|---|---|---|---|---|---|"]
     lines += [format_row(r) for r in rows]

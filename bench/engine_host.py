@@ -78,7 +78,7 @@ class _Pending:
 
 
 def _stub_body(vocab: int, hidden: int):
-    def body(self, entry, aux_layer_ids, after_layer=None) -> None:
+    def body(self, entry, aux_layer_ids) -> None:
         if getattr(entry, "stub_outputs", False):
             return
         rows = entry.batch * entry.qlen
@@ -99,7 +99,7 @@ def host_us_per_step(batch: int, steps: int, round_trip_s: float | None = None
     model = random_model(config, torch.float32, torch.device("cpu"))
     engine_config = PytorchEngineConfig(max_batch_size=batch, block_size=16, num_gpu_blocks=batch * 600,
                                         session_len=8192, device_type="cpu", dtype="float32")
-    runner = LlamaRunner(".", engine_config, model=model, config=config, use_static_path=True, compile_mode="0")
+    runner = LlamaRunner(".", engine_config, model=model, config=config, use_static_path=True)
     engine = SpecEngine(runner, FixedProposer(round_trip_s), K, max_batch_size=batch, max_model_len=8192,
                         draft_ahead=round_trip_s is not None, draft_carry=0)
     for i in range(batch):

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU fast-path suite in one call (issue 5): verify-step bench, then end to end through the
 # services. Usage: [BENCH_WHAT=gemm,profile,step,e2e] bash bench/gpu_suite.sh OUT_DIR [extra
-# `python -m bench` flags, e.g. --compile]; BENCH_WHAT defaults to all (= step,e2e).
-# Expected on one H200: ~1-2 min step bench (+ ~1-3 min of inductor compiles with --compile),
+# `python -m bench` flags, e.g. --step-batches 1]; BENCH_WHAT defaults to all (= step,e2e).
+# Expected on one H200: ~1-2 min step bench,
 # ~4-6 min e2e (5 stacks); hard cap BENCH_TIMEOUT_S (540 s). Results are written as they come
 # (OUT_DIR/step.md, OUT_DIR/e2e.md, OUT_DIR/summary.md), so a cut-short run keeps every finished
 # table. Logs: OUT_DIR/bench.log.

@@ -13,7 +13,6 @@ the overlaps (start before the predecessor's end) and the gaps.
 from __future__ import annotations
 
 import json
-import os
 import re
 import time
 from pathlib import Path
@@ -133,17 +132,16 @@ def profile_replays(runner: LlamaRunner, batch: int, q: int, context: int, repea
             "counts": best["counts"], "middle_layer": layer}
 
 
-HOST_PHASES = ("bookkeeping", "fill", "to replay", "replay call", "later replays", "outputs", "rest + sync")
+HOST_PHASES = ("bookkeeping", "fill", "to replay", "replay call", "outputs", "rest + sync")
 
 
 def host_phases(runner: LlamaRunner, step, n: int = 30) -> tuple[list[float], dict[str, float]]:
     """What the step bench times, a step's wall (us, n of them), and the median of each of its host
     phases: the runner's bookkeeping before the static inputs are filled, the fill (their host
-    buffer and its copy to the device), on to the first graph's replay call, the call itself (the
-    head graph's, cuda_graphs.py), the later parts' calls (0 for a graph in one part), the
-    outputs after them (row gathers), and the rest (the bench's rollback, the wait for the device).
+    buffer and its copy to the device), on to the graph's replay call, the call itself, the
+    outputs after it (row gathers), and the rest (the bench's rollback, the wait for the device).
     Only a process's first case is clean: after a torch.profiler session, CUPTI's hooks stay and
-    slow every CUDA call (BENCHMARKS.md, runs 15-17)."""
+    slow every CUDA call."""
     marks: dict[str, list[float]] = {}
 
     def timed(name, fn):
@@ -167,7 +165,7 @@ def host_phases(runner: LlamaRunner, step, n: int = 30) -> tuple[list[float], di
             walls.append((t1 - t0) * 1e6)
             if "replay" in marks and "fill" in marks:
                 fill, replays = marks["fill"], marks["replay"]
-                cuts = [t0, fill[0], fill[1], replays[0], replays[1], replays[-1], marks["forward"][1], t1]
+                cuts = [t0, fill[0], fill[1], replays[0], replays[1], marks["forward"][1], t1]
                 phases.append([(b - a) * 1e6 for a, b in zip(cuts, cuts[1:])])
     host = {p: round(sorted(col)[len(col) // 2], 1) for p, col in zip(HOST_PHASES, zip(*phases))} if phases else {}
     return walls, host
@@ -187,11 +185,9 @@ def _one_layer(kernels: list[tuple[str, float, float]]) -> list[dict]:
     return out
 
 
-def run_timeline(cases=((1, 4), (1, 1)), context: int = 1024, env_variants: list[str] = (),
-                 gaps_ms: list[float] = ()) -> list[dict]:
-    """The default graphs' timeline for each (batch, q), then batch 1 q 4's under each environment
-    variant ("K=V,K2=V2": the kernels read them at capture time; graphs dropped around each), then
-    batch 1 q 4's as the engine runs it after each idle gap, unstaged and staged (engine_like_step)."""
+def run_timeline(cases=((1, 4), (1, 1)), context: int = 1024, gaps_ms: list[float] = ()) -> list[dict]:
+    """The default graphs' timeline for each (batch, q), then batch 1 q 4's as the engine runs it
+    after each idle gap, unstaged and staged (engine_like_step)."""
     assert torch.cuda.is_available(), "the timeline reads CUDA kernels"
     dev = torch.device("cuda")
     config = arch_config("8b")
@@ -200,18 +196,15 @@ def run_timeline(cases=((1, 4), (1, 1)), context: int = 1024, env_variants: list
     ec = PytorchEngineConfig(max_batch_size=batch_max, block_size=64,
                              num_gpu_blocks=batch_max * -(-(context + 16) // 64) + 8,
                              session_len=context + 16, device_type="cuda", dtype="bfloat16")
-    runner = LlamaRunner(".", ec, model=model, config=config, use_static_path=True, compile_mode="0",
+    runner = LlamaRunner(".", ec, model=model, config=config, use_static_path=True,
                          gemm="auto", kernels="auto", pdl="auto")
     out = []
-    for spec in ("", *env_variants):
-        settings = dict(part.split("=", 1) for part in spec.split(",") if part)
-        for batch, q in (cases if not spec else cases[:1]):
-            with mock.patch.dict(os.environ, settings):
-                runner.static.drop_graphs()
-                result = {"env": spec, **profile_replays(runner, batch, q, context, python_profile=not out)}
-            runner.static.drop_graphs()
-            print(json.dumps({k: v for k, v in result.items() if k != "middle_layer"}), flush=True)
-            out.append(result)
+    for batch, q in cases:
+        runner.static.drop_graphs()
+        result = {"env": "", **profile_replays(runner, batch, q, context, python_profile=not out)}
+        runner.static.drop_graphs()
+        print(json.dumps({k: v for k, v in result.items() if k != "middle_layer"}), flush=True)
+        out.append(result)
     batch, q = cases[0]
     for gap in gaps_ms:
         for staged in (False, True):

@@ -59,7 +59,7 @@ def run_profile(cases=((1, 4), (64, 4)), context: int = 1024, variants=tuple(VAR
                              session_len=context + 16, device_type="cuda", dtype="bfloat16", eager_mode=True)
     out = []
     for name in variants:
-        runner = LlamaRunner(".", ec, model=model, config=config, use_static_path=True, compile_mode="0",
+        runner = LlamaRunner(".", ec, model=model, config=config, use_static_path=True,
                              **VARIANTS[name])
         for batch, q in cases:
             result = profile_forward(runner, batch, q, context) | {"variant": name}

@@ -1,15 +1,11 @@
-"""Verify-step time of an 8B-shaped Llama: specd (CUDA graphs, graphs + torch.compile, eager) vs
-transformers, vs the floor.
+"""Verify-step time of an 8B-shaped Llama: specd (CUDA graphs, eager) vs transformers, vs the floor.
 
 The target forward of one engine step (all layers + lm_head, logits for every new token) over a
 batch whose sequences each hold `context` cached tokens, appending q tokens per sequence (q = 1:
 plain decode; q = k + 1: verification of k drafts). Random bf16 weights are drawn directly on
 the device (no checkpoint); transformers' LlamaForCausalLM uses the very same tensors (no copy)
 with its own DynamicCache at the same context and sdpa attention. The floor is reading every
-weight once at the GPU's memory bandwidth (default 4.8 TB/s, the H200). With `compile_mode`
-(`python -m bench step --compile`) a third specd runner over the same weights runs the static path
-with each layer's attention-free regions torch.compile'd (specd/models/compile.py) under the same
-CUDA graphs; its compile time is spent in each shape's warm-up and reported in the info.
+weight once at the GPU's memory bandwidth (default 4.8 TB/s, the H200).
 
     python -m bench step --out results/            # 8B shape on CUDA
     python -m bench step --small --out /tmp/x      # toy shape, CPU, seconds (the CPU test)
@@ -31,8 +27,7 @@ from specd.models.llama_runner import LlamaRunner
 from specd.models.merged_linear import checkpoint_tensors
 
 from bench.step_timing import _median_ms, time_specd, time_specd_staged
-from bench.step_variants import check_env_variants, check_step_outputs, time_env_variants, time_l2_prefetch, \
-    time_recaptured, time_without_pdl
+from bench.step_variants import check_step_outputs, time_recaptured, time_without_pdl
 
 SHAPES = {
     "8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
@@ -52,23 +47,15 @@ class StepRow:
     specd_eager_ms: float
     transformers_ms: float | None
     floor_ms: float
-    specd_compiled_ms: float | None = None  # graphs + torch.compile'd layer regions
     specd_torch_ops_ms: float | None = None  # graphs over PyTorch ops only (cuBLAS, SDPA): the twin
     specd_no_pdl_ms: float | None = None  # graphs over the kernels, launched without PDL (CUDA only)
-    l2_prefetch_ms: dict[str, float] = field(default_factory=dict)  # plan -> graphs ms under it (CUDA)
-    env_variant_ms: dict[str, float] = field(default_factory=dict)  # "K=V,..." -> graphs ms under it
     specd_graphs_captures_ms: list[float] = field(default_factory=list)  # each capture's time; the median above
     # The default graphs as the engine launches a verify step: the batch staged while the drafts
     # were out (slots, buffers), timed from the token ids' write to the replay's end.
     specd_staged_ms: float | None = None
-    env_variant_staged_ms: dict[str, float] = field(default_factory=dict)  # "K=V,..." -> staged ms under it
     # Columns whose run did not fit the device's memory (printed OOM): on an 80 GB card, the
     # transformers twin's DynamicCache at batch 128 (17 GB) beside three runners' caches.
     out_of_memory: tuple[str, ...] = ()
-
-    @property
-    def compiled_over_floor(self) -> float | None:
-        return None if self.specd_compiled_ms is None else self.specd_compiled_ms / self.floor_ms
 
     @property
     def graphs_over_floor(self) -> float:
@@ -165,9 +152,8 @@ def unless_out_of_memory(column: str, oom: list[str], measure):
 
 def run_step_bench(shape: str = "8b", batches=(1, 8, 32, 64, 128), qs=(1, 4), context: int = 1024,
                    device: str | None = None, bandwidth_tbs: float = 4.8, warmup: int = 3, iters: int = 10,
-                   with_transformers: bool = True, block_size: int = 64, compile_mode: str | None = None,
-                   compile_budget_s: float = 240.0, l2_plans: list[str] = (), prefill_lens=(32, 128),
-                   env_variants: list[str] = (), graph_captures: int = 1) -> tuple[list[StepRow], dict]:
+                   with_transformers: bool = True, block_size: int = 64, prefill_lens=(32, 128),
+                   graph_captures: int = 1) -> tuple[list[StepRow], dict]:
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     config = arch_config(shape)
@@ -181,20 +167,16 @@ def run_step_bench(shape: str = "8b", batches=(1, 8, 32, 64, 128), qs=(1, 4), co
                                         device_type=dev.type,
                                         dtype="bfloat16" if dtype == torch.bfloat16 else "float32")
     # Graphs on CUDA; on CPU the static-buffer path without capture (same code, no graph).
-    # compile_mode "0": these two never compile, whatever SPECD_COMPILE says.
     # The default: specd's Triton kernels (fused_forward.py) and the skinny GEMM where they apply;
     # "torch ops": the same static path over PyTorch ops only (cuBLAS, SDPA), their CPU twin.
     graphs = LlamaRunner(".", engine_config, model=model, config=config, use_static_path=True,
-                         compile_mode="0", gemm="auto", kernels="auto", pdl="auto")
+                         gemm="auto", kernels="auto", pdl="auto")
     # One KV cache for all of them (each timing adds its sequences and frees them): three 8B
-    # caches at batch 128 (18 GB each) and transformers' own did not fit an 80 GB card (run 50).
+    # caches at batch 128 (18 GB each) and transformers' own did not fit an 80 GB card.
     shared = graphs.kv_cache
     torch_ops = LlamaRunner(".", engine_config, model=model, config=config, use_static_path=True,
-                            compile_mode="0", gemm="torch", kernels="off", kv_cache=shared)
-    eager = LlamaRunner(".", engine_config, model=model, config=config, use_static_path=False,
-                        compile_mode="0", kv_cache=shared)
-    compiled = (LlamaRunner(".", engine_config, model=model, config=config, use_static_path=True,
-                            compile_mode=compile_mode, kv_cache=shared) if compile_mode else None)
+                            gemm="torch", kernels="off", kv_cache=shared)
+    eager = LlamaRunner(".", engine_config, model=model, config=config, use_static_path=False, kv_cache=shared)
     hf = transformers_twin(model, config, dev) if with_transformers else None
     init_s = time.perf_counter() - t0
     rows = []
@@ -204,24 +186,16 @@ def run_step_bench(shape: str = "8b", batches=(1, 8, 32, 64, 128), qs=(1, 4), co
             g = sorted(each)[len(each) // 2]
             st = time_specd_staged(graphs, batch, q, context, warmup, iters)
             n = time_without_pdl(graphs, batch, q, context, warmup, iters) if dev.type == "cuda" else None
-            pf = time_l2_prefetch(graphs, list(l2_plans), batch, q, context, warmup, iters) if dev.type == "cuda" else {}
-            ev, evs = time_env_variants(graphs, list(env_variants), batch, q, context, warmup, iters)
             c = time_specd(torch_ops, batch, q, context, warmup, iters)
             e = time_specd(eager, batch, q, context, warmup, iters)
             oom: list[str] = []
             h = (unless_out_of_memory("transformers", oom, lambda: time_transformers(
                 hf, config, batch, q, context, dev, dtype, warmup, iters)) if hf is not None else None)
             rows.append(StepRow(batch, q, g, e, h, floor_ms, specd_torch_ops_ms=c, specd_no_pdl_ms=n,
-                                l2_prefetch_ms=pf, env_variant_ms=ev, specd_graphs_captures_ms=each,
-                                specd_staged_ms=st, env_variant_staged_ms=evs, out_of_memory=tuple(oom)))
+                                specd_graphs_captures_ms=each, specd_staged_ms=st, out_of_memory=tuple(oom)))
             print(format_row(rows[-1]), flush=True)
             if len(each) > 1:
                 print(f"  graphs, each capture: {', '.join(f'{ms:.3f}' for ms in each)} ms", flush=True)
-            for plan, ms in pf.items():
-                print(f"  l2 prefetch {plan}: {ms:.3f} ms (graphs {g:.3f})", flush=True)
-            for spec, ms in ev.items():
-                print(f"  env {spec}: {ms:.3f} ms (graphs {g:.3f}), staged {evs[spec]:.3f} ms (graphs {st:.3f})",
-                      flush=True)
     prefill = [{"tokens": n, "graphs_ms": time_specd(graphs, 1, n, 0, warmup, iters),
                 "eager_ms": time_specd(eager, 1, n, 0, warmup, iters)}
                for n in prefill_lens if n <= context + max(qs)]  # within the runners' session_len
@@ -229,42 +203,14 @@ def run_step_bench(shape: str = "8b", batches=(1, 8, 32, 64, 128), qs=(1, 4), co
         print(f"prefill batch 1, {p['tokens']} tokens: graphs {p['graphs_ms']:.2f} ms, eager {p['eager_ms']:.2f} ms",
               flush=True)
     checks = check_step_outputs(graphs, torch_ops, context, [(b, q) for b in (1, 8, 64) if b <= max(batches)
-                                                            for q in (max(qs),)],
-                                l2_plans=list(l2_plans) if dev.type == "cuda" else [])
-    compile_info = time_compiled_column(compiled, rows, context, warmup, iters, compile_budget_s)
+                                                            for q in (max(qs),)])
     info = {"shape": shape, "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
             "dtype": str(dtype), "context": context, "weight_bytes": weight_bytes,
             "bandwidth_tbs": bandwidth_tbs, "init_s": round(init_s, 2),
             "graph_captures": graphs.static.num_captures, "fused_kernels": graphs.static.fused, "torch": torch.__version__,
-            "compile_mode": compile_mode, "sdpa_backend": sdpa_backend(config, dtype, dev),
-            "output_checks": checks, "prefill": prefill,
-            "env_variant_checks": check_env_variants(graphs, context, list(env_variants), 1, max(qs)),
-            **compile_info}
+            "sdpa_backend": sdpa_backend(config, dtype, dev),
+            "output_checks": checks, "prefill": prefill}
     return rows, info
-
-
-def time_compiled_column(compiled: LlamaRunner | None, rows: list[StepRow], context: int, warmup: int,
-                         iters: int, budget_s: float) -> dict:
-    """Fill specd_compiled_ms row by row, after every other column is measured: a compile or
-    capture failure then costs this column only (recorded as compile_error), and rows past the
-    time budget (compiles take seconds per shape) stay empty instead of eating the e2e half."""
-    if compiled is None:
-        return {}
-    t0, info = time.perf_counter(), {}
-    for row in rows:
-        if time.perf_counter() - t0 > budget_s:
-            info["compile_skipped_rows"] = info.get("compile_skipped_rows", 0) + 1
-            continue
-        try:
-            row.specd_compiled_ms = time_specd(compiled, row.batch, row.q, context, warmup, iters)
-        except Exception as e:  # noqa: BLE001 - reported in the results, the other columns stand
-            info["compile_error"] = f"batch {row.batch} q {row.q}: {type(e).__name__}: {e}"[:2000]
-            print(f"compile column stopped: {info['compile_error']}", flush=True)
-            break
-        print(format_row(row), flush=True)
-    # Compiles (first call per shape) + captures + the timed runs of that column.
-    info["compile_column_s"] = round(time.perf_counter() - t0, 1)
-    return info
 
 
 def sdpa_backend(config: LlamaArchConfig, dtype: torch.dtype, device: torch.device) -> str:
@@ -282,9 +228,8 @@ def sdpa_backend(config: LlamaArchConfig, dtype: torch.dtype, device: torch.devi
         return f"unknown ({type(e).__name__})"
 
 
-HEADER = ("| batch | q | specd graphs ms | specd graphs staged ms | specd graphs no-PDL ms | specd graphs+compile ms | specd graphs torch-ops ms "
-          "| specd eager ms | transformers ms | floor ms | graphs / floor | staged / floor | graphs+compile / floor | transformers / graphs "
-          "| transformers / graphs+compile |")
+HEADER = ("| batch | q | specd graphs ms | specd graphs staged ms | specd graphs no-PDL ms | specd graphs torch-ops ms "
+          "| specd eager ms | transformers ms | floor ms | graphs / floor | staged / floor | transformers / graphs |")
 
 
 def format_row(r: StepRow) -> str:
@@ -295,60 +240,32 @@ def format_row(r: StepRow) -> str:
         return f"{num / den:.{digits}f}x" if num is not None and den is not None else "-"
 
     return (f"| {r.batch} | {r.q} | {ms(r.specd_graphs_ms)} | {ms(r.specd_staged_ms)} | {ms(r.specd_no_pdl_ms)} | "
-            f"{ms(r.specd_compiled_ms)} | {ms(r.specd_torch_ops_ms)} | {ms(r.specd_eager_ms)} | "
+            f"{ms(r.specd_torch_ops_ms)} | {ms(r.specd_eager_ms)} | "
             f"{ms(r.transformers_ms, 'transformers')} | {r.floor_ms:.2f} | {r.graphs_over_floor:.2f}x | "
-            f"{times(r.specd_staged_ms, r.floor_ms, 2)} | {times(r.specd_compiled_ms, r.floor_ms, 2)} | "
-            f"{times(r.transformers_ms, r.specd_graphs_ms, 1)} | "
-            f"{times(r.transformers_ms, r.specd_compiled_ms, 1)} |")
-
-
-def _variant_staged(r: StepRow, spec: str) -> str:
-    """A kernel experiment's staged columns (ms, vs the default graphs staged, / floor)."""
-    ms = r.env_variant_staged_ms.get(spec)
-    if ms is None or r.specd_staged_ms is None:
-        return "- | - | -"
-    return f"{ms:.2f} | {ms / r.specd_staged_ms:.3f}x | {ms / r.floor_ms:.2f}x"
+            f"{times(r.specd_staged_ms, r.floor_ms, 2)} | {times(r.transformers_ms, r.specd_graphs_ms, 1)} |")
 
 
 def write_step_results(rows: list[StepRow], info: dict, out_dir: Path) -> str:
     lines = [f"verify-step forward, {info['shape']} shape, {info['dtype']}, context {info['context']}, "
              f"{info['device']}; floor = {info['weight_bytes'] / 1e9:.2f} GB of weights at "
-             f"{info['bandwidth_tbs']} TB/s; compile mode {info.get('compile_mode') or 'off'}, "
+             f"{info['bandwidth_tbs']} TB/s; "
              f"SDPA kernel {info.get('sdpa_backend')}", "", HEADER, "|" + "---|" * HEADER.count(" | ") + "---|"]
     lines += [format_row(r) for r in rows]
     lines += ["", "outputs on the same cached keys and values (batch, q: PDL vs no-PDL max |diff|; staged vs "
               "unstaged max |diff|; kernels vs PyTorch-ops relative error):"]
     lines += [f"- {c['batch']}, {c['q']}: {c['pdl_vs_no_pdl_max_abs']:.3g}; {c['staged_vs_unstaged_max_abs']:.3g}; "
               f"{c['kernels_vs_torch_ops_rel_err']:.3g}"
-              f"{'' if c.get('l2_prefetch_vs_none_max_abs') is None else '; L2 prefetch plans vs none max |diff| %.3g' % c['l2_prefetch_vs_none_max_abs']}"
               f"{'' if c['finite'] else ' (NOT FINITE)'}" for c in info.get("output_checks", [])]
     if info.get("prefill"):
         lines += ["", "prefill forward, batch 1, empty cache (graphs: the static path's Q bucket; eager: varlen):", "",
                   "| prompt tokens | graphs ms | eager ms | eager / graphs |", "|---|---|---|---|"]
         lines += [f"| {p['tokens']} | {p['graphs_ms']:.2f} | {p['eager_ms']:.2f} | {p['eager_ms'] / p['graphs_ms']:.1f}x |"
                   for p in info["prefill"]]
-    variants = [(r, spec, ms) for r in rows for spec, ms in r.env_variant_ms.items()]
-    if variants:
-        checks = info.get("env_variant_checks", {})
-        lines += ["", "kernel experiments (environment settings, graphs captured under each; logits vs the "
-                  "default graphs at batch 1, q max):", "",
-                  "| batch | q | settings | ms | vs graphs | / floor | staged ms | vs graphs staged | staged / floor "
-                  "| rel err |", "|---|---|---|---|---|---|---|---|---|---|"]
-        lines += [f"| {r.batch} | {r.q} | {spec} | {ms:.2f} | {ms / r.specd_graphs_ms:.3f}x | {ms / r.floor_ms:.2f}x | "
-                  f"{_variant_staged(r, spec)} | {checks.get(spec, {}).get('rel_err', float('nan')):.2g} |"
-                  for r, spec, ms in variants]
-    plans = [(r, plan, ms) for r in rows for plan, ms in r.l2_prefetch_ms.items()]
-    if plans:
-        lines += ["", "L2 prefetch plans (kernels/l2_prefetch.py), graphs with PDL as above:", "",
-                  "| batch | q | plan | ms | vs graphs | / floor |", "|---|---|---|---|---|---|"]
-        lines += [f"| {r.batch} | {r.q} | {plan} | {ms:.2f} | {ms / r.specd_graphs_ms:.3f}x | {ms / r.floor_ms:.2f}x |"
-                  for r, plan, ms in plans]
     table = "\n".join(lines) + "\n"
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "step.md").write_text(table)
     (out_dir / "step.json").write_text(json.dumps(
         {"info": info, "rows": [asdict(r) | {"graphs_over_floor": r.graphs_over_floor,
-                                              "compiled_over_floor": r.compiled_over_floor,
                                               "staged_over_floor": r.staged_over_floor,
                                               "transformers_over_graphs": r.transformers_over_graphs}
                                 for r in rows]}, indent=1))

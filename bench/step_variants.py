@@ -1,17 +1,11 @@
-"""The step bench's other columns of one runner: the same graphs under another launch setting
-(no PDL, an L2 prefetch plan, kernel experiments' environment settings), captured again under
-each, and what each computes against the default (bench/step.py)."""
+"""The step bench's other columns of one runner: the same graphs captured again, and under another
+launch setting (no PDL), and what each computes against the default (bench/step.py)."""
 
 from __future__ import annotations
 
-import contextlib
-import os
-from unittest import mock
-
 import torch
 
-from bench.step_timing import step_logits, time_specd, time_specd_staged
-from specd.models.kernels.l2_prefetch import PrefetchPlan
+from bench.step_timing import step_logits, time_specd
 from specd.models.llama_runner import LlamaRunner
 
 
@@ -38,7 +32,7 @@ def time_recaptured(runner: LlamaRunner, batch: int, q: int, context: int, warmu
                     captures: int) -> list[float]:
     """The runner's graphs timed `captures` times, dropped and captured again before each but the
     first: one capture's time moved by 1.5% (up to 3.4%) from capture to capture of the very same
-    graphs on the H200 (run 10, BENCHMARKS.md), more than some settings under test."""
+    graphs on the H200 (BENCHMARKS.md, "The GPU fast path"), more than some settings under test."""
     out = []
     for i in range(captures):
         if i:
@@ -53,82 +47,21 @@ def time_without_pdl(runner: LlamaRunner, batch: int, q: int, context: int, warm
         return time_specd(runner, batch, q, context, warmup, iters)
 
 
-@contextlib.contextmanager
-def env_variant(runner: LlamaRunner, spec: str):
-    """The environment settings of a kernel experiment ("SPECD_ATTN_PROGRAMS=132"; the kernels read
-    them at capture time), with the runner's graphs dropped before and after, so the variant's
-    graphs are captured under them and nothing else differs."""
-    settings = dict(part.split("=", 1) for part in spec.split(",") if part)
-    with mock.patch.dict(os.environ, settings):
-        runner.static.drop_graphs()
-        try:
-            yield runner
-        finally:
-            runner.static.drop_graphs()
-
-
-def time_l2_prefetch(runner: LlamaRunner, plans: list[str], batch: int, q: int, context: int, warmup: int,
-                     iters: int) -> dict[str, float]:
-    """The same runner under each L2 prefetch plan (kernels/l2_prefetch.py), PDL as configured."""
-    out = {}
-    for spec in plans:
-        plan = PrefetchPlan.parse(spec)
-        with runner_setting(runner, "l2_prefetch", plan):
-            out[plan.describe()] = time_specd(runner, batch, q, context, warmup, iters)
-    return out
-
-
-def time_env_variants(runner: LlamaRunner, variants: list[str], batch: int, q: int, context: int, warmup: int,
-                      iters: int) -> tuple[dict[str, float], dict[str, float]]:
-    """The same runner under each environment variant (env_variant), PDL as configured: ({spec:
-    ms}, {spec: ms staged}), the second as time_specd_staged times the step."""
-    plain, staged = {}, {}
-    for spec in variants:
-        with env_variant(runner, spec):
-            plain[spec] = time_specd(runner, batch, q, context, warmup, iters)
-            staged[spec] = time_specd_staged(runner, batch, q, context, warmup, iters)
-    return plain, staged
-
-
-def check_env_variants(graphs: LlamaRunner, context: int, variants: list[str], batch: int, q: int) -> dict:
-    """Each variant's logits against the default graphs' on the same cached keys and values: a
-    variant may change the fp32 summation order (split-K, more key chunks), so this is the
-    relative error, expected at bf16 rounding (~1e-3) or below, and zero for a hint; and the
-    variant staged against itself unstaged (the same graph: must be bit-identical)."""
-    base = step_logits(graphs, batch, q, context).double()
-    out = {}
-    for spec in variants:
-        with env_variant(graphs, spec):
-            got = step_logits(graphs, batch, q, context).double()
-            staged = step_logits(graphs, batch, q, context, staged=True).double()
-        out[spec] = {"max_abs": (got - base).abs().max().item(),
-                     "rel_err": ((got - base).norm() / base.norm()).item(),
-                     "staged_vs_unstaged_max_abs": (staged - got).abs().max().item()}
-    return out
-
-
-def check_step_outputs(graphs: LlamaRunner, torch_ops: LlamaRunner, context: int, shapes,
-                       l2_plans: list[str] = ()) -> list[dict]:
+def check_step_outputs(graphs: LlamaRunner, torch_ops: LlamaRunner, context: int, shapes) -> list[dict]:
     """What the timed columns compute, compared on the same cached keys and values (step_logits
     fills them per sequence, whatever blocks it holds): the kernels with PDL against the same graphs without it
     (a missing wait would be a race: must be bit-identical), staged before its token ids are
-    known (the same graph: bit-identical), under each L2 prefetch plan (a hint: must be
-    bit-identical) and against the PyTorch-ops twin (bf16 rounding: relative error ~1e-2)."""
+    known (the same graph: bit-identical) and against the PyTorch-ops twin (bf16 rounding: relative error ~1e-2)."""
     out = []
     for batch, q in shapes:
         with_pdl = step_logits(graphs, batch, q, context)
         staged = step_logits(graphs, batch, q, context, staged=True)
         with runner_setting(graphs, "pdl", "off"):
             without = step_logits(graphs, batch, q, context)
-        prefetch_diff = 0.0
-        for spec in l2_plans:
-            with runner_setting(graphs, "l2_prefetch", PrefetchPlan.parse(spec)):
-                prefetch_diff = max(prefetch_diff, (step_logits(graphs, batch, q, context) - with_pdl).abs().max().item())
         twin = step_logits(torch_ops, batch, q, context).double()
         rel = ((with_pdl.double() - twin).norm() / twin.norm()).item()
         out.append({"batch": batch, "q": q, "pdl_vs_no_pdl_max_abs": (with_pdl - without).abs().max().item(),
                     "staged_vs_unstaged_max_abs": (staged - with_pdl).abs().max().item(),
-                    "l2_prefetch_vs_none_max_abs": prefetch_diff if l2_plans else None,
                     "kernels_vs_torch_ops_rel_err": rel, "finite": bool(torch.isfinite(with_pdl).all())})
         print(f"check batch {batch} q {q}: {out[-1]}", flush=True)
     return out

@@ -12,22 +12,12 @@ and the replay is the step's one CUDA call before its kernels (each call costs 1
 on the H200 machine). An event recorded right after the copy node guards the buffer: a fill waits
 for it only when the host runs a whole step ahead of the device.
 
-With `SPECD_GRAPH_HEAD_LAYERS=N` (graph_layout.py; an experiment, not yet timed on the GPU; default 0: one graph)
-the fused body is captured in two parts, a head (the input copy, the embedding and the first N
-layers) and the rest. Why: the replay call of the 8B step's ~265 nodes took 12-190 us of host time
-on the H200 VMs (BENCHMARKS.md), all of it before the first kernel runs. If that time grows with
-the nodes, the head's few nodes launch sooner and the rest launches while the head runs (~0.13 ms
-a layer at 8B). Both parts share the memory pool; the tensors passing from one to the other are
-live across the cut (held by the capture's frame), as make_graphed_callables' chains hold theirs.
-
 For each (B, Q, NB, aux layers) key, the first batch that needs it captures a graph (CUDA) or,
 on CPU and with graphs off, simply runs the same body eagerly: the CPU twin executes the very code
 that is captured, so tests on CPU prove the static path's logits equal the eager path's.
 
-`regions` (llama.LayerRegions) picks how each layer's attention-free pieces run: eager, or
-torch.compile'd (compile.py: kernel fusion under the same capture). They compile on first use,
-which is the warm-up before a capture. `fused` instead runs the whole body through specd's Triton
-kernels (fused_forward.py); the PyTorch body is its twin.
+`fused` runs the whole body through specd's Triton kernels (fused_forward.py); the PyTorch body
+(LlamaForCausalLM.forward) is its twin.
 
 Padding rows and padding slots write to the KV cache's scratch block, never to a real sequence.
 A batch whose longest chunk is longer than `max_query_len` (a prefill) has its Q rounded up to a
@@ -48,9 +38,8 @@ import torch
 
 from specd.models.fused_forward import fused_forward
 from specd.models.graph_chain import GraphChain
-from specd.models.graph_layout import batch_buckets, graph_head_layers, width_bucket
+from specd.models.graph_layout import batch_buckets, width_bucket
 from specd.models.kv_cache import PagedKVCache
-from specd.models.llama import EAGER_REGIONS, LayerRegions
 from specd.models.static_attention import StaticAttentionMetadata
 from specd.models.static_entry import PreparedBatch, StaticEntry
 
@@ -61,13 +50,9 @@ DEFAULT_MAX_QUERY_LEN = 16  # k + 1 up to 15 drafts; longer chunks are prefill-l
 # 256 rows a 128K-vocab graph holds 131 MB of logits, and at most 10 (B, Q) prefill buckets exist.
 DEFAULT_MAX_PREFILL_ROWS = 256
 DEFAULT_MAX_CONTEXT = 8192  # tokens gathered per slot; beyond, the eager path (no graph)
-# Experiments (read at capture): "fresh" gives each capture a memory pool of its own; a directory
-# name dumps each captured graph there (CUDAGraph.debug_dump: its nodes and edges, as DOT).
-GRAPH_POOL_ENV = "SPECD_GRAPH_POOL"
+# A diagnostic (read at capture): a directory to dump each captured graph into
+# (CUDAGraph.debug_dump: its nodes and edges, as DOT).
 GRAPH_DEBUG_ENV = "SPECD_GRAPH_DEBUG_DIR"
-# "fill": the graphs' input copy runs in the fill, from pageable memory, as a CUDA call of its own
-# (the A/B twin of the copy captured into the graph; read when a layout's buffers are made).
-GRAPH_INPUT_COPY_ENV = "SPECD_GRAPH_INPUT_COPY"
 
 
 class StaticForward:
@@ -75,8 +60,7 @@ class StaticForward:
 
     def __init__(self, model, kv_cache: PagedKVCache, *, max_batch_size: int,
                  use_cuda_graphs: bool, max_query_len: int = DEFAULT_MAX_QUERY_LEN,
-                 max_context: int = DEFAULT_MAX_CONTEXT, regions: LayerRegions = EAGER_REGIONS,
-                 fused: bool = False, max_prefill_rows: int = DEFAULT_MAX_PREFILL_ROWS) -> None:
+                 max_context: int = DEFAULT_MAX_CONTEXT, fused: bool = False, max_prefill_rows: int = DEFAULT_MAX_PREFILL_ROWS) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = kv_cache.block_size
@@ -86,7 +70,6 @@ class StaticForward:
         self.max_context = max_context
         self.device = kv_cache.device
         self.use_cuda_graphs = use_cuda_graphs and self.device.type == "cuda"
-        self.regions = regions
         self.fused = fused
         self._entries: dict[tuple, StaticEntry] = {}
         self._prefill_prepared: set[tuple[int, ...]] = set()  # aux-layer sets whose prefill layouts exist
@@ -98,8 +81,8 @@ class StaticForward:
 
     @property
     def copy_in_graph(self) -> bool:
-        """Whether new layouts' graphs copy their inputs in the replay (GRAPH_INPUT_COPY_ENV)."""
-        return self.use_cuda_graphs and os.environ.get(GRAPH_INPUT_COPY_ENV) != "fill"
+        """Whether new layouts' graphs copy their inputs in the replay (under CUDA graphs)."""
+        return self.use_cuda_graphs
 
     # ---- layout --------------------------------------------------------------------------------
     def _bucket(self, batch: int) -> int | None:
@@ -190,17 +173,15 @@ class StaticForward:
         self._fill(entry, [], [], [], [])
 
     # ---- running -------------------------------------------------------------------------------
-    def _body(self, entry: StaticEntry, aux_layer_ids: tuple[int, ...], after_layer=None) -> None:
-        """The forward over the entry's buffers; after_layer(i) (the fused body only) runs once
-        layer i is launched: where the capture cuts the head graph off."""
+    def _body(self, entry: StaticEntry, aux_layer_ids: tuple[int, ...]) -> None:
+        """The forward over the entry's buffers."""
         input_ids, positions, slots, ctx_lens, tables, _ = entry.views()
         meta = StaticAttentionMetadata(ctx_lens=ctx_lens, block_tables=tables, slot_mapping=slots,
                                        query_len=entry.qlen, block_size=self.block_size)
         if self.fused:
-            hidden, aux = fused_forward(self.model, input_ids, positions, meta, self.kv_cache, aux_layer_ids,
-                                        after_layer)
+            hidden, aux = fused_forward(self.model, input_ids, positions, meta, self.kv_cache, aux_layer_ids)
         else:
-            hidden, aux = self.model(input_ids, positions, meta, self.kv_cache, aux_layer_ids, self.regions)
+            hidden, aux = self.model(input_ids, positions, meta, self.kv_cache, aux_layer_ids)
         entry.hidden, entry.aux = hidden, aux
         entry.logits = self.model.compute_logits(hidden)  # [B * Q, V] float32
 
@@ -259,7 +240,7 @@ class StaticForward:
         self._entries.clear()
         self._prefill_prepared.clear()
         # The pool went with its last graph (torch frees a private pool whose graphs are all gone);
-        # capturing into its stale handle trips the allocator's use-count assert (run 46).
+        # capturing into its stale handle trips the allocator's use-count assert.
         self._pool = None
 
     def _capture(self, entry: StaticEntry, aux_layer_ids: tuple[int, ...]) -> None:
@@ -276,15 +257,13 @@ class StaticForward:
             for _ in range(2):
                 self._body(entry, aux_layer_ids)
         torch.cuda.current_stream(self.device).wait_stream(stream)
-        if self._pool is None or os.environ.get(GRAPH_POOL_ENV) == "fresh":
+        if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        head = graph_head_layers()
-        cut = head if self.fused and 0 < head < len(self.model.model.layers) else None
         chain = GraphChain(self._pool, self.device, debug=bool(os.environ.get(GRAPH_DEBUG_ENV)))
         with chain, torch.no_grad():
             if entry.copy_in_graph:
                 self._copy_inputs(entry)
-            self._body(entry, aux_layer_ids, (lambda i: chain.cut() if i + 1 == cut else None))
+            self._body(entry, aux_layer_ids)
         debug_dir = os.environ.get(GRAPH_DEBUG_ENV)
         if debug_dir:
             os.makedirs(debug_dir, exist_ok=True)
@@ -345,7 +324,7 @@ class StaticForward:
         graph's lm_head covers every row all the same (a static prefill is 256 rows at most)."""
         entry = prepared.entry
         if entry.graphs:
-            for graph in entry.graphs:  # the head's launch first: the device starts on it
+            for graph in entry.graphs:
                 graph.replay()
         else:
             with torch.no_grad():

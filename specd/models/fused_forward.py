@@ -2,22 +2,17 @@
 
 Per decoder layer: RMSNorm (fused with the previous layer's residual add) and the fused QKV GEMM,
 split-KV paged attention with RoPE and the paged-cache write of the new tokens folded into its first
-kernel (two kernels; SPECD_ATTN_ROPE=0 runs RoPE + the cache write as a kernel of its own, as the
-flash-attn path, flash_attn_with_kvcache when installed and the blocks suit it, and the prefill's
-SDPA always do; SPECD_ATTN_MERGE=1, opt-in and slower so far, merges the key chunks in the first
-kernel too; kernels/paged_decode_attention.py), o_proj, residual add +
+kernel (two kernels, kernels/paged_decode_attention.py; the flash-attn path, flash_attn_with_kvcache
+when installed and the blocks suit it, and the prefill's SDPA run RoPE + the cache write as a kernel
+of its own, kernels/rope_cache.py), o_proj, residual add +
 RMSNorm and the fused gate/up GEMM with silu * up in its epilogue, down_proj; the GEMMs take
-the skinny kernel at few rows (linear.py; above them cuBLAS, and silu * up is a kernel of its own),
-and with SPECD_NORM_FOLD=1 (norm_fold.py, opt-in until timed on the GPU) the split-K product before a norm
-finishes the residual add and the product after it scales its rows by 1 / rms: no norm kernel
-between them.
+the skinny kernel at few rows (linear.py; above them cuBLAS, and silu * up is a kernel of its own).
 o_proj and down_proj, whose outputs only feed the next RMSNorm's residual add, take the skinny
 kernel split-K where skinny_gemm.split_k_for says so: fp32 partials that the norm sums.
-Eight launches a layer (six with the norms folded in) where the PyTorch path takes about thirty, and no gathered K/V copies
+Eight launches a layer where the PyTorch path takes about thirty, and no gathered K/V copies
 (kernels/*.py say why each exists). On Hopper the kernels launch with PDL (kernels/pdl.py): each
-may start during its predecessor's tail, a GEMM streaming its first weight tile meanwhile; and
-under an L2 prefetch plan (kernels/l2_prefetch.py) each skinny GEMM pulls part of the next GEMM's
-weights into L2 once its own loads are done.
+may start during its predecessor's tail, a GEMM streaming its first weight tile (and prefetching
+the next lines of its weight rows into L2) meanwhile.
 
 It computes what LlamaForCausalLM.forward computes (the same modules' weights; the deferred
 residual add changes no value: the residual entering layer i is materialised by layer i's first
@@ -28,12 +23,10 @@ head_dim. Otherwise StaticForward runs the PyTorch body (the twin the tests comp
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
-from specd.models import norm_fold, skinny_gemm
-from specd.models.kernels import l2_prefetch, norm_act, paged_decode_attention, rope_cache
+from specd.models import skinny_gemm
+from specd.models.kernels import norm_act, paged_decode_attention, rope_cache
 from specd.models.kv_cache import PagedKVCache
 from specd.models.linear import takes_skinny_kernel
 from specd.models.static_attention import StaticAttentionMetadata, flash_kvcache_applies, static_paged_attention
@@ -52,12 +45,9 @@ def applies(model, kv_cache: PagedKVCache) -> bool:
 
 
 def fused_forward(model, input_ids: torch.Tensor, positions: torch.Tensor, meta: StaticAttentionMetadata,
-                  kv_cache: PagedKVCache, aux_layer_ids: tuple[int, ...] = (),
-                  after_layer: Callable[[int], None] | None = None
+                  kv_cache: PagedKVCache, aux_layer_ids: tuple[int, ...] = ()
                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """LlamaForCausalLM.forward's contract: (hidden [T, H] after the final norm, aux or None).
-    after_layer(i), when given, runs once layer i's kernels are launched (cuda_graphs.py cuts its
-    capture into two graphs there)."""
+    """LlamaForCausalLM.forward's contract: (hidden [T, H] after the final norm, aux or None)."""
     config = model.config
     eps = config.rms_norm_eps
     x = model.model.embed_tokens(input_ids)  # [T, H]
@@ -66,35 +56,16 @@ def fused_forward(model, input_ids: torch.Tensor, positions: torch.Tensor, meta:
     wanted = set(aux_layer_ids)
     captured: dict[int, torch.Tensor] = {}
     delta = None  # the previous layer's MLP output, added to x by this layer's first norm
-    folded = None  # instead of delta: the previous down_proj folded the norm (norm_fold.py)
     layers = model.model.layers
     for i, layer in enumerate(layers):
         attn, mlp = layer.self_attn, layer.mlp
-        if folded is not None:
-            x, qkv = folded.residual, norm_fold.scaled_product(attn.qkv_proj, folded, eps)
-        else:
-            x, qkv = _norm_project(x, delta, layer.input_layernorm.weight, eps, attn.qkv_proj,
-                                   l2_prefetch.target_for("o", attn.o_proj.weight))
+        x, qkv = _norm_project(x, delta, layer.input_layernorm.weight, eps, attn.qkv_proj)
         if i in wanted:
             captured[i] = x
         o = _attention(attn, qkv, cos, sin, meta, kv_cache, i).reshape(tokens, -1)
-        if norm_fold.applies(o, attn.o_proj, mlp.gate_up_proj):
-            folded = norm_fold.residual_product(attn.o_proj, o, x, layer.post_attention_layernorm.weight, kv_cache)
-            x, act = folded.residual, norm_fold.scaled_product(mlp.gate_up_proj, folded, eps, swiglu=True)
-        else:
-            attn_out = _residual_delta(attn.o_proj, o, l2_prefetch.target_for("gate_up", mlp.gate_up_proj.weight))
-            x, act = _norm_project(x, attn_out, layer.post_attention_layernorm.weight, eps, mlp.gate_up_proj,
-                                   l2_prefetch.target_for("down", mlp.down_proj.weight), swiglu=True)
-        following = layers[i + 1] if i + 1 < len(layers) else None
-        folded = delta = None
-        if following is not None and norm_fold.applies(act, mlp.down_proj, following.self_attn.qkv_proj):
-            folded = norm_fold.residual_product(mlp.down_proj, act, x, following.input_layernorm.weight, kv_cache)
-        else:
-            after_down = (l2_prefetch.target_for("qkv", following.self_attn.qkv_proj.weight) if following is not None
-                          else l2_prefetch.target_for("lm_head", getattr(model.lm_head, "weight", None)))
-            delta = _residual_delta(mlp.down_proj, act, after_down)
-        if after_layer is not None:
-            after_layer(i)
+        attn_out = _residual_delta(attn.o_proj, o)
+        x, act = _norm_project(x, attn_out, layer.post_attention_layernorm.weight, eps, mlp.gate_up_proj, swiglu=True)
+        delta = _residual_delta(mlp.down_proj, act)
     _, hidden = norm_act.rms_norm(x, model.model.norm.weight, eps, delta)
     aux = torch.cat([captured[i] for i in aux_layer_ids], dim=-1) if aux_layer_ids else None
     return hidden, aux
@@ -109,57 +80,37 @@ def _attention(attn, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, me
     # prefill, cuda_graphs.py) overflow the decode kernel's tile: the PyTorch twin (SDPA)
     other_attention = (flash_kvcache_applies(qkv, meta)
                        or not paged_decode_attention.serves_query_len(meta.query_len))
-    if not other_attention and paged_decode_attention.folds_rope():  # SPECD_ATTN_ROPE=1: no rope kernel
+    if not other_attention:  # RoPE and the cache write inside the attention kernel
         return paged_decode_attention.rope_paged_decode_attention(
             qkv, cos, sin, meta.slot_mapping, cache_k, cache_v, meta.ctx_lens, meta.block_tables,
-            meta.query_len, attn.num_heads, attn.scale, attn.sliding_window, counter_owner=kv_cache)
+            meta.query_len, attn.num_heads, attn.scale, attn.sliding_window)
     q = rope_cache.rope_and_cache_write(qkv, cos, sin, meta.slot_mapping, cache_k, cache_v,
                                         attn.num_heads, attn.num_kv_heads)  # [T, Hq, D]
-    if other_attention:
-        return static_paged_attention(q, cache_k, cache_v, meta, attn.scale, attn.sliding_window)
-    # counters: the in-kernel merge's (SPECD_ATTN_MERGE=1), one set per model's cache
-    return paged_decode_attention.paged_decode_attention(
-        q, cache_k, cache_v, meta.ctx_lens, meta.block_tables, meta.query_len, attn.scale,
-        attn.sliding_window, counter_owner=kv_cache)
-
-
-def _prefetch_args(target: l2_prefetch.PrefetchTarget | None) -> tuple:
-    """The skinny GEMM ops' trailing prefetch arguments for target (none: no prefetch)."""
-    if target is None:
-        return ()
-    return (target.weight, target.units, target.regions, target.kind_code)
+    return static_paged_attention(q, cache_k, cache_v, meta, attn.scale, attn.sliding_window)
 
 
 def _norm_project(x: torch.Tensor, delta: torch.Tensor | None, norm_weight: torch.Tensor, eps: float, proj,
-                  prefetch: l2_prefetch.PrefetchTarget | None, swiglu: bool = False
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+                  swiglu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(residual x + delta, proj(RMSNorm(residual))), silu(gate) * up of it with swiglu: the norm
     kernel, then the product."""
     x, h = norm_act.rms_norm(x, norm_weight, eps, delta)
-    return x, (_swiglu(proj, h, prefetch) if swiglu else _project(proj, h, prefetch))
+    return x, (_swiglu(proj, h) if swiglu else proj(h))
 
 
-def _project(proj, h: torch.Tensor, prefetch: l2_prefetch.PrefetchTarget | None) -> torch.Tensor:
-    """proj(h); through the skinny kernel with its epilogue prefetch where the kernel applies."""
-    if prefetch is not None and proj.bias is None and takes_skinny_kernel(h, proj.weight):
-        return skinny_gemm.skinny_gemm(h, proj.weight, *_prefetch_args(prefetch))
-    return proj(h)
-
-
-def _residual_delta(proj, h: torch.Tensor, prefetch: l2_prefetch.PrefetchTarget | None = None) -> torch.Tensor:
+def _residual_delta(proj, h: torch.Tensor) -> torch.Tensor:
     """proj(h) as an rms_norm delta: fp32 split-K partials [S, T, N] where the skinny kernel takes
     the product (few rows, "auto" backend), there is no bias and split_k_for(N, K) > 1; else
     proj(h) [T, N] (S = 1 would only add an fp32 round trip)."""
     if proj.bias is None and takes_skinny_kernel(h, proj.weight):
         splits = skinny_gemm.split_k_for(*proj.weight.shape)
         if splits > 1:
-            return skinny_gemm.skinny_gemm_partials(h, proj.weight, splits, *_prefetch_args(prefetch))
-    return _project(proj, h, prefetch)
+            return skinny_gemm.skinny_gemm_partials(h, proj.weight, splits)
+    return proj(h)
 
 
-def _swiglu(gate_up_proj, h: torch.Tensor, prefetch: l2_prefetch.PrefetchTarget | None = None) -> torch.Tensor:
+def _swiglu(gate_up_proj, h: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up of the fused gate/up projection: one kernel where the skinny GEMM takes the
     product (few rows), else the product and then the activation kernel."""
     if gate_up_proj.bias is None and takes_skinny_kernel(h, gate_up_proj.weight):
-        return skinny_gemm.skinny_gemm_swiglu(h, gate_up_proj.weight, *_prefetch_args(prefetch))
+        return skinny_gemm.skinny_gemm_swiglu(h, gate_up_proj.weight)
     return norm_act.silu_mul(gate_up_proj(h))

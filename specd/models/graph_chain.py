@@ -1,8 +1,8 @@
-"""A chain of CUDA graphs captured from one stretch of stream work (cuda_graphs.py's head graph).
+"""The capture of one stretch of stream work into a CUDA graph (cuda_graphs.py's captures).
 
-torch.cuda.graph captures one graph; a chain is cut into several at chosen points, all in one
-memory pool, so that replaying them in order replays the whole, and the first can be launched
-(and start the device) before the others are.
+What torch.cuda.graph does (synchronise, hand the allocator's cached blocks back, capture on a
+side stream into the given pool), with the graph kept in `graphs` (StaticEntry replays them in
+order; one graph since the two-part capture was removed: BENCHMARKS.md, "Tried and removed").
 """
 
 from __future__ import annotations
@@ -11,10 +11,8 @@ import torch
 
 
 class GraphChain:
-    """Captures consecutive stream work into a chain of CUDA graphs sharing one memory pool:
-    `with chain:` captures into the first graph, `cut()` ends the current graph and starts the
-    next. What torch.cuda.graph does for one graph (synchronise, free the allocator's cached blocks,
-    then capture on a side stream), for several; replaying the graphs in order replays the whole."""
+    """`with chain:` captures the stream work inside into one CUDA graph in `pool` (graphs[0]),
+    as torch.cuda.graph does."""
 
     def __init__(self, pool, device: torch.device, debug: bool = False) -> None:
         self.pool = pool
@@ -30,15 +28,11 @@ class GraphChain:
         graph.capture_begin(pool=self.pool)
         self.graphs.append(graph)
 
-    def cut(self) -> None:
-        self.graphs[-1].capture_end()
-        self._begin()
-
     def __enter__(self) -> "GraphChain":
         torch.cuda.synchronize()
         # A graph allocates from its private pool only: blocks the allocator keeps cached for
         # ordinary tensors (an eager prefill's activations) are out of its reach until handed back.
-        # Run 47 (H100) OOMed capturing batch 128 for 252 MB with 6.7 GB cached this way.
+        # (An 8B capture at batch 128 ran out of memory for 252 MB with 6.7 GB cached this way.)
         torch.cuda.empty_cache()
         self._stream_ctx = torch.cuda.stream(self._stream)
         self._stream_ctx.__enter__()

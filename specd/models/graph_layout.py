@@ -1,26 +1,9 @@
-"""The static layout's buckets (batch sizes, block-table widths) and the graph split setting:
-pure functions of the batch, so the layouts cuda_graphs.py captures are chosen the same on CPU."""
+"""The static layout's buckets (batch sizes, block-table widths): pure functions of the batch,
+so the layouts cuda_graphs.py captures are chosen the same on CPU."""
 
 from __future__ import annotations
 
-import os
-
 DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
-# Layers in the head graph (cuda_graphs.py's module doc; 0: one graph). Read at capture.
-GRAPH_HEAD_LAYERS_ENV = "SPECD_GRAPH_HEAD_LAYERS"
-DEFAULT_GRAPH_HEAD_LAYERS = 0
-
-
-def graph_head_layers() -> int:
-    """SPECD_GRAPH_HEAD_LAYERS as an int >= 0 (default DEFAULT_GRAPH_HEAD_LAYERS)."""
-    raw = os.environ.get(GRAPH_HEAD_LAYERS_ENV, "")
-    try:
-        value = int(raw) if raw else DEFAULT_GRAPH_HEAD_LAYERS
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise ValueError(f"{GRAPH_HEAD_LAYERS_ENV}: expected a whole number of layers >= 0, got {raw!r}")
-    return value
 
 
 def batch_buckets(max_batch_size: int, buckets: tuple[int, ...] = DEFAULT_BATCH_BUCKETS) -> tuple[int, ...]:

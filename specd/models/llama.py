@@ -10,18 +10,13 @@ positions; attention reads and writes the paged KV cache through `AttentionMetad
 A decoder layer is three pieces: `attention_input` (input RMSNorm, the fused QKV GEMM, q/k norms,
 RoPE), the attention itself (KV-cache write + paged attention, `LlamaAttention.attend`) and
 `attention_output_and_mlp` (o_proj, residual, post-attention RMSNorm, the fused gate/up GEMM,
-SwiGLU, down_proj, residual). The two outer pieces are pure functions of fixed-shape tensors, so
-the static (CUDA-graph) path can swap in `torch.compile`d twins of them (`LayerRegions`,
-compile.py) while the attention, which writes the cache in place, stays eager: vLLM's piecewise
-split.
+SwiGLU, down_proj, residual).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -220,21 +215,6 @@ def _attention_output_and_mlp(layer: "LlamaDecoderLayer", x: torch.Tensor, attn:
     return x + layer.mlp(layer.post_attention_layernorm(x))
 
 
-@dataclass(frozen=True)
-class LayerRegions:
-    """The two attention-free pieces of a decoder layer, as functions of (layer, tensors).
-
-    EAGER_REGIONS are the plain functions; compile.compiled_regions returns torch.compile'd twins
-    (one compiled graph serves every layer: the layer's weights are graph inputs).
-    """
-
-    attention_input: Callable
-    attention_output_and_mlp: Callable
-
-
-EAGER_REGIONS = LayerRegions(_attention_input, _attention_output_and_mlp)
-
-
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: LlamaArchConfig, layer_id: int, dtype: torch.dtype | None) -> None:
         super().__init__()
@@ -243,10 +223,10 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
-    def forward(self, x, cos, sin, meta, cache_k, cache_v, regions: LayerRegions = EAGER_REGIONS):
-        q, k, v = regions.attention_input(self, x, cos, sin)
-        attn = self.self_attn.attend(q, k, v, meta, cache_k, cache_v)  # eager: writes the cache
-        return regions.attention_output_and_mlp(self, x, attn)
+    def forward(self, x, cos, sin, meta, cache_k, cache_v):
+        q, k, v = _attention_input(self, x, cos, sin)
+        attn = self.self_attn.attend(q, k, v, meta, cache_k, cache_v)  # writes the cache
+        return _attention_output_and_mlp(self, x, attn)
 
 
 class LlamaModel(nn.Module):
@@ -274,11 +254,10 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_cache: PagedKVCache, aux_layer_ids: tuple[int, ...] | list[int] = (),
-                regions: LayerRegions = EAGER_REGIONS) -> tuple[torch.Tensor, torch.Tensor | None]:
+                kv_cache: PagedKVCache, aux_layer_ids: tuple[int, ...] | list[int] = ()
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """input_ids, positions: [T]. Returns (hidden [T, H] after the final norm,
-        aux [T, len(aux_layer_ids) * H] or None). regions: how each layer's attention-free pieces
-        run (the static path passes compiled ones when asked to).
+        aux [T, len(aux_layer_ids) * H] or None).
 
         aux concatenates, in the order given, the residual stream *entering* each chosen layer
         (transformers' `hidden_states[i]`), the features EAGLE-3 drafters are trained on.
@@ -291,7 +270,7 @@ class LlamaForCausalLM(nn.Module):
         for i, layer in enumerate(self.model.layers):
             if i in wanted:
                 captured[i] = x
-            x = layer(x, cos, sin, meta, kv_cache.k_caches[i], kv_cache.v_caches[i], regions)
+            x = layer(x, cos, sin, meta, kv_cache.k_caches[i], kv_cache.v_caches[i])
         aux = torch.cat([captured[i] for i in aux_layer_ids], dim=-1) if aux_layer_ids else None
         return self.model.norm(x), aux
 

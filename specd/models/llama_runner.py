@@ -9,13 +9,10 @@ largest bucket), and prefills of up to `max_prefill_rows` padded rows, run throu
 (cuda_graphs.py): captured CUDA graphs on CUDA unless `eager_mode`, and the same static-buffer code
 without capture when a test asks for it on CPU.
 With `tp > 1` the model is sharded over the torch.distributed group (tensor_parallel.py).
-`compile_mode` (or the environment's SPECD_COMPILE, e.g. "default") additionally runs each
-layer's attention-free regions of the static path through torch.compile (compile.py).
 `gemm` (or SPECD_GEMM) picks the linears' kernel: "auto" takes the skinny Triton GEMM for few-row
 products on CUDA (skinny_gemm.py), "torch" always F.linear; the runner holds it around its
 forward and logits calls (linear.py). `kernels` (or SPECD_KERNELS) "auto" runs the static path
-through specd's Triton kernels where they apply (fused_forward.py; not together with compile_mode),
-"off" through PyTorch ops.
+through specd's Triton kernels where they apply (fused_forward.py), "off" through PyTorch ops.
 """
 
 from __future__ import annotations
@@ -32,27 +29,24 @@ from specd.messages import PytorchEngineConfig
 from specd.models.attention import AttentionMetadata
 from specd.models.base import check_chunks, chunk_offsets, ForwardOutput, last_rows, ModelInfo, SequenceChunk
 from specd.models.append_plan import AppendPlan
-from specd.models.cuda_graphs import DEFAULT_MAX_PREFILL_ROWS, StaticForward
+from specd.models.cuda_graphs import StaticForward
 from specd.models.hf_config import LlamaArchConfig
-from specd.models.kernels.l2_prefetch import PrefetchPlan, l2_prefetch_scope, resolve_plan
 from specd.models.kernels.pdl import pdl_launches, resolve_pdl_mode
 from specd.models.kv_cache import CacheFullError, PagedKVCache
 from specd.models.linear import gemm_backend, resolve_gemm_backend
-from specd.models.llama import EAGER_REGIONS, LlamaForCausalLM, load_llama
+from specd.models.llama import LlamaForCausalLM, load_llama
 from specd.models.runner_setup import default_aux_layer_ids, kv_cache_for, select_device, select_dtype
 from specd.models.static_entry import PreparedBatch
 
 KERNELS_ENV = "SPECD_KERNELS"  # "auto" (default) | "off"
-COMPILE_ENV = "SPECD_COMPILE"  # "default" | "max-autotune-no-cudagraphs"; unset or "0": off
 
 class LlamaRunner:
     """TargetRunner for LlamaForCausalLM / Qwen2 / Qwen3 / Mistral checkpoints."""
 
     def __init__(self, model_dir: str | Path, engine_config: PytorchEngineConfig | None = None, *,
                  model: LlamaForCausalLM | None = None, config: LlamaArchConfig | None = None,
-                 use_static_path: bool | None = None, compile_mode: str | None = None,
-                 gemm: str | None = None, kernels: str | None = None, pdl: str | None = None,
-                 l2_prefetch: str | PrefetchPlan | None = None, kv_cache: PagedKVCache | None = None) -> None:
+                 use_static_path: bool | None = None, gemm: str | None = None, kernels: str | None = None, pdl: str | None = None,
+                 kv_cache: PagedKVCache | None = None) -> None:
         """model/config: an already built model (the bench's random weights) instead of loading.
         kv_cache: another runner's cache over the same model, shared (the step bench times three
         paths one at a time: one 8B cache of 18 GB at batch 128, not three); its shape must be
@@ -60,20 +54,15 @@ class LlamaRunner:
 
         use_static_path: None follows the config (static path with CUDA graphs on CUDA unless
         eager_mode; CPU eager); True on CPU runs the static-buffer path without capture (tests).
-        compile_mode: torch.compile the static path's layer regions in this mode (compile.py);
-        None reads SPECD_COMPILE ("0" or unset: off). Applies only where the static path runs.
         gemm: "auto" | "torch" (linear.py); None reads SPECD_GEMM, default "auto".
         kernels: "auto" | "off" (fused_forward.py); None reads SPECD_KERNELS, default "auto".
         pdl: "auto" | "off" (kernels/pdl.py); None reads SPECD_PDL, default "auto".
-        l2_prefetch: a plan (kernels/l2_prefetch.py, e.g. "o=32"); None reads SPECD_L2_PREFETCH,
-        default "off".
         """
         kernels = kernels or os.environ.get(KERNELS_ENV) or "auto"
         if kernels not in ("auto", "off"):
             raise ValueError(f"kernels: expected auto or off, got {kernels!r}")
         self.gemm = resolve_gemm_backend(gemm)
         self.pdl = resolve_pdl_mode(pdl)
-        self.l2_prefetch = resolve_plan(l2_prefetch)
         engine_config = engine_config or PytorchEngineConfig()
         self.model_dir = Path(model_dir)
         self.engine_config = engine_config
@@ -112,29 +101,13 @@ class LlamaRunner:
         # Called right before a forward's first device work, its host work done (the engine's
         # device clock marks it there: device_clock.py).
         self.on_launch: Callable[[], None] | None = None
-        if compile_mode is None:
-            compile_mode = os.environ.get(COMPILE_ENV, "0")
-        self.compile_mode = None if compile_mode in ("", "0", "off") else compile_mode
         if use_static_path:
-            regions = EAGER_REGIONS
-            if self.compile_mode is not None:
-                if self.parallel is not None:
-                    raise ValueError(f"compile_mode: not supported with tp={tp} yet (the compiled regions "
-                                     "would trace the row-parallel all_reduce); use tp=1 or leave it off")
-                from specd.models.compile import compiled_regions
-
-                regions = compiled_regions(self.compile_mode)
             from specd.models import fused_forward
 
-            fused = (kernels == "auto" and self.compile_mode is None
-                     and fused_forward.applies(self.model, self.kv_cache))
+            fused = kernels == "auto" and fused_forward.applies(self.model, self.kv_cache)
             self.static = StaticForward(self.model, self.kv_cache,
                                         max_batch_size=engine_config.max_batch_size,
-                                        use_cuda_graphs=not engine_config.eager_mode, regions=regions,
-                                        fused=fused,
-                                        # compiled regions would compile once more per prefill Q
-                                        max_prefill_rows=0 if self.compile_mode is not None else
-                                        DEFAULT_MAX_PREFILL_ROWS)
+                                        use_cuda_graphs=not engine_config.eager_mode, fused=fused)
         self.info = ModelInfo(
             vocab_size=self.config.vocab_size,
             hidden_size=self.config.hidden_size,
@@ -215,7 +188,7 @@ class LlamaRunner:
         try:
             # Under the runner's kernel settings, as forward: a layout met first here is captured
             # here, and its graph serves every later forward of that layout, staged or not.
-            # (Without them, run 56-60's staged stacks captured cuBLAS graphs without PDL: 360
+            # (Without them, staged stacks captured cuBLAS graphs without PDL: 360
             # launches instead of 263, every forward of those layouts ~0.37 ms slower on an H100.)
             with self._kernel_settings():
                 prepared = self._prepare_static(chunks, starts, slots, layout, want_aux_hidden)
@@ -294,9 +267,9 @@ class LlamaRunner:
 
     @contextmanager
     def _kernel_settings(self):
-        """The runner's GEMM backend, PDL mode and L2 prefetch plan for what launches inside, and
+        """The runner's GEMM backend and PDL mode for what launches inside, and
         for the graphs captured inside (a graph keeps its capture's settings)."""
-        with gemm_backend(self.gemm), pdl_launches(self.pdl), l2_prefetch_scope(self.l2_prefetch):
+        with gemm_backend(self.gemm), pdl_launches(self.pdl):
             yield
 
     def _forward(self, chunks: list[SequenceChunk], want_hidden: bool, want_aux_hidden: bool,

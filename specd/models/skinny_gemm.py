@@ -17,14 +17,10 @@ to the model dtype as an unsplit product would be), and S is a fixed rule of the
 (`split_k_for`), not an autotuned choice and not a function of M: so the result is still
 deterministic and a row's result still does not depend on the batch.
 
-FINALIZE / ROW_SCALE (norm_fold.py, opt-in): the RMSNorm between two products folded into them,
-the split-K product before it finishing the residual add in each column block's last program,
-the product after it scaling its rows by 1 / rms.
-
 `skinny_linear` dispatches: CUDA, bf16/fp16, M <= MAX_ROWS, Triton importable, K a multiple of the
 smallest BLOCK_K -> the kernel; anything else -> F.linear (cuBLAS on CUDA, the CPU twin). The
-kernel is wrapped as a torch custom op, so torch.compile'd regions and CUDA-graph capture treat it
-as one opaque call. Block shapes are autotuned per (M bucket, N, K, S) on first use, i.e. during the
+kernel is wrapped as a torch custom op, so CUDA-graph capture (and torch.compile) treat it as one
+opaque call. Block shapes are autotuned per (M bucket, N, K, S) on first use, i.e. during the
 static path's warm-up, before any capture, except the 8B shapes at few rows on Hopper, whose shapes
 were measured inside the verify graph (TUNED_SM90). Tests run the kernel through Triton's interpreter on
 CPU (TRITON_INTERPRET=1) against float64.
@@ -33,20 +29,18 @@ CPU (TRITON_INTERPRET=1) against float64.
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
-from specd.models.kernels.l2_prefetch import KINDS, prewait_lines
 from specd.models.kernels.pdl import launch_options, use_pdl
-
-if TYPE_CHECKING:
-    from specd.models.norm_fold import ResidualFinalize, RowScale
 
 MAX_ROWS = 32
 MIN_BLOCK_K = 64
-PREFETCH_UNIT_ELEMS = {code: unit for code, unit in KINDS.values()}  # prefetch kind -> elements a unit
+# Bytes of each weight row a program pulls into L2 before its PDL wait, past the first tile it
+# loads anyway, while the kernel before it (a norm, the attention merge) leaves HBM idle: on the
+# H200's 8B step 512 gained 1-2.7%, 2048 and more lost (BENCHMARKS.md, "The GPU fast path").
+PREWAIT_BYTES = 512
 
 try:
     import triton
@@ -55,15 +49,11 @@ except Exception:  # ImportError, or a broken install: the F.linear path serves
     triton = None
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-# Experiments: pin a product's block shape instead of the autotuner's pick (read at capture time),
-# "N/K/S:BLOCK_N/BLOCK_K/warps/stages" joined by "+", e.g. SPECD_GEMM_CONFIG=4096/4096/2:32/256/4/4.
-GEMM_CONFIG_ENV = "SPECD_GEMM_CONFIG"
 
-
-# Block shapes measured inside the 8B verify graph on an H200 (batch 1, q 4: M bucket 16;
-# BENCHMARKS.md, run 14, each product's added time per layer): the autotuner times a product alone
-# from a cold L2, which ranks these shapes differently from the graph and, timing noise deciding,
-# picked o_proj shapes 1-4 us a layer slower in some processes (runs 11, 13). Keyed by (M bucket,
+# Block shapes measured inside the 8B verify graph on an H200 (batch 1, q 4: M bucket 16; each
+# product's added time per layer, BENCHMARKS.md, "The GPU fast path"): the autotuner times a product
+# alone from a cold L2, which ranks these shapes differently from the graph and, timing noise
+# deciding, picked o_proj shapes 1-4 us a layer slower in some processes. Keyed by (M bucket,
 # N, K, SwiGLU, splits); used on compute capability 9.0; other shapes and devices autotune.
 TUNED_SM90 = {
     (16, 6144, 4096, False, 1): (64, 128, 4, 4),  # qkv: 15.4 us against the autotuner's 16.4
@@ -83,20 +73,14 @@ def tuned_config(x: torch.Tensor, n: int, k: int, swiglu: bool, splits: int) -> 
     return {"BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": warps, "num_stages": stages}
 
 
-def pinned_config(n: int, k: int, splits: int) -> dict | None:
-    """The SPECD_GEMM_CONFIG launch options pinned for weight [N, K] split `splits` ways, or None."""
-    for part in filter(None, os.environ.get(GEMM_CONFIG_ENV, "").split("+")):
-        shape, sep, config = part.partition(":")
-        try:
-            if not sep or tuple(int(v) for v in shape.split("/")) != (n, k, splits):
-                continue
-            block_n, block_k, warps, stages = (int(v) for v in config.split("/"))
-        except ValueError:
-            raise ValueError(f"{GEMM_CONFIG_ENV}: expected N/K/S:BLOCK_N/BLOCK_K/warps/stages, got {part!r}") from None
-        if (k // splits) % block_k:
-            raise ValueError(f"{GEMM_CONFIG_ENV}: BLOCK_K {block_k} does not divide K / S = {k // splits}")
-        return {"BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": warps, "num_stages": stages}
-    return None
+def prewait_lines(x: torch.Tensor) -> int:
+    """128-byte lines of each weight row prefetched before the PDL wait (PREWAIT_BYTES as a power
+    of two of lines); none without PDL (nothing to overlap), before sm_90, on CPU and in the
+    interpreter. A hint: it cannot change a result."""
+    if (os.environ.get("TRITON_INTERPRET") == "1" or not use_pdl(x)
+            or torch.cuda.get_device_capability(x.device)[0] < 9):
+        return 0
+    return 1 << (PREWAIT_BYTES // 128 - 1).bit_length()  # the next power of two (tl.arange's length)
 
 
 def _configs():
@@ -112,9 +96,13 @@ def _configs():
 
 
 if triton is not None:
-    from specd.models.kernels.l2_prefetch import _prefetch_l2, prefetch_share
     from specd.models.kernels.pdl import gdc_release, gdc_wait
-    from specd.models.kernels.residual_epilogue import finalize_residual, row_rstd
+
+    @triton.jit
+    def _prefetch_l2(ptrs):
+        """One L2 prefetch per address in ptrs (a hint: nothing comes back, nothing waits)."""
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs],
+                                  dtype=tl.int32, is_pure=False, pack=1)
 
     def _divides_k(configs, named_args, **kwargs):
         """Only block shapes whose BLOCK_K divides a split's K range, K / SPLIT_K (the loop has no
@@ -122,29 +110,19 @@ if triton is not None:
         k_len = named_args["K"] // {**named_args, **kwargs}["SPLIT_K"]  # a keyword from _launch
         return [c for c in configs if k_len % c.kwargs["BLOCK_K"] == 0] or configs[-1:]
 
-    @triton.autotune(configs=_configs(), key=["M_BUCKET", "N", "K", "SWIGLU", "SPLIT_K", "FINALIZE", "ROW_SCALE"],
+    @triton.autotune(configs=_configs(), key=["M_BUCKET", "N", "K", "SWIGLU", "SPLIT_K"],
                      prune_configs_by={"early_config_prune": _divides_k})
     @triton.jit
     def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ys, stride_ym,
-                            pf_ptr, pf_units, pf_regions, pf_region_stride,
-                            eps, fx_ptr, stride_fx, fw_ptr, fr_ptr, fh_ptr, stride_fr, fss_ptr, fcnt_ptr, ss_ptr,
                             M_BUCKET: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                             SWIGLU: tl.constexpr, SPLIT_K: tl.constexpr, USE_PDL: tl.constexpr,
-                            PF_KIND: tl.constexpr = 0, PF_UNIT: tl.constexpr = 64,
-                            PREWAIT_LINES: tl.constexpr = 0, FINALIZE: tl.constexpr = False,
-                            ROW_SCALE: tl.constexpr = 0):
+                            PREWAIT_LINES: tl.constexpr = 0):
         """Grid (cdiv(N, BLOCK_N), SPLIT_K). SPLIT_K 1: y [M, N] in x's dtype. SPLIT_K > 1: program
         (n, s) sums K range s (K / SPLIT_K long) into y[s] of fp32 partials y [SPLIT_K, M, N].
-        PF_KIND > 0: after its stores, each program prefetches its share of the next GEMM's
-        weights into L2 (pf_*: kernels/l2_prefetch.py).
-        FINALIZE (norm_fold.py): y is fp32 partials and each column block's last program finishes
-        the residual add after them (residual_epilogue.finalize_residual: fx + sum(y) to fr, times
-        fw to fh, squares' sums to fss; fcnt its arrival counters). ROW_SCALE > 0 (norm_fold.py):
-        the product times each row's 1 / rms from squares' sums ss_ptr [K / 16, M] (ROW_SCALE:
-        K / 16 rounded up to a power of two)."""
-        # silu(gate) * up is not linear: it needs the whole sum, so no split with the epilogue;
-        # the norm's row scale needs every K: no split either
-        tl.static_assert(SPLIT_K == 1 or not (SWIGLU or ROW_SCALE > 0))
+        PREWAIT_LINES > 0: that many 128-byte lines of each weight row past the first tile are
+        prefetched into L2 before the PDL wait (prewait_lines)."""
+        # silu(gate) * up is not linear: it needs the whole sum, so no split with the epilogue
+        tl.static_assert(SPLIT_K == 1 or not SWIGLU)
         pid = tl.program_id(0)
         split = tl.program_id(1)
         k_len = K // SPLIT_K  # a multiple of BLOCK_K (_divides_k, split_k_for)
@@ -165,12 +143,10 @@ if triton is not None:
         if PREWAIT_LINES > 0:  # the next lines of each weight row into L2 while the predecessor runs
             lines = BLOCK_K + tl.arange(0, PREWAIT_LINES) * 64  # 128-byte lines of 2-byte elements
             pre = w_ptr + cols[:, None] * stride_wn + split * k_len + tl.minimum(lines, k_len - 64)[None, :]
-            _prefetch_l2(pre, 2)
+            _prefetch_l2(pre)
             if SWIGLU:
-                _prefetch_l2(pre + N * stride_wn, 2)
+                _prefetch_l2(pre + N * stride_wn)
         gdc_wait(USE_PDL)
-        if ROW_SCALE > 0:  # loaded before the loop: its latency hides under the weight stream's
-            row_scale = row_rstd(ss_ptr, rows, M, K, eps, ROW_SCALE)
         x = tl.load(x_ptrs, mask=row_ok, other=0.0)
         acc = tl.dot(x, tl.trans(w))  # [M_BUCKET, BLOCK_N] float32
         acc_up = tl.zeros((M_BUCKET, BLOCK_N), dtype=tl.float32)
@@ -189,13 +165,6 @@ if triton is not None:
         # The successor may launch once every program is past its loads: not earlier, or its
         # waiting programs would hold SM room that this grid's later waves need (pdl.py).
         gdc_release(USE_PDL)
-        if ROW_SCALE > 0:  # the norm's 1 / rms, a per-row scale of the product
-            acc = acc * row_scale[:, None]
-            acc_up = acc_up * row_scale[:, None]
-        if FINALIZE:  # the residual's tile and the norm's weight, read while this program finishes
-            fin_ok = row_ok & (cols[None, :] < N)
-            fin_x = tl.load(fx_ptr + rows[:, None] * stride_fx + cols[None, :], mask=fin_ok, other=0.0)
-            fin_w = tl.load(fw_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
         out = acc.to(y_ptr.dtype.element_ty)  # partials: fp32 already, nothing rounded
         if SWIGLU:  # silu(gate) * up, rounded as the unfused path rounds (norm_act.silu_mul)
             gate = out.to(tl.float32)
@@ -204,13 +173,6 @@ if triton is not None:
             out = (act * up).to(y_ptr.dtype.element_ty)
         y_ptrs = y_ptr + split * stride_ys + rows[:, None] * stride_ym + cols[None, :]
         tl.store(y_ptrs, out, mask=row_ok & (cols[None, :] < N))
-        if FINALIZE:
-            finalize_residual(y_ptr, stride_ys, stride_ym, fin_x, fin_w, fr_ptr, fh_ptr, stride_fr,
-                              fss_ptr, fcnt_ptr, pid, rows, cols, M, N, SPLIT_K, M_BUCKET, BLOCK_N)
-        if PF_KIND > 0:  # the next GEMM's weights, while this grid's last programs finish
-            prefetch_share(pf_ptr, pf_units, pf_regions, pf_region_stride,
-                           split * tl.num_programs(0) + pid, tl.num_programs(0) * tl.num_programs(1),
-                           PF_KIND, PF_UNIT)
 
 
 def _row_bucket(m: int) -> int:
@@ -228,117 +190,63 @@ def split_k_for(n: int, k: int) -> int:
     (fused_forward: o_proj and down_proj, whose outputs go to an rms_norm).
     Why fixed and not autotuned: the split changes the fp32 summation order, so it must be a rule
     of the shape alone (never of M, nor of a timing), like today's one-program-per-column sum."""
-    pinned = _pinned_splits(n, k)
-    if pinned is not None:
-        return pinned
     return 2 if n <= 8192 and k % (2 * MIN_BLOCK_K) == 0 else 1
 
 
-GEMM_SPLITS_ENV = "SPECD_GEMM_SPLITS"  # experiments: "N/K:S" joined by "+" pins split_k_for's answer
-
-
-def _pinned_splits(n: int, k: int) -> int | None:
-    for part in filter(None, os.environ.get(GEMM_SPLITS_ENV, "").split("+")):
-        shape, _, splits = part.partition(":")
-        try:
-            if tuple(int(v) for v in shape.split("/")) == (n, k):
-                s = int(splits)
-                if s < 1 or k % (s * MIN_BLOCK_K):
-                    raise ValueError
-                return s
-        except ValueError:
-            raise ValueError(f"{GEMM_SPLITS_ENV}: expected N/K:S with K a multiple of S * {MIN_BLOCK_K}, got {part!r}") from None
-    return None
-
-
-def _launch(x: torch.Tensor, weight: torch.Tensor, n: int, swiglu: bool, splits: int = 1,
-            prefetch: torch.Tensor | None = None, prefetch_units: int = 0, prefetch_regions: int = 1,
-            prefetch_kind: int = 0, finalize: ResidualFinalize | None = None,
-            row_scale: RowScale | None = None) -> torch.Tensor:
-    """y [M, N] in x's dtype (splits 1), or fp32 partials [splits, M, N] (splits > 1, or finalize);
-    prefetch_*: what the programs pull into L2 after their stores (kernels/l2_prefetch.PrefetchTarget);
-    finalize, row_scale: the norm folded into the GEMMs around it (norm_fold.py)."""
+def _launch(x: torch.Tensor, weight: torch.Tensor, n: int, swiglu: bool, splits: int = 1) -> torch.Tensor:
+    """y [M, N] in x's dtype (splits 1), or fp32 partials [splits, M, N] (splits > 1)."""
     m, k = x.shape
     assert k % (splits * MIN_BLOCK_K) == 0, (k, splits)
-    assert row_scale is None or splits == 1, "the row scale needs every K in one program"
-    partials = splits > 1 or finalize is not None
-    shape, dtype = ((splits, m, n), torch.float32) if partials else ((m, n), x.dtype)
+    shape, dtype = ((splits, m, n), torch.float32) if splits > 1 else ((m, n), x.dtype)
     y = torch.empty(shape, dtype=dtype, device=x.device)
     if m == 0:
         return y
     grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), splits)  # noqa: E731 - Triton's grid idiom
     options = {}
-    if prefetch is not None and prefetch_kind > 0 and prefetch_units > 0:
-        options = {"PF_KIND": prefetch_kind, "PF_UNIT": PREFETCH_UNIT_ELEMS[prefetch_kind]}
-    else:
-        prefetch, prefetch_units, prefetch_regions = weight, 0, 1
-    eps = 0.0
-    fold = (x, 0, x, x, x, 0, x, x, x)  # fx, stride_fx, fw, fr, fh, stride_fr, fss, fcnt, ss: unused
-    if finalize is not None:
-        f = finalize
-        fold = (f.residual, f.residual.stride(0), f.norm_weight, f.residual_out, f.normed_out,
-                f.residual_out.stride(0), f.squares, f.counters, x)
-        options["FINALIZE"] = True
-    if row_scale is not None:
-        fold = fold[:-1] + (row_scale.squares,)
-        options["ROW_SCALE"] = triton.next_power_of_2(k // 16)
-        eps = row_scale.eps
     prewait = prewait_lines(x)
     if prewait:
         options["PREWAIT_LINES"] = prewait
-    pinned = pinned_config(n, k, splits) or tuned_config(x, n, k, swiglu, splits)
-    kernel = _skinny_gemm_kernel.fn if pinned else _skinny_gemm_kernel  # the JIT function: no autotuning
-    kernel[grid](x, weight, y, m, n, k, x.stride(0), weight.stride(0), m * n, n,
-                 prefetch, prefetch_units, prefetch_regions, prefetch.numel() // prefetch_regions, eps, *fold,
-                 M_BUCKET=_row_bucket(m), SWIGLU=swiglu, SPLIT_K=splits,
-                 **options, **(pinned or {}), **launch_options(use_pdl(x)))
+    tuned = tuned_config(x, n, k, swiglu, splits)
+    kernel = _skinny_gemm_kernel.fn if tuned else _skinny_gemm_kernel  # the JIT function: no autotuning
+    kernel[grid](x, weight, y, m, n, k, x.stride(0), weight.stride(0), m * n, n, M_BUCKET=_row_bucket(m), SWIGLU=swiglu, SPLIT_K=splits,
+                 **options, **(tuned or {}), **launch_options(use_pdl(x)))
     return y
 
 
 @torch.library.custom_op("specd::skinny_gemm", mutates_args=())
-def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, prefetch: torch.Tensor | None = None,
-                prefetch_units: int = 0, prefetch_regions: int = 1, prefetch_kind: int = 0) -> torch.Tensor:
-    """x [M, K] @ weight[N, K]^T -> [M, N] in x's dtype (float32 accumulation). prefetch_*: the
-    next GEMM's weights to pull into L2 (kernels/l2_prefetch.py; never changes the result)."""
-    return _launch(x, weight, weight.shape[0], False, 1, prefetch, prefetch_units, prefetch_regions, prefetch_kind)
+def skinny_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ weight[N, K]^T -> [M, N] in x's dtype (float32 accumulation)."""
+    return _launch(x, weight, weight.shape[0], False, 1)
 
 
 @skinny_gemm.register_fake
-def _(x: torch.Tensor, weight: torch.Tensor, prefetch=None, prefetch_units=0, prefetch_regions=1,
-      prefetch_kind=0) -> torch.Tensor:
+def _(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return x.new_empty((x.shape[0], weight.shape[0]))
 
 
 @torch.library.custom_op("specd::skinny_gemm_partials", mutates_args=())
-def skinny_gemm_partials(x: torch.Tensor, weight: torch.Tensor, splits: int, prefetch: torch.Tensor | None = None,
-                         prefetch_units: int = 0, prefetch_regions: int = 1, prefetch_kind: int = 0) -> torch.Tensor:
+def skinny_gemm_partials(x: torch.Tensor, weight: torch.Tensor, splits: int) -> torch.Tensor:
     """Split-K: x [M, K], weight [N, K] -> fp32 partials [splits, M, N] whose sum over dim 0 is
     x @ weight^T (K % (splits * MIN_BLOCK_K) == 0; split_k_for picks splits). The consumer sums
-    them (norm_act.rms_norm's delta). prefetch_*: as skinny_gemm's."""
-    return _launch(x, weight, weight.shape[0], False, splits, prefetch, prefetch_units, prefetch_regions,
-                   prefetch_kind)
+    them (norm_act.rms_norm's delta)."""
+    return _launch(x, weight, weight.shape[0], False, splits)
 
 
 @skinny_gemm_partials.register_fake
-def _(x: torch.Tensor, weight: torch.Tensor, splits: int, prefetch=None, prefetch_units=0, prefetch_regions=1,
-      prefetch_kind=0) -> torch.Tensor:
+def _(x: torch.Tensor, weight: torch.Tensor, splits: int) -> torch.Tensor:
     return x.new_empty((splits, x.shape[0], weight.shape[0]), dtype=torch.float32)
 
 
 @torch.library.custom_op("specd::skinny_gemm_swiglu", mutates_args=())
-def skinny_gemm_swiglu(x: torch.Tensor, gate_up: torch.Tensor, prefetch: torch.Tensor | None = None,
-                       prefetch_units: int = 0, prefetch_regions: int = 1, prefetch_kind: int = 0) -> torch.Tensor:
+def skinny_gemm_swiglu(x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
     """SwiGLU's product and activation in one kernel: gate_up [2 I, K] (gate rows, then up rows);
     returns silu(x @ gate^T) * (x @ up^T) [M, I], each product rounded to x's dtype first, as
-    norm_act.silu_mul over the unfused product rounds (one launch and no [M, 2 I] round trip).
-    prefetch_*: as skinny_gemm's."""
-    return _launch(x, gate_up, gate_up.shape[0] // 2, True, 1, prefetch, prefetch_units, prefetch_regions,
-                   prefetch_kind)
+    norm_act.silu_mul over the unfused product rounds (one launch and no [M, 2 I] round trip)."""
+    return _launch(x, gate_up, gate_up.shape[0] // 2, True, 1)
 
 
 @skinny_gemm_swiglu.register_fake
-def _(x: torch.Tensor, gate_up: torch.Tensor, prefetch=None, prefetch_units=0, prefetch_regions=1,
-      prefetch_kind=0) -> torch.Tensor:
+def _(x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
     return x.new_empty((x.shape[0], gate_up.shape[0] // 2))
 
 

@@ -1,6 +1,6 @@
 """A kernel setting that a runner applies to the thread running its forward, and to it alone.
 
-Why per thread: a runner sets its GEMM backend, PDL mode and L2 prefetch plan around each forward
+Why per thread: a runner sets its GEMM backend and PDL mode around each forward
 (and each CUDA-graph capture, which keeps what was set then). As module globals, two runners
 forwarding on two threads of one process (an in-process drafter server beside an engine, as the
 service tests run them) interleaved their saves and restores, and a setting leaked out of its

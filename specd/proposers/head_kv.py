@@ -269,8 +269,7 @@ class StaticBatchKV:
         q_rows = q.transpose(1, 2).reshape(batch * num_q, num_heads, dim)  # [B * Q, Hq, D]
         if paged_decode_attention.serves_query_len(num_q) and paged_decode_attention.kernel_applies(q_rows, pool_k):
             out = paged_decode_attention.paged_decode_attention(
-                q_rows, pool_k, pool_v, self._meta.ctx_lens, self._meta.block_tables, num_q, scale,
-                counter_owner=self.cache)
+                q_rows, pool_k, pool_v, self._meta.ctx_lens, self._meta.block_tables, num_q, scale)
         else:
             out = static_paged_attention(q_rows.to(pool_k.dtype), pool_k, pool_v, self._meta, scale).to(q.dtype)
         return out.view(batch, num_q, num_heads, dim)

@@ -60,8 +60,7 @@ def test_host_phases_cut_a_step_at_the_fill_the_replays_and_the_forward(monkeypa
     def forward():
         time.sleep(0.001)  # bookkeeping
         runner.static._fill()
-        torch.cuda.CUDAGraph.replay(object())  # the head graph
-        torch.cuda.CUDAGraph.replay(object())  # the rest
+        torch.cuda.CUDAGraph.replay(object())
         time.sleep(0.004)  # outputs
 
     runner.forward = forward
@@ -72,8 +71,8 @@ def test_host_phases_cut_a_step_at_the_fill_the_replays_and_the_forward(monkeypa
 
     walls, host = host_phases(runner, step, n=3)
     assert list(host) == list(HOST_PHASES) and len(walls) == 3
-    expect = {"bookkeeping": 1e3, "fill": 2e3, "replay call": 3e3, "later replays": 3e3, "outputs": 4e3,
+    expect = {"bookkeeping": 1e3, "fill": 2e3, "replay call": 3e3, "outputs": 4e3,
               "rest + sync": 5e3}
     for phase, us in expect.items():
         assert us <= host[phase] < us + 2e3, (phase, host)
-    assert host["to replay"] < 1e3 and min(walls) >= 18e3
+    assert host["to replay"] < 1e3 and min(walls) >= 15e3

@@ -19,7 +19,7 @@ def _runner(static: bool) -> LlamaRunner:
     model = random_model(config, torch.float32, torch.device("cpu"))
     engine = PytorchEngineConfig(block_size=8, max_batch_size=4, num_gpu_blocks=64, session_len=80,
                                  device_type="cpu")
-    return LlamaRunner(".", engine, model=model, config=config, use_static_path=static, compile_mode="0")
+    return LlamaRunner(".", engine, model=model, config=config, use_static_path=static)
 
 
 def test_staged_step_computes_the_unstaged_logits_and_every_timed_forward_takes_its_stage():
@@ -49,16 +49,16 @@ def test_a_runner_without_the_static_path_says_its_step_does_not_stage():
 
 
 def test_runners_sharing_one_cache_compute_what_each_computes_alone():
-    """The step bench's three paths over one KV cache (run 50: three 8B caches and transformers'
-    did not fit an 80 GB card): each timing adds and frees its sequences, so a path's logits on
+    """The step bench's three paths over one KV cache (three 8B caches and transformers' did not
+    fit an 80 GB card): each timing adds and frees its sequences, so a path's logits on
     the shared cache are its logits on a cache of its own; a cache of another shape is refused."""
     static = _runner(static=True)
     config = static.config
     engine = PytorchEngineConfig(block_size=8, max_batch_size=4, num_gpu_blocks=64, session_len=80,
                                  device_type="cpu")
-    sharing = LlamaRunner(".", engine, model=static.model, config=config, use_static_path=False, compile_mode="0",
+    sharing = LlamaRunner(".", engine, model=static.model, config=config, use_static_path=False,
                           kv_cache=static.kv_cache)
-    alone = LlamaRunner(".", engine, model=static.model, config=config, use_static_path=False, compile_mode="0")
+    alone = LlamaRunner(".", engine, model=static.model, config=config, use_static_path=False)
     assert sharing.kv_cache is static.kv_cache
     for batch, q in ((1, 4), (3, 1)):
         first = step_logits(static, batch, q, context=40)
@@ -68,7 +68,7 @@ def test_runners_sharing_one_cache_compute_what_each_computes_alone():
     other = PytorchEngineConfig(block_size=16, max_batch_size=4, num_gpu_blocks=64, session_len=80,
                                 device_type="cpu")
     with pytest.raises(ValueError, match="shared cache"):
-        LlamaRunner(".", other, model=static.model, config=config, use_static_path=False, compile_mode="0",
+        LlamaRunner(".", other, model=static.model, config=config, use_static_path=False,
                     kv_cache=static.kv_cache)
 
 

@@ -56,7 +56,7 @@ def static_engine(target, stage: bool | str | None, config: PytorchEngineConfig 
     None: SPECD_STAGE_VERIFY unset, the default)."""
     spec = SpeculativeConfig(method=method, num_speculative_tokens=K, model=str(draft) if draft else "")
     plain = build_engine(target, config, spec)
-    runner = LlamaRunner(str(target), config, use_static_path=True, compile_mode="0")
+    runner = LlamaRunner(str(target), config, use_static_path=True)
     if plain.runner.aux_layer_ids != runner.aux_layer_ids:
         runner.set_aux_hidden_layers(plain.runner.aux_layer_ids)
     env = {k: v for k, v in os.environ.items() if k != STAGE_VERIFY_ENV}
@@ -110,8 +110,7 @@ def test_full_drafts_stage_every_step_but_the_first(target, kind):
 
 
 def test_staging_is_on_by_default_and_0_turns_it_off(target):
-    """SPECD_STAGE_VERIFY unset: staged (on by default since BENCHMARKS.md runs 63-64, where the
-    staged stacks led in 6 of 9 pairs since the fix); "0" stages nothing."""
+    """SPECD_STAGE_VERIFY unset: staged (on by default); "0" stages nothing."""
     prompts, params = make_requests(512, seed=6)
     default = static_engine(target, stage=None, wrapper=FullDrafts, carry=0)
     default.generate(prompts, params)
@@ -213,7 +212,7 @@ def test_aux_hidden_proposer(tiny_models):
 
 @pytest.fixture()
 def runner(target):
-    r = LlamaRunner(str(target), CONFIG, use_static_path=True, compile_mode="0")
+    r = LlamaRunner(str(target), CONFIG, use_static_path=True)
     for seq_id, prompt in ((0, [5, 6, 7, 8, 9]), (1, [11, 12, 13])):
         r.add_sequence(seq_id)
         r.forward([SequenceChunk(seq_id, prompt)])
@@ -243,28 +242,28 @@ def test_a_staged_forward_equals_the_plain_one(runner):
 def test_a_layout_met_first_by_the_stage_is_prepared_under_the_runners_settings(runner, monkeypatch):
     """A graph keeps its capture's kernel settings and serves every later forward of its layout,
     staged or not; so the stage, where a layout may be met (and captured) first, must prepare it
-    under the runner's GEMM backend, PDL mode and L2 prefetch plan, as forward does. (Captured
-    outside them, run 56-60's staged stacks replayed cuBLAS graphs without PDL, ~0.37 ms slower.)"""
+    under the runner's GEMM backend and PDL mode, as forward does. (Captured outside them, staged
+    stacks replayed cuBLAS graphs without PDL, ~0.37 ms slower.)"""
     from specd.models import linear
     from specd.models.cuda_graphs import StaticForward
-    from specd.models.kernels import l2_prefetch, pdl
+    from specd.models.kernels import pdl
 
     seen = []  # the settings in force at each prepare (where a new layout is captured)
     prepare = StaticForward.prepare
 
     def spy(self, *args, **kwargs):
-        seen.append((linear.active_backend(), pdl.active_mode(), l2_prefetch.active_plan()))
+        seen.append((linear.active_backend(), pdl.active_mode()))
         return prepare(self, *args, **kwargs)
     monkeypatch.setattr(StaticForward, "prepare", spy)
     runner.gemm, runner.pdl = "auto", "auto"  # not the settings outside any runner's scope
-    outside = (linear.active_backend(), pdl.active_mode(), l2_prefetch.active_plan())
-    assert outside[:2] == ("torch", "off")
+    outside = (linear.active_backend(), pdl.active_mode())
+    assert outside == ("torch", "off")
     assert runner.stage([SequenceChunk(0, [21, 0, 0, 0]), SequenceChunk(1, [31, 0])])
     runner.forward([SequenceChunk(0, [21, 22, 23, 24]), SequenceChunk(1, [31, 32])])  # takes the stage
     runner.forward([SequenceChunk(0, [25]), SequenceChunk(1, [33])])  # unstaged: prepared in forward
     assert runner.num_staged_forwards == 1
-    assert seen == [("auto", "auto", runner.l2_prefetch)] * 2
-    assert (linear.active_backend(), pdl.active_mode(), l2_prefetch.active_plan()) == outside  # restored
+    assert seen == [("auto", "auto")] * 2
+    assert (linear.active_backend(), pdl.active_mode()) == outside  # restored
 
 
 @pytest.mark.parametrize("other_call", [
@@ -299,7 +298,7 @@ def test_no_stage_where_the_static_path_does_not_apply(target):
     eager.forward([SequenceChunk(0, [5, 6, 7])])
     assert not eager.stage([SequenceChunk(0, [8, 0, 0, 0])]) and not eager.staged
     small = PytorchEngineConfig(max_batch_size=8, block_size=8, session_len=256, num_gpu_blocks=2)
-    full = LlamaRunner(str(target), small, use_static_path=True, compile_mode="0")
+    full = LlamaRunner(str(target), small, use_static_path=True)
     full.add_sequence(0)
     full.forward([SequenceChunk(0, [5] * 16)])  # both blocks filled
     assert not full.stage([SequenceChunk(0, [8, 0, 0, 0])]) and not full.staged  # no room: nothing staged

@@ -51,7 +51,7 @@ def test_warmed_up_engine_serves_as_a_fresh_one(tiny_models, method):
 def test_warm_up_makes_the_static_layouts(tiny_models):
     plain = build_engine(tiny_models["target-llama"], CONFIG, SpeculativeConfig(
         method="draft_model", num_speculative_tokens=K, model=str(tiny_models["draft-llama-small"])))
-    runner = LlamaRunner(str(tiny_models["target-llama"]), CONFIG, use_static_path=True, compile_mode="0")
+    runner = LlamaRunner(str(tiny_models["target-llama"]), CONFIG, use_static_path=True)
     engine = SpecEngine(runner, plain.proposer, K, max_batch_size=CONFIG.max_batch_size,
                         max_model_len=plain.max_model_len)
     assert not runner.static._entries

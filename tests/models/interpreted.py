@@ -29,7 +29,7 @@ small_model = random_model(small_config, torch.float16, torch.device("cpu"))
 def small_step(gemm, kernels):
     ec = PytorchEngineConfig(max_batch_size=2, block_size=16, num_gpu_blocks=16, session_len=64,
                              device_type="cpu", dtype="float16")
-    r = LlamaRunner(".", ec, model=small_model, config=small_config, use_static_path=True, compile_mode="0",
+    r = LlamaRunner(".", ec, model=small_model, config=small_config, use_static_path=True,
                     gemm=gemm, kernels=kernels)
     r.set_aux_hidden_layers([0, 1])
     for s, ctx in [(0, 9), (1, 21)]:

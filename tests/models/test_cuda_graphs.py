@@ -12,8 +12,7 @@ import torch
 
 from specd.messages import PytorchEngineConfig
 from specd.models.base import SequenceChunk
-from specd.models.cuda_graphs import GRAPH_INPUT_COPY_ENV
-from specd.models.graph_layout import GRAPH_HEAD_LAYERS_ENV, batch_buckets, graph_head_layers, width_bucket
+from specd.models.graph_layout import batch_buckets, width_bucket
 from specd.models.llama_runner import LlamaRunner
 
 TOL = 1e-5
@@ -77,19 +76,15 @@ def test_static_path_equals_eager(kind, checkpoint):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs: the CPU twin is the test above")
-@pytest.mark.parametrize("input_copy", ["graph", "fill"])
-def test_cuda_graphs_with_unsynchronised_replays_equal_synchronised_ones(input_copy, checkpoint, monkeypatch):
+def test_cuda_graphs_with_unsynchronised_replays_equal_synchronised_ones(checkpoint):
     """On CUDA the graphs copy their inputs from a pinned buffer in the replay itself: the script's
     forwards follow one another without a sync, so each fill must wait for the last replay's copy.
     Bit for bit the outputs of the same graphs run with a sync after every forward; and near the
-    eager path's (Triton's fp32 products run on TF32 tensor cores: ~1e-2 relative after 4 layers).
-    ("fill": the A/B twin, the copy issued by the fill from pageable memory.)"""
-    if input_copy == "fill":
-        monkeypatch.setenv(GRAPH_INPUT_COPY_ENV, "fill")
+    eager path's (Triton's fp32 products run on TF32 tensor cores: ~1e-2 relative after 4 layers)."""
     path = checkpoint("llama")  # block size 16: the CUDA attention kernel's smallest key tile
     runners = [make_runner(path, static, device_type="cuda", block_size=16) for static in (True, True, False)]
     graphs, synced, eager = runners
-    assert graphs.static.copy_in_graph == (input_copy == "graph")
+    assert graphs.static.copy_in_graph
     got, want = script(graphs), script(synced, after_forward=torch.cuda.synchronize)
     assert graphs.static.num_captures >= 5 and graphs.static.num_static_forwards == 6
     assert all(torch.equal(a, b) for a, b in zip(got, want))
@@ -99,26 +94,10 @@ def test_cuda_graphs_with_unsynchronised_replays_equal_synchronised_ones(input_c
     assert worst < 0.1
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs: the hook's CPU twin is in test_triton_kernels")
-def test_head_graph_cut_changes_no_bit(checkpoint, monkeypatch):
-    """The capture cut in two (a head graph of one layer, then the rest) replays what one graph
-    does, bit for bit, aux features included; each layout holds two graphs."""
-    path = checkpoint("llama")
-    outs = {}
-    for head in ("0", "1"):
-        monkeypatch.setenv(GRAPH_HEAD_LAYERS_ENV, head)
-        runner = make_runner(path, True, device_type="cuda", block_size=16, dtype="bfloat16")
-        runner.set_aux_hidden_layers([0, 2])
-        outs[head] = script(runner, want_aux=True)
-        assert runner.static.fused
-        assert {len(e.graphs) for e in runner.static._entries.values()} == ({1} if head == "0" else {2})
-    assert all(torch.equal(a, b) for a, b in zip(outs["0"], outs["1"]))
-
-
 def test_graphs_dropped_then_captured_again_replay_the_same_bits(checkpoint):
     """drop_graphs (what the step bench's recaptures and launch settings do) frees the graphs and
     their memory pool; capturing again must take a new pool (a stale handle asserted in torch's
-    allocator, run 46) and replay the first capture's bits. On CPU: the static buffers made again."""
+    allocator) and replay the first capture's bits. On CPU: the static buffers made again."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     runner = make_runner(checkpoint("llama"), True, device_type=device, block_size=16, dtype="bfloat16")
     first = script(runner)
@@ -130,28 +109,11 @@ def test_graphs_dropped_then_captured_again_replay_the_same_bits(checkpoint):
     assert all(torch.equal(a, b) for a, b in zip(first, again))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs: the fold's CPU twin is test_norm_fold's")
-def test_norm_fold_graphs_replay_the_same_bits_unsynchronised_and_stay_near_the_norm_kernels(checkpoint, monkeypatch):
-    """SPECD_NORM_FOLD=1 (norm_fold.py) on CUDA: the graphs replayed back to back give the bits
-    of the same graphs synchronised after each forward (the arrival counters and the squares are
-    reused from step to step), and stay within bf16 rounding of the graphs with the norm kernels."""
-    path = checkpoint("llama")
-    bf16 = dict(device_type="cuda", block_size=16, dtype="bfloat16")
-    plain = script(make_runner(path, True, **bf16))
-    monkeypatch.setenv("SPECD_NORM_FOLD", "1")
-    folded, synced = make_runner(path, True, **bf16), make_runner(path, True, **bf16)
-    got, want = script(folded), script(synced, after_forward=torch.cuda.synchronize)
-    assert all(torch.equal(a, b) for a, b in zip(got, want))
-    worst = max(((a.float() - b.float()).norm() / b.float().norm()).item() for a, b in zip(got, plain))
-    print(f"cuda: fold vs norm kernels, worst relative error {worst:.3g}")
-    assert 0 < worst < 5e-2  # a wrong scale or residual would be O(1)
-
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs' private pools exist on CUDA only")
 def test_a_capture_can_take_memory_the_allocator_holds_cached():
     """With all but 256 MiB of the device's free memory cached by the allocator (a tensor made and
     dropped, as an eager prefill's activations are), a capture that needs 1 GiB still succeeds:
-    the chain hands the cached blocks back first, as torch.cuda.graph does (run 47 OOMed without)."""
+    the chain hands the cached blocks back first, as torch.cuda.graph does (an 8B capture OOMed without)."""
     from specd.models.graph_chain import GraphChain
 
     torch.cuda.empty_cache()
@@ -172,7 +134,7 @@ def test_a_capture_can_take_memory_the_allocator_holds_cached():
 
 
 def test_a_layout_whose_capture_runs_out_of_memory_runs_without_a_graph(checkpoint, monkeypatch, caplog):
-    """A capture's OOM (run 47: batch 128 on an H100) leaves that layout on its eager body, with a
+    """A capture's OOM (batch 128 of an 8B model on an H100) leaves that layout on its eager body, with a
     warning, instead of failing the step and every request the engine holds; its outputs are the
     eager runner's, and the layout is not tried again. On CPU the capture is made to raise (the
     static buffers are the CPU twin; CUDA's own OOM is test_a_capture_can_take_memory_...)."""
@@ -198,7 +160,7 @@ def test_a_layout_whose_capture_runs_out_of_memory_runs_without_a_graph(checkpoi
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs: the CPU twin is the test above")
 def test_captures_out_of_memory_on_cuda_leave_those_layouts_eager_and_the_rest_captured(checkpoint, monkeypatch):
-    """Every other capture raises OOM inside the live capture (from its lm_head, as in run 47):
+    """Every other capture raises OOM inside the live capture (from its lm_head, as on the H100):
     the capture ends, the layout runs eagerly, later layouts still capture (a new pool where the
     failed graph took the only one), and the outputs stay those of a runner whose captures all
     fit (bf16: the same kernels, launched from a graph or not)."""
@@ -222,17 +184,6 @@ def test_captures_out_of_memory_on_cuda_leave_those_layouts_eager_and_the_rest_c
     assert runner.static.num_captures == len(attempts) // 2 >= 2
     worst = max(((a.float() - b.float()).norm() / b.float().norm()).item() for a, b in zip(got, want))
     assert worst < 1e-2, worst
-
-
-def test_graph_head_layers_setting(monkeypatch):
-    monkeypatch.delenv(GRAPH_HEAD_LAYERS_ENV, raising=False)
-    assert graph_head_layers() == 0
-    monkeypatch.setenv(GRAPH_HEAD_LAYERS_ENV, "2")
-    assert graph_head_layers() == 2
-    for bad in ("-1", "two"):
-        monkeypatch.setenv(GRAPH_HEAD_LAYERS_ENV, bad)
-        with pytest.raises(ValueError, match=GRAPH_HEAD_LAYERS_ENV):
-            graph_head_layers()
 
 
 def test_static_path_aux_hidden_states(checkpoint):

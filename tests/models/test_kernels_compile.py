@@ -12,12 +12,6 @@ import pytest
 triton = pytest.importorskip("triton", reason="triton (xgrammar pulls it)")
 
 
-# the skinny GEMM's arguments of the folded norm (norm_fold.py), unused unless FINALIZE / ROW_SCALE
-FOLD_SIG = {"fx_ptr":"*bf16","stride_fx":"i32","fw_ptr":"*bf16","fr_ptr":"*bf16","fh_ptr":"*bf16","stride_fr":"i32",
-            "fss_ptr":"*fp32","fcnt_ptr":"*i32","ss_ptr":"*fp32","FINALIZE":"constexpr","ROW_SCALE":"constexpr"}
-NO_FOLD = {"FINALIZE":False,"ROW_SCALE":0}
-
-
 def test_kernels_compile_to_sm90_ptx():
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -53,64 +47,42 @@ def test_kernels_compile_to_sm90_ptx():
     for delta_ptr, splits in [(P, 0), (P, 1), ("*fp32", 2)]:  # no delta, a bf16 delta, split-K partials
         comp(norm_act._rmsnorm_kernel, dict(norm_sig, delta_ptr=delta_ptr), {"H":4096,"BLOCK":4096,"DELTA_SPLITS":splits})
     comp(norm_act._silu_mul_kernel, {"gu_ptr":P,"out_ptr":P,"stride_gu":"i32","stride_o":"i32","inter":"i32","BLOCK":"constexpr"},{"BLOCK":1024})
-    attn_sig = {"q_ptr":P,"k_ptr":P,"v_ptr":P,"tables_ptr":"*i64","ctx_ptr":"*i64","acc_ptr":"*fp32","ml_ptr":"*fp32","out_ptr":P,
-      "counter_ptr":"*i32","cos_ptr":P,"sin_ptr":P,"slots_ptr":"*i64",
-      "stride_qt":"i32","stride_qh":"i32","stride_kb":"i32","stride_ks":"i32","stride_kh":"i32","stride_tb":"i32","stride_ot":"i32","stride_oh":"i32",
+    attn_sig = {"q_ptr":P,"k_ptr":P,"v_ptr":P,"tables_ptr":"*i64","ctx_ptr":"*i64","acc_ptr":"*fp32","ml_ptr":"*fp32",
+      "cos_ptr":P,"sin_ptr":P,"slots_ptr":"*i64",
+      "stride_qt":"i32","stride_qh":"i32","stride_kb":"i32","stride_ks":"i32","stride_kh":"i32","stride_tb":"i32",
       "stride_cos":"i32","scale":"fp32","window":"i32","tiles_per_split":"i32",
       "QLEN":"constexpr","GROUP":"constexpr","ROWS":"constexpr","D":"constexpr","BLOCK_SIZE":"constexpr","BLOCK_N":"constexpr","HAS_WINDOW":"constexpr",
-      "ROPE":"constexpr","MERGE":"constexpr","SPLITS":"constexpr"}
-    attn_consts = {"QLEN":4,"GROUP":4,"ROWS":16,"D":128,"BLOCK_SIZE":64,"BLOCK_N":64,"HAS_WINDOW":True,"ROPE":False,"MERGE":False,"SPLITS":0}
-    # plain; the rope fold (kernels/paged_decode_attention.py); the merge fold with several splits and
-    # with one (the direct store); both folds
-    for rope, merge, splits in [(False, False, 0), (True, False, 0), (False, True, 4), (False, True, 1), (True, True, 4)]:
-        consts = dict(attn_consts, ROPE=rope, MERGE=merge, SPLITS=splits)
+      "ROPE":"constexpr"}
+    attn_consts = {"QLEN":4,"GROUP":4,"ROWS":16,"D":128,"BLOCK_SIZE":64,"BLOCK_N":64,"HAS_WINDOW":True,"ROPE":False}
+    for rope in (False, True):  # q rotated already (the draft heads); the rope fold (the verify step)
+        consts = dict(attn_consts, ROPE=rope)
         comp(pda._partials_kernel, attn_sig, consts)
         # the host-copied ctx and block table (and the rope tables, slots) are read before the wait
-        # (pdl.py); the cache writes and the merge's arrival after it
+        # (pdl.py); the cache writes after it
         ptx = triton.compile(ASTSource(fn=pda._partials_kernel, signature=dict(attn_sig, USE_PDL="constexpr"),
                                        constexprs=dict(consts, USE_PDL=True)), target=tgt).asm["ptx"]
         wait = ptx.index("griddepcontrol.wait")
         assert ptx.index("ld.global") < wait
-        assert ("atom.global.gpu.acq_rel.add" in ptx) == (merge and splits > 1), (rope, merge, splits)
-        if merge and splits > 1:
-            assert wait < ptx.index("atom.global") < ptx.index("ld.global.cg"), (rope, splits)  # the last one reads
         if rope:  # the k/v writes, then the barrier before the key loop's reads
             assert wait < ptx.index("st.global") < ptx.index("bar.sync", ptx.index("st.global"))
     comp(pda._combine_kernel, {"acc_ptr":"*fp32","ml_ptr":"*fp32","out_ptr":P,"stride_ot":"i32","stride_oh":"i32",
       "QLEN":"constexpr","GROUP":"constexpr","ROWS":"constexpr","D":"constexpr","SPLITS":"constexpr"},{"QLEN":4,"GROUP":4,"ROWS":16,"D":128,"SPLITS":17})
     gemm_sig = {"x_ptr":P,"w_ptr":P,"y_ptr":P,"M":"i32","N":"i32","K":"i32","stride_xm":"i32","stride_wn":"i32","stride_ys":"i32","stride_ym":"i32",
-                "pf_ptr":P,"pf_units":"i32","pf_regions":"i32","pf_region_stride":"i64",
                 "M_BUCKET":"constexpr","BLOCK_N":"constexpr","BLOCK_K":"constexpr","SWIGLU":"constexpr","SPLIT_K":"constexpr",
-                "eps":"fp32","PF_KIND":"constexpr","PF_UNIT":"constexpr","PREWAIT_LINES":"constexpr", **FOLD_SIG}
+                "PREWAIT_LINES":"constexpr"}
     # plain, SwiGLU, split-K partials
     for y_ptr, swiglu, split_k in [(P, False, 1), (P, True, 1), ("*fp32", False, 2)]:
         comp(skinny_gemm._skinny_gemm_kernel.fn, dict(gemm_sig, y_ptr=y_ptr), {"M_BUCKET":16,"BLOCK_N":32,"BLOCK_K":128,"SWIGLU":swiglu,"SPLIT_K":split_k,
-             "PF_KIND":0,"PF_UNIT":64,"PREWAIT_LINES":0,**NO_FOLD}, release_after_loads=True)
-    # the norm folded (norm_fold.py): split-K partials finished by each column block's last program
-    # (after the wait, the arrival, then the partials read past L1), at 16 and 32 rows; the products
-    # after it scaled by the rows' 1 / rms (their squares' sums read after the wait)
-    for m_bucket in (16, 32):
-        consts = {"M_BUCKET":m_bucket,"BLOCK_N":32,"BLOCK_K":128,"SWIGLU":False,"SPLIT_K":2,"PF_KIND":0,"PF_UNIT":64,
-                  "PREWAIT_LINES":0,"FINALIZE":True,"ROW_SCALE":0}
-        comp(skinny_gemm._skinny_gemm_kernel.fn, dict(gemm_sig, y_ptr="*fp32"), consts, release_after_loads=False)
-        ptx = triton.compile(ASTSource(fn=skinny_gemm._skinny_gemm_kernel.fn, signature=dict(gemm_sig, y_ptr="*fp32", USE_PDL="constexpr"),
-                                       constexprs=dict(consts, USE_PDL=True)), target=tgt).asm["ptx"]
-        wait, arrival = ptx.index("griddepcontrol.wait"), ptx.index("atom.global.gpu.acq_rel.add")
-        assert wait < arrival < ptx.index("ld.global.cg", arrival), m_bucket
-    for swiglu in (False, True):
-        consts = {"M_BUCKET":16,"BLOCK_N":64,"BLOCK_K":128,"SWIGLU":swiglu,"SPLIT_K":1,"PF_KIND":0,"PF_UNIT":64,
-                  "PREWAIT_LINES":0,"FINALIZE":False,"ROW_SCALE":256}
-        comp(skinny_gemm._skinny_gemm_kernel.fn, gemm_sig, consts, release_after_loads=True)
-    for swiglu, row_scale in [(True, 0), (False, 256)]:  # SwiGLU's epilogue and the row scale need the whole sum
-        with pytest.raises(CompileTimeAssertionFailure):
-            comp(skinny_gemm._skinny_gemm_kernel.fn, dict(gemm_sig, y_ptr="*fp32"), {"M_BUCKET":16,"BLOCK_N":32,"BLOCK_K":128,"SWIGLU":swiglu,"SPLIT_K":2,
-                 "PREWAIT_LINES":0,"FINALIZE":False,"ROW_SCALE":row_scale})
+             "PREWAIT_LINES":0}, release_after_loads=True)
+    with pytest.raises(CompileTimeAssertionFailure):  # SwiGLU's epilogue needs the whole sum
+        comp(skinny_gemm._skinny_gemm_kernel.fn, dict(gemm_sig, y_ptr="*fp32"), {"M_BUCKET":16,"BLOCK_N":32,"BLOCK_K":128,"SWIGLU":True,"SPLIT_K":2,
+             "PREWAIT_LINES":0})
 
 
-def test_gemm_epilogue_prefetch_compiles_after_the_release_and_the_stores():
-    """kernels/l2_prefetch.py: each kind emits its instruction, only after the K loop's release
-    and the output store (a prefetch issued earlier would compete with the GEMM's own loads), and
-    PF_KIND 0 emits none."""
+def test_gemm_prewait_prefetch_comes_before_the_pdl_wait():
+    """The program's own next weight lines, prefetched into L2 before the PDL wait (skinny_gemm's
+    PREWAIT_LINES; 8 lines of 64 gate rows and 64 up rows over 128 threads: 8 instructions a
+    thread), and none with PREWAIT_LINES 0."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -118,26 +90,12 @@ def test_gemm_epilogue_prefetch_compiles_after_the_release_and_the_stores():
 
     P = "*bf16"
     sig = {"x_ptr":P,"w_ptr":P,"y_ptr":P,"M":"i32","N":"i32","K":"i32","stride_xm":"i32","stride_wn":"i32","stride_ys":"i32",
-           "stride_ym":"i32","pf_ptr":P,"pf_units":"i32","pf_regions":"i32","pf_region_stride":"i64",
-           "eps":"fp32","M_BUCKET":"constexpr",
-           "BLOCK_N":"constexpr","BLOCK_K":"constexpr","SWIGLU":"constexpr","SPLIT_K":"constexpr","USE_PDL":"constexpr",
-           "PF_KIND":"constexpr","PF_UNIT":"constexpr","PREWAIT_LINES":"constexpr", **FOLD_SIG}
-    instruction = {1: "prefetch.global.L2", 2: "prefetch.global.L2", 3: "cp.async.bulk.prefetch.L2.global"}
-    for kind, unit in [(0, 64), (1, 16), (2, 64), (3, 2048)]:
-        consts = {"M_BUCKET":16,"BLOCK_N":32,"BLOCK_K":128,"SWIGLU":True,"SPLIT_K":1,"USE_PDL":True,"PF_KIND":kind,"PF_UNIT":unit,
-                  "PREWAIT_LINES":0,**NO_FOLD}
+           "stride_ym":"i32","M_BUCKET":"constexpr","BLOCK_N":"constexpr","BLOCK_K":"constexpr","SWIGLU":"constexpr",
+           "SPLIT_K":"constexpr","USE_PDL":"constexpr","PREWAIT_LINES":"constexpr"}
+    for lines in (0, 8):
+        consts = {"M_BUCKET":16,"BLOCK_N":64,"BLOCK_K":128,"SWIGLU":True,"SPLIT_K":1,"USE_PDL":True,"PREWAIT_LINES":lines}
         ptx = triton.compile(ASTSource(fn=skinny_gemm._skinny_gemm_kernel.fn, signature=sig, constexprs=consts),
                              target=GPUTarget("cuda", 90, 32)).asm["ptx"]
-        if kind == 0:
-            assert "prefetch" not in ptx
-            continue
-        first = ptx.index(instruction[kind])
-        assert first > ptx.index("griddepcontrol.launch_dependents"), kind
-        assert first > ptx.rindex("st.global"), kind
-    # SPECD_GEMM_PREWAIT_BYTES: the program's own next weight lines, prefetched before the PDL wait
-    # (8 lines of 64 gate rows and 64 up rows over 128 threads: 8 instructions a thread)
-    consts.update(PF_KIND=0, PREWAIT_LINES=8, BLOCK_N=64)
-    ptx = triton.compile(ASTSource(fn=skinny_gemm._skinny_gemm_kernel.fn, signature=sig, constexprs=consts),
-                         target=GPUTarget("cuda", 90, 32)).asm["ptx"]
-    assert ptx.count("prefetch.global.L2") == 8
-    assert ptx.rindex("prefetch.global.L2") < ptx.index("griddepcontrol.wait")
+        assert ptx.count("prefetch.global.L2") == lines
+        if lines:
+            assert ptx.rindex("prefetch.global.L2") < ptx.index("griddepcontrol.wait")

@@ -47,24 +47,22 @@ def test_probe_on_the_device_matches_its_capability():
 
 
 def test_runner_scopes_on_two_threads_neither_see_nor_leak_each_other():
-    """The GEMM backend, PDL mode and prefetch plan apply to the thread that set them: two runners
+    """The GEMM backend and PDL mode apply to the thread that set them: two runners
     forwarding on two threads, their scopes entered and left interleaved (A in, B in, A out, B
     out: as module globals B's exit restored A's value), leave both threads at the defaults."""
     import threading
 
     from specd.models import linear
-    from specd.models.kernels import l2_prefetch
 
     def settings():
-        return linear.active_backend(), pdl.active_mode(), l2_prefetch.active_plan()
+        return linear.active_backend(), pdl.active_mode()
 
     defaults = settings()
-    plan = l2_prefetch.PrefetchPlan.parse("o=32")
     a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
     seen = {}
 
     def runner_a():
-        with linear.gemm_backend("auto"), pdl.pdl_launches("auto"), l2_prefetch.l2_prefetch_scope(plan):
+        with linear.gemm_backend("auto"), pdl.pdl_launches("auto"):
             a_in.set()
             b_in.wait(5)
             seen["a inside"] = settings()
@@ -79,5 +77,5 @@ def test_runner_scopes_on_two_threads_neither_see_nor_leak_each_other():
         b_in.set()
         a_out.wait(5)
     thread.join(5)
-    assert seen["b before"] == defaults and seen["a inside"] == ("auto", "auto", plan)
+    assert seen["b before"] == defaults and seen["a inside"] == ("auto", "auto")
     assert seen["a after"] == defaults and settings() == defaults

@@ -41,7 +41,7 @@ def test_the_runner_reserves_its_session_length_and_steps_the_same():
     model = random_model(cfg, torch.float32, torch.device("cpu"))
     ec = PytorchEngineConfig(max_batch_size=2, block_size=16, num_gpu_blocks=16, session_len=96,
                              device_type="cpu", dtype="float32")
-    runner = LlamaRunner(".", ec, model=model, config=cfg, use_static_path=True, compile_mode="0")
+    runner = LlamaRunner(".", ec, model=model, config=cfg, use_static_path=True)
     rotary = model.model.rotary_emb
     assert rotary._table is not None and rotary._table.shape == (96, 2 * cfg.head_dim)
 

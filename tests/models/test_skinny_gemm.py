@@ -143,7 +143,7 @@ def test_static_path_logits_with_the_kernel_equal_cublas_within_rounding():
                                  device_type="cpu", dtype="float16")
         logits = {}
         for gemm in ("auto", "torch"):
-            r = LlamaRunner(".", ec, model=model, config=cfg, use_static_path=True, compile_mode="0", gemm=gemm)
+            r = LlamaRunner(".", ec, model=model, config=cfg, use_static_path=True, gemm=gemm)
             for s in (0, 1):
                 r.add_sequence(s)
                 r.kv_cache.append_slots(s, 20)

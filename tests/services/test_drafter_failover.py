@@ -42,7 +42,7 @@ def serve(tiny_models, method, port=0):
 
 def staged_engine(tiny_models, proposer) -> SpecEngine:
     """The engine over the static path's CPU twin, staging its verify batches."""
-    runner = LlamaRunner(str(tiny_models["target-llama"]), ENGINE_CONFIG, use_static_path=True, compile_mode="0")
+    runner = LlamaRunner(str(tiny_models["target-llama"]), ENGINE_CONFIG, use_static_path=True)
     if proposer.aux_layer_ids:
         runner.set_aux_hidden_layers(list(proposer.aux_layer_ids))
     with mock.patch.dict(os.environ, {STAGE_VERIFY_ENV: "1"}):

@@ -12,19 +12,15 @@ merges the chunks (exact: the log-sum-exp combination). GQA: the G = Hq / Hkv qu
 a KV head and the Q rows of a slot form one [G * Q, D] tile, so each K/V tile is read once for all
 of them and the score tile is a tensor-core product.
 
-Two opt-in folds, each a launch less per layer on the verify step's latency-bound chain (read at
-call time, i.e. when a CUDA graph is captured; default off until a GPU measurement says so):
-  - SPECD_ATTN_ROPE=1 (rope_paged_decode_attention): RoPE and the paged-cache write of the new
-    tokens (kernels/rope_cache.py) inside the partials kernel. Each program rotates its q tile
-    itself from the raw qkv output, and the program whose key chunk holds a new token's position
-    rotates that token's k and writes it with v into the token's slot before its key loop reads
-    the cache (the chunks partition the keys, so each token is written once per KV head, by the
-    only program that reads it). Same arithmetic and rounding as rope_cache: the same bits.
-  - SPECD_ATTN_MERGE=1: the merge done by each pair's last program to finish (an arrival counter
-    per pair, merge_counters), not by a second kernel.
-The merge sums the splits one by one in split order, elementwise, in both places, so the two
-paths give the same bits whatever the tile shapes and warps (a tl.sum over the splits would add in
-an order that depends on the register layout, i.e. on the kernel).
+RoPE folded in (rope_paged_decode_attention, what the verify step runs): RoPE and the paged-cache
+write of the new tokens (kernels/rope_cache.py) inside the partials kernel, one launch less a layer
+on the step's latency-bound chain. Each program rotates its q tile itself from the raw qkv output,
+and the program whose key chunk holds a new token's position rotates that token's k and writes it
+with v into the token's slot before its key loop reads the cache (the chunks partition the keys,
+so each token is written once per KV head, by the only program that reads it). Same arithmetic and
+rounding as rope_cache: the same bits. paged_decode_attention takes q already rotated and cached
+(the draft heads, head_kv.py). The merge sums the splits one by one in split order, elementwise
+(a tl.sum's order would depend on the register layout, i.e. on the kernel).
 
 The PyTorch twin (static_attention.static_paged_attention's gather + SDPA) is the reference the
 tests compare against, on CPU through Triton's interpreter.
@@ -36,7 +32,6 @@ import os
 
 import torch
 
-from specd.models.kernels.arrival_counters import arrival_counters
 from specd.models.kernels.pdl import launch_options, use_pdl
 
 try:
@@ -47,37 +42,14 @@ except Exception:  # ImportError, or a broken install
 
 MAX_QUERY_LEN = 16  # rows per slot this kernel serves: verify (k + 1) and decode; not prefills
 TARGET_PROGRAMS = 264  # ~2 per multiprocessor on an H200 (132): enough key chunks in flight
-TARGET_PROGRAMS_ENV = "SPECD_ATTN_PROGRAMS"  # an override for experiments (read at capture time)
-ROPE_ENV = "SPECD_ATTN_ROPE"  # "0": RoPE + the cache write as a kernel of their own (default "1": folded in)
-MERGE_ENV = "SPECD_ATTN_MERGE"  # "1": the split merge by each pair's last program (capture time)
 MIN_CHUNK_TILES = 1
 
 
 def num_splits(batch: int, num_kv_heads: int, width: int, block_n: int) -> int:
     """Key chunks per (slot, KV head): fill ~TARGET_PROGRAMS programs, never below one key tile."""
-    target = int(os.environ.get(TARGET_PROGRAMS_ENV) or TARGET_PROGRAMS)
-    if target < 1:
-        raise ValueError(f"{TARGET_PROGRAMS_ENV}: expected a positive number of programs, got {target}")
     tiles = -(-width // block_n)
-    want = -(-target // (batch * num_kv_heads))
+    want = -(-TARGET_PROGRAMS // (batch * num_kv_heads))
     return max(1, min(tiles, want))
-
-
-def folds_rope() -> bool:
-    """Whether the caller should hand the raw qkv to rope_paged_decode_attention (ROPE_ENV, on by
-    default: the same bits, 33-74 us off the 8B step at batch 1 on the H200, BENCHMARKS.md run 39)."""
-    return os.environ.get(ROPE_ENV, "1") == "1"
-
-
-def folds_merge() -> bool:
-    """Whether the partials kernel merges the splits itself (MERGE_ENV)."""
-    return os.environ.get(MERGE_ENV) == "1"
-
-
-def merge_counters(owner: object | None, device: torch.device | str, size: int) -> torch.Tensor:
-    """The in-kernel merge's arrival counters: owner's zeroed int32 [size] (kernels/arrival_counters.py;
-    fused_forward passes its PagedKVCache)."""
-    return arrival_counters(owner, "attention merge", device, size)
 
 
 if triton is not None:
@@ -126,9 +98,8 @@ if triton is not None:
     def _merge_splits(acc_ptr, ml_ptr, pair, r, d, SPLITS: tl.constexpr, ROWS: tl.constexpr,
                       D: tl.constexpr):
         """The log-sum-exp merge of pair's SPLITS partials, tile rows r [R]: [R, D] float32. Split
-        by split in split order, elementwise only (the same bits in every caller, module doc);
-        unrolled so that all the loads are independent. .cg: from L2, never a stale L1 line (the
-        in-kernel merge reads what other programs just wrote)."""
+        by split in split order, elementwise only (module doc); unrolled so that all the loads are
+        independent. .cg: from L2 (another kernel's partials: nothing to gain from L1)."""
         base = pair * SPLITS * ROWS + r  # [R]: split s's row r at base + s * ROWS
         m_max = tl.load(ml_ptr + base * 2, cache_modifier=".cg")
         for s in tl.static_range(1, SPLITS):
@@ -151,18 +122,15 @@ if triton is not None:
         tl.store(ptrs, out.to(out_ptr.dtype.element_ty), mask=(r < GROUP * QLEN)[:, None])
 
     @triton.jit
-    def _partials_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, ctx_ptr, acc_ptr, ml_ptr, out_ptr, counter_ptr,
+    def _partials_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, ctx_ptr, acc_ptr, ml_ptr,
                          cos_ptr, sin_ptr, slots_ptr,
-                         stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_tb,
-                         stride_ot, stride_oh, stride_cos,
+                         stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_tb, stride_cos,
                          scale, window, tiles_per_split,
                          QLEN: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr,
                          BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                         ROPE: tl.constexpr, MERGE: tl.constexpr, SPLITS: tl.constexpr,
-                         USE_PDL: tl.constexpr):
+                         ROPE: tl.constexpr, USE_PDL: tl.constexpr):
         """ROPE: q_ptr is the qkv output (q heads, k heads, v heads of D each, stride_qh = D), see
-        the module doc; else the rotated q. MERGE: out gets the merged output, SPLITS = the grid's
-        third dimension; else acc/ml get the partials for _combine_kernel."""
+        the module doc; else the rotated q. acc/ml get the partials for _combine_kernel."""
         b = tl.program_id(0)
         kv = tl.program_id(1)
         split = tl.program_id(2)
@@ -227,20 +195,10 @@ if triton is not None:
             l = l * alpha + tl.sum(p, axis=1)
             m = m_new
         pair = b * num_kv + kv
-        if MERGE and SPLITS == 1:  # one chunk: what the merge gives (weight exp(0) = 1), directly
-            _store_rows(out_ptr, acc / l[:, None], b, kv, r, d, stride_ot, stride_oh, QLEN, GROUP)
-        else:
-            base = (pair * num_splits + split) * ROWS
-            tl.store(acc_ptr + (base + r)[:, None] * D + d[None, :], acc)
-            tl.store(ml_ptr + (base + r) * 2, m)
-            tl.store(ml_ptr + (base + r) * 2 + 1, l)
-            if MERGE:
-                tl.debug_barrier()  # every thread's partials stored before the arrival (released by it)
-                arrived = tl.atomic_add(counter_ptr + pair, 1, sem="acq_rel")
-                if arrived == SPLITS - 1:  # the pair's last program: every split's partials are visible
-                    out = _merge_splits(acc_ptr, ml_ptr, pair, r, d, SPLITS, ROWS, D)
-                    _store_rows(out_ptr, out, b, kv, r, d, stride_ot, stride_oh, QLEN, GROUP)
-                    tl.store(counter_ptr + pair, 0)  # zero again for the next layer, the next replay
+        base = (pair * num_splits + split) * ROWS
+        tl.store(acc_ptr + (base + r)[:, None] * D + d[None, :], acc)
+        tl.store(ml_ptr + (base + r) * 2, m)
+        tl.store(ml_ptr + (base + r) * 2 + 1, l)
 
     @triton.jit
     def _combine_kernel(acc_ptr, ml_ptr, out_ptr, stride_ot, stride_oh,
@@ -277,21 +235,18 @@ def kernel_applies(q: torch.Tensor, cache_k: torch.Tensor) -> bool:
 
 def paged_decode_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor,
                            ctx_lens: torch.Tensor, block_tables: torch.Tensor, query_len: int,
-                           scale: float, sliding_window: int | None = None,
-                           counter_owner: object | None = None) -> torch.Tensor:
+                           scale: float, sliding_window: int | None = None) -> torch.Tensor:
     """q: [B * Q, Hq, D] (row stride free: a view into the fused qkv output is fine);
     cache_k/v: [num_blocks, block_size, Hkv, D]; ctx_lens: [B]; block_tables: [B, NB].
-    counter_owner: whose merge counters (merge_counters) the in-kernel merge uses.
     Returns [B * Q, Hq, D] in q's dtype."""
     return _attention(q, q.shape[1], q.stride(0), q.stride(1), None, cache_k, cache_v, ctx_lens,
-                      block_tables, query_len, scale, sliding_window, counter_owner)
+                      block_tables, query_len, scale, sliding_window)
 
 
 def rope_paged_decode_attention(qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
                                 slot_mapping: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor,
                                 ctx_lens: torch.Tensor, block_tables: torch.Tensor, query_len: int,
-                                num_heads: int, scale: float, sliding_window: int | None = None,
-                                counter_owner: object | None = None) -> torch.Tensor:
+                                num_heads: int, scale: float, sliding_window: int | None = None) -> torch.Tensor:
     """rope_cache.rope_and_cache_write then paged_decode_attention, in the attention kernel.
 
     qkv: [T, (Hq + 2 Hkv) * D] (q heads, k heads, v heads), T = B * Q; cos/signed_sin: [T, D];
@@ -302,13 +257,13 @@ def rope_paged_decode_attention(qkv: torch.Tensor, cos: torch.Tensor, signed_sin
     assert cos.stride(-1) == 1 and cos.stride() == signed_sin.stride(), (cos.stride(), signed_sin.stride())
     assert slot_mapping.stride(0) == 1 and cache_k.stride() == cache_v.stride()
     return _attention(qkv, num_heads, qkv.stride(0), head_dim, (cos, signed_sin, slot_mapping), cache_k,
-                      cache_v, ctx_lens, block_tables, query_len, scale, sliding_window, counter_owner)
+                      cache_v, ctx_lens, block_tables, query_len, scale, sliding_window)
 
 
 def _attention(q_src: torch.Tensor, num_heads: int, stride_qt: int, stride_qh: int,
                rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None, cache_k: torch.Tensor,
                cache_v: torch.Tensor, ctx_lens: torch.Tensor, block_tables: torch.Tensor, query_len: int,
-               scale: float, sliding_window: int | None, counter_owner: object | None) -> torch.Tensor:
+               scale: float, sliding_window: int | None) -> torch.Tensor:
     """Both entry points: q_src is q (rope None) or qkv (rope: cos, signed_sin, slot_mapping)."""
     rows = q_src.shape[0]
     num_blocks, block_size, num_kv_heads, head_dim = cache_k.shape
@@ -325,22 +280,18 @@ def _attention(q_src: torch.Tensor, num_heads: int, stride_qt: int, stride_qh: i
     acc = torch.empty((batch, num_kv_heads, splits, tile_rows, head_dim), dtype=torch.float32, device=device)
     ml = torch.empty((batch, num_kv_heads, splits, tile_rows, 2), dtype=torch.float32, device=device)
     out = torch.empty((rows, num_heads, head_dim), dtype=q_src.dtype, device=device)
-    merge = folds_merge()
-    counters = merge_counters(counter_owner, device, batch * num_kv_heads) if merge else ctx_lens
     cos, sin, slots = rope if rope is not None else (q_src, q_src, ctx_lens)  # unread without ROPE
     pdl = use_pdl(q_src)
     _partials_kernel[(batch, num_kv_heads, splits)](
-        q_src, cache_k, cache_v, block_tables, ctx_lens, acc, ml, out, counters, cos, sin, slots,
+        q_src, cache_k, cache_v, block_tables, ctx_lens, acc, ml, cos, sin, slots,
         stride_qt, stride_qh, cache_k.stride(0), cache_k.stride(1), cache_k.stride(2),
-        block_tables.stride(0), out.stride(0), out.stride(1), cos.stride(0),
+        block_tables.stride(0), cos.stride(0),
         scale, sliding_window or 0, tiles_per_split,
         QLEN=query_len, GROUP=group, ROWS=tile_rows, D=head_dim, BLOCK_SIZE=block_size, BLOCK_N=block_n,
-        HAS_WINDOW=sliding_window is not None, ROPE=rope is not None, MERGE=merge,
-        SPLITS=splits if merge else 0,  # 0: one compiled variant for every split count without MERGE
+        HAS_WINDOW=sliding_window is not None, ROPE=rope is not None,
         num_warps=4, num_stages=2, **launch_options(pdl))
-    if not merge:
-        _combine_kernel[(batch, num_kv_heads, group * query_len)](
-            acc, ml, out, out.stride(0), out.stride(1),
-            QLEN=query_len, GROUP=group, ROWS=tile_rows, D=head_dim, SPLITS=splits, num_warps=1,
-            **launch_options(pdl))
+    _combine_kernel[(batch, num_kv_heads, group * query_len)](
+        acc, ml, out, out.stride(0), out.stride(1),
+        QLEN=query_len, GROUP=group, ROWS=tile_rows, D=head_dim, SPLITS=splits, num_warps=1,
+        **launch_options(pdl))
     return out
