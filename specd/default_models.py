@@ -7,22 +7,22 @@ serve the same trained models the README's main command serves.
 
 from __future__ import annotations
 
-import os
 import shutil
 from pathlib import Path
 
-ENV_VAR = "SPECD_DEFAULT_MODELS"
+from specd import settings
+
 # A checkout keeps them beside the package; the image copies them to /opt/specd/models.
 CANDIDATES = (Path(__file__).resolve().parents[1] / "models", Path("/opt/specd/models"))
 
 
 def default_models_dir() -> Path:
-    configured = os.environ.get(ENV_VAR)
+    configured = settings.DEFAULT_MODELS.get()
     for path in ([Path(configured)] if configured else []) + list(CANDIDATES):
         if (path / "specd-py-target" / "config.json").is_file():
             return path
     where = configured or ", ".join(str(p) for p in CANDIDATES)
-    raise FileNotFoundError(f"no trained default models found (looked in {where}); set {ENV_VAR}")
+    raise FileNotFoundError(f"no trained default models found (looked in {where}); set {settings.DEFAULT_MODELS.name}")
 
 
 def install_default_models(dest: str | Path) -> list[Path]:

@@ -4,22 +4,19 @@ Verifier: SPECD_TRACE_STEPS=FIRST:COUNT traces the engine steps FIRST .. FIRST +
 loop (counted from 0, busy steps only) and writes one Chrome trace, `SPECD_TRACE_DIR/trace.json.gz`
 (default dir: the working directory). Drafter: SPECD_DRAFTER_TRACE_STEPS=FIRST:COUNT, its draft
 steps (every stream's, in the order served), into `SPECD_TRACE_DIR/drafter_trace.json.gz`, with
-the host's ops too (its step's host work is what the trace is for: run 78 found 2.5 of its 10.5 ms
-at batch 128 outside the proposer). Unset: nothing traced.
+the host's ops too (its host work outside the proposer is what such a trace is for). Unset:
+nothing traced.
 
 Why: the e2e bench reads a verify forward's own time on the device's clock (device_clock.py), not
-why it takes that long. Whether the device sits idle inside the forward (a late launch), runs
-the same kernels slower, or runs other kernels shows only in a kernel-level trace of the services
-themselves; bench/trace_summary.py reads it. (The first such trace, BENCHMARKS.md run 60, showed
-why the staged stacks' forwards were ~0.37 ms longer: their graphs had been captured with other
-kernels.)
+why it takes that long. Whether the device sits idle inside the forward (a late launch), runs the
+same kernels slower, or runs other kernels shows only in a kernel-level trace of the services
+themselves; bench/trace_summary.py reads it.
 
 On CUDA the verifier records only device activity (kernels, copies and the runtime calls that
-launched them, through CUPTI): the host's Python records no per-op events; the drafter records
-the host's ops as well (host_ops), which slows its traced steps more. CUPTI still slows each launch
-(run 60: a graph's launch call took ~0.27 ms of host time while traced), so a traced stack's
-tokens/s do not compare with an untraced one's; its kernels' own times do. On the CPU (the
-tests' twin) the host's ops are the only activity there is.
+launched them, through CUPTI); the drafter records the host's ops as well. CUPTI slows each launch
+(a graph's launch call takes ~0.27 ms of host time while traced), so a traced stack's tokens/s do
+not compare with an untraced one's; its kernels' own times do. On the CPU (the tests' twin) the
+host's ops are the only activity there is.
 """
 
 from __future__ import annotations
@@ -31,24 +28,23 @@ from dataclasses import dataclass
 
 import torch
 
+from specd import settings
+
 log = logging.getLogger("specd.trace")
 
-TRACE_STEPS_ENV = "SPECD_TRACE_STEPS"
-TRACE_DIR_ENV = "SPECD_TRACE_DIR"
 TRACE_FILE = "trace.json.gz"
-DRAFTER_TRACE_STEPS_ENV = "SPECD_DRAFTER_TRACE_STEPS"
 DRAFTER_TRACE_FILE = "drafter_trace.json.gz"
 
 
 @dataclass(frozen=True)
 class TraceWindow:
-    """Steps first .. first + count - 1, traced into out_dir/file_name (steps_env: the setting)."""
+    """Steps first .. first + count - 1, traced into out_dir/file_name (steps_env: the setting's name)."""
 
     first: int
     count: int
     out_dir: str
     file_name: str = TRACE_FILE
-    steps_env: str = TRACE_STEPS_ENV
+    steps_env: str = settings.TRACE_STEPS.name
 
     def __post_init__(self) -> None:
         if self.first < 0 or self.count < 1:
@@ -56,9 +52,10 @@ class TraceWindow:
                              f"got {self.first}:{self.count}")
 
     @classmethod
-    def from_env(cls, env=os.environ, steps_env: str = TRACE_STEPS_ENV,
-                 file_name: str = TRACE_FILE) -> "TraceWindow | None":
-        text = env.get(steps_env, "").strip()
+    def parse(cls, text: str, out_dir: str = ".", file_name: str = TRACE_FILE,
+              steps_env: str = settings.TRACE_STEPS.name) -> "TraceWindow | None":
+        """FIRST:COUNT (or FIRST: one step); empty: None."""
+        text = text.strip()
         if not text:
             return None
         first, sep, count = text.partition(":")
@@ -66,7 +63,12 @@ class TraceWindow:
             first_step, num_steps = int(first), int(count) if sep else 1
         except ValueError:
             raise ValueError(f"{steps_env}: expected FIRST:COUNT (integers), got {text!r}") from None
-        return cls(first_step, num_steps, env.get(TRACE_DIR_ENV) or ".", file_name, steps_env)
+        return cls(first_step, num_steps, out_dir, file_name, steps_env)
+
+    @classmethod
+    def from_settings(cls, steps: settings.Setting = settings.TRACE_STEPS,
+                      file_name: str = TRACE_FILE) -> "TraceWindow | None":
+        return cls.parse(steps.get(), settings.TRACE_DIR.get(), file_name, steps.name)
 
 
 class StepTracer:

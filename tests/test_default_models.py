@@ -7,7 +7,10 @@ import json
 import pytest
 
 from specd.cli import main
-from specd.default_models import ENV_VAR, default_models_dir, install_default_models
+from specd import settings
+from specd.default_models import default_models_dir, install_default_models
+
+ENV_VAR = settings.DEFAULT_MODELS.name
 from specd.train.family import NAMES
 
 

@@ -13,11 +13,11 @@ of `ps` output; the launcher hands them to the gateway that way.
 from __future__ import annotations
 
 import hmac
-import os
 
 import grpc
 
-API_KEYS_ENV = "SPECD_API_KEYS"
+from specd import settings
+
 INVALID_KEY_MESSAGE = "Please request with valid api key!"  # lmdeploy's words, so clients see the same
 
 # Services that answer without a key: probes and tooling.
@@ -58,7 +58,7 @@ def parse_keys(keys) -> list[str]:
 
 
 def keys_from_env() -> list[str]:
-    return parse_keys(os.environ.get(API_KEYS_ENV, ""))
+    return parse_keys(settings.API_KEYS.get())
 
 
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):

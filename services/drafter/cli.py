@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import os
 import re
 
 from services.common.tls import TLSConfig, add_tls_arguments  # no grpc import: cheap
+from specd import settings
 
 METHODS = ("eagle3", "deepseek_mtp", "qwen3_5_mtp", "draft_model", "ngram", "replay")  # replay: bench only
 
@@ -44,14 +44,14 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--prompt-lookup-max", type=int, default=4, help="ngram: longest suffix to match")
     # Bench only (specd/proposers/replay.py); the environment variables let bench/ set them through
     # the launcher, which knows nothing of replay.
-    p.add_argument("--replay-references", default=os.environ.get("SPECD_REPLAY_REFERENCES", ""),
+    p.add_argument("--replay-references", default=settings.REPLAY_REFERENCES.get(),
                    help="replay (bench only): JSON-lines file of prompt -> greedy output")
     p.add_argument("--replay-corrupt-rate", type=float,
-                   default=float(os.environ.get("SPECD_REPLAY_CORRUPT_RATE", "0")),
+                   default=settings.REPLAY_CORRUPT_RATE.get(),
                    help="replay (bench only): probability that a draft token is corrupted")
     p.add_argument("--max-workers", type=int, default=32,
                    help="gRPC threads; each open verifier stream holds one")
-    p.add_argument("--fast-step-port", type=int, default=int(os.environ.get("SPECD_DRAFTER_FAST_STEP_PORT", "0")),
+    p.add_argument("--fast-step-port", type=int, default=settings.DRAFTER_FAST_STEP_PORT.get(),
                    help="serve the per-step round trip over framed sockets too, on this port (0: any free "
                         "port, advertised to verifiers in Info; -1: gRPC only). Not under TLS.")
     p.add_argument("--log-level", default="INFO")

@@ -18,9 +18,10 @@ from services.common.grpc_server import RunningServer, serve_until_signal, start
 from services.common.tls import PLAINTEXT, TLSConfig
 from services.drafter.fast_steps import FastStepServer
 from services.drafter.servicer import DrafterServicer
+from specd import settings
 from specd.messages import PytorchEngineConfig, SpeculativeConfig
 from specd.models.hf_config import read_json
-from specd.step_trace import DRAFTER_TRACE_FILE, DRAFTER_TRACE_STEPS_ENV, StepTracer, TraceWindow
+from specd.step_trace import DRAFTER_TRACE_FILE, StepTracer, TraceWindow
 from specd.v1 import drafter_pb2, drafter_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -82,7 +83,7 @@ def load_drafter(model_path: str | Path, spec: SpeculativeConfig, target_path: s
     # One-time costs (CUDA graphs, KV pools) before SERVING, not inside a verifier's step deadline.
     warm_up(proposer, hidden_width=hidden_size,
             num_draft_tokens=max(1, min(spec.num_speculative_tokens, max_num_draft_tokens)))
-    window = TraceWindow.from_env(steps_env=DRAFTER_TRACE_STEPS_ENV, file_name=DRAFTER_TRACE_FILE)
+    window = TraceWindow.from_settings(settings.DRAFTER_TRACE_STEPS, DRAFTER_TRACE_FILE)
     return DrafterServicer(proposer, vocab_size=vocab_size, hidden_size=hidden_size,
                            max_num_draft_tokens=max_num_draft_tokens,
                            tracer=StepTracer(window, dev, host_ops=True) if window is not None else None)

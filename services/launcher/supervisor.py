@@ -164,9 +164,9 @@ class Stack:
             args.append("--enable-metrics")
         args += ["--request-timeout", str(c.request_timeout), "--max-request-bytes", str(c.max_request_bytes),
                  *c.tls.to_flags()]
-        from services.common.api_keys import API_KEYS_ENV
+        from specd import settings
 
-        self._spawn("gateway", args, env={API_KEYS_ENV: ",".join(c.api_keys)})
+        self._spawn("gateway", args, env={settings.API_KEYS.name: ",".join(c.api_keys)})
         self._wait_http_health(f"http://127.0.0.1:{c.server_port}/health", timeout)
         log.info("specd is serving on http://%s:%d (gRPC :%d)", c.server_name, c.server_port, self.grpc_port)
 

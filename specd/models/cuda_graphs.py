@@ -36,6 +36,7 @@ import time
 import numpy as np
 import torch
 
+from specd import settings
 from specd.models.fused_forward import fused_forward
 from specd.models.graph_chain import GraphChain
 from specd.models.graph_layout import batch_buckets, width_bucket
@@ -52,7 +53,6 @@ DEFAULT_MAX_PREFILL_ROWS = 256
 DEFAULT_MAX_CONTEXT = 8192  # tokens gathered per slot; beyond, the eager path (no graph)
 # A diagnostic (read at capture): a directory to dump each captured graph into
 # (CUDAGraph.debug_dump: its nodes and edges, as DOT).
-GRAPH_DEBUG_ENV = "SPECD_GRAPH_DEBUG_DIR"
 
 
 class StaticForward:
@@ -259,12 +259,12 @@ class StaticForward:
         torch.cuda.current_stream(self.device).wait_stream(stream)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        chain = GraphChain(self._pool, self.device, debug=bool(os.environ.get(GRAPH_DEBUG_ENV)))
+        chain = GraphChain(self._pool, self.device, debug=bool(settings.GRAPH_DEBUG_DIR.get()))
         with chain, torch.no_grad():
             if entry.copy_in_graph:
                 self._copy_inputs(entry)
             self._body(entry, aux_layer_ids)
-        debug_dir = os.environ.get(GRAPH_DEBUG_ENV)
+        debug_dir = settings.GRAPH_DEBUG_DIR.get()
         if debug_dir:
             os.makedirs(debug_dir, exist_ok=True)
             for part, graph in enumerate(chain.graphs):

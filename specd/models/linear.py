@@ -10,19 +10,18 @@ code that call these modules directly are unaffected.
 
 from __future__ import annotations
 
-import os
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specd import settings
 from specd.models import skinny_gemm
 from specd.models.skinny_gemm import skinny_linear
 from specd.models.thread_setting import ThreadSetting
 
 # "auto": the kernel where it applies (skinny_gemm.kernel_applies), else F.linear; "torch": always
 # F.linear. A CUDA graph keeps whatever was chosen when it was captured.
-GEMM_ENV = "SPECD_GEMM"
 GEMM_BACKENDS = ("auto", "torch")
 _BACKEND = ThreadSetting("torch")  # outside a runner's scope: F.linear (thread_setting.py)
 
@@ -34,7 +33,7 @@ def active_backend() -> str:
 
 def resolve_gemm_backend(name: str | None) -> str:
     """name, or the environment's SPECD_GEMM, or "auto"; validated."""
-    name = name or os.environ.get(GEMM_ENV) or "auto"
+    name = name or settings.GEMM.get()
     if name not in GEMM_BACKENDS:
         raise ValueError(f"gemm backend: expected one of {', '.join(GEMM_BACKENDS)}, got {name!r}")
     return name

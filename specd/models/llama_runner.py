@@ -17,7 +17,6 @@ through specd's Triton kernels where they apply (fused_forward.py), "off" throug
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -25,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from specd import settings
 from specd.messages import PytorchEngineConfig
 from specd.models.attention import AttentionMetadata
 from specd.models.base import check_chunks, chunk_offsets, ForwardOutput, last_rows, ModelInfo, SequenceChunk
@@ -38,7 +38,6 @@ from specd.models.llama import LlamaForCausalLM, load_llama
 from specd.models.runner_setup import default_aux_layer_ids, kv_cache_for, select_device, select_dtype
 from specd.models.static_entry import PreparedBatch
 
-KERNELS_ENV = "SPECD_KERNELS"  # "auto" (default) | "off"
 
 class LlamaRunner:
     """TargetRunner for LlamaForCausalLM / Qwen2 / Qwen3 / Mistral checkpoints."""
@@ -58,7 +57,7 @@ class LlamaRunner:
         kernels: "auto" | "off" (fused_forward.py); None reads SPECD_KERNELS, default "auto".
         pdl: "auto" | "off" (kernels/pdl.py); None reads SPECD_PDL, default "auto".
         """
-        kernels = kernels or os.environ.get(KERNELS_ENV) or "auto"
+        kernels = kernels or settings.KERNELS.get()
         if kernels not in ("auto", "off"):
             raise ValueError(f"kernels: expected auto or off, got {kernels!r}")
         self.gemm = resolve_gemm_backend(gemm)

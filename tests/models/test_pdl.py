@@ -9,13 +9,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from specd import settings
 from specd.models.kernels import pdl
 
 
 def test_modes_are_validated_and_read_from_the_environment(monkeypatch):
-    monkeypatch.delenv(pdl.PDL_ENV, raising=False)
+    monkeypatch.delenv(settings.PDL.name, raising=False)
     assert pdl.resolve_pdl_mode(None) == "auto"
-    monkeypatch.setenv(pdl.PDL_ENV, "0")
+    monkeypatch.setenv(settings.PDL.name, "0")
     assert pdl.resolve_pdl_mode(None) == "off"
     assert pdl.resolve_pdl_mode("auto") == "auto"  # an explicit mode wins over the environment
     with pytest.raises(ValueError, match="pdl"):

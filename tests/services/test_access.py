@@ -26,8 +26,9 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.common.api_keys import API_KEYS_ENV, ApiKeys, keys_from_env, parse_keys
+from services.common.api_keys import ApiKeys, keys_from_env, parse_keys
 from services.common.tls import TLSConfig, channel_credentials, open_channel
+from specd import settings
 from specd.transport.embedded_redis import redis_server_binary
 from specd.transport.ports import free_port
 from specd.v1 import generate_pb2, generate_pb2_grpc
@@ -96,7 +97,7 @@ def test_api_keys_accept_only_listed_bearer_keys(monkeypatch):
         assert not keys.is_valid_authorization(header), header
     assert ApiKeys([]).is_valid(None)  # no keys configured: open
     assert parse_keys(" a, ,b ") == ["a", "b"] and parse_keys(None) == []
-    monkeypatch.setenv(API_KEYS_ENV, "e1,e2")
+    monkeypatch.setenv(settings.API_KEYS.name, "e1,e2")
     assert keys_from_env() == ["e1", "e2"]
 
 

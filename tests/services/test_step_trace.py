@@ -17,8 +17,11 @@ from specd.messages import SpeculativeConfig
 from specd.proposers.base import DraftRequest
 from specd.proposers.remote import RemoteProposer
 from specd.sampling_params import SamplingParams
-from specd.step_trace import (DRAFTER_TRACE_FILE, DRAFTER_TRACE_STEPS_ENV, TRACE_DIR_ENV, TRACE_FILE,
-                              TRACE_STEPS_ENV, StepTracer, TraceWindow)
+from specd import settings
+from specd.step_trace import DRAFTER_TRACE_FILE, TRACE_FILE, StepTracer, TraceWindow
+
+TRACE_STEPS_ENV, TRACE_DIR_ENV = settings.TRACE_STEPS.name, settings.TRACE_DIR.name
+DRAFTER_TRACE_STEPS_ENV = settings.DRAFTER_TRACE_STEPS.name
 from services.verifier.worker import VerifierWorker
 from services.verifier.worker_types import WorkerConfig
 from tests.engine.test_staged_verify import FullDrafts, static_engine
@@ -72,13 +75,13 @@ def test_a_loop_ending_inside_the_window_still_writes_it(tmp_path):
                                            ("-1:2", "FIRST >= 0")])
 def test_bad_windows_are_refused(text, message):
     with pytest.raises(ValueError, match=TRACE_STEPS_ENV) as e:
-        TraceWindow.from_env({TRACE_STEPS_ENV: text})
+        TraceWindow.parse(text)
     assert message in str(e.value)
 
 
 def test_unset_traces_nothing():
-    assert TraceWindow.from_env({}) is None
-    assert TraceWindow.from_env({TRACE_STEPS_ENV: "7"}) == TraceWindow(7, 1, ".")
+    assert TraceWindow.parse("") is None
+    assert TraceWindow.parse("7") == TraceWindow(7, 1, ".")
 
 
 def _eagle3_drafter(tiny_models):

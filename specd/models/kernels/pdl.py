@@ -38,6 +38,7 @@ import os
 
 import torch
 
+from specd import settings
 from specd.models.thread_setting import ThreadSetting
 
 logger = logging.getLogger(__name__)
@@ -48,7 +49,6 @@ try:
 except Exception:  # ImportError, or a broken install
     triton = None
 
-PDL_ENV = "SPECD_PDL"
 _MODES = ("auto", "off")
 _MODE = ThreadSetting("off")  # outside a runner's scope: plain launches (thread_setting.py)
 _supported: dict[int, bool] = {}  # CUDA device index -> PDL launches work here
@@ -56,7 +56,7 @@ _supported: dict[int, bool] = {}  # CUDA device index -> PDL launches work here
 
 def resolve_pdl_mode(mode: str | None) -> str:
     """mode, or the environment's SPECD_PDL ("0" reads as "off"), or "auto"; validated."""
-    mode = mode or os.environ.get(PDL_ENV) or "auto"
+    mode = mode or settings.PDL.get()
     mode = {"0": "off", "1": "auto"}.get(mode, mode)
     if mode not in _MODES:
         raise ValueError(f"pdl: expected one of {', '.join(_MODES)} (or 0/1), got {mode!r}")
