@@ -30,7 +30,7 @@ import time
 import torch
 
 from specd.proposers.base import DraftRequest
-from specd.proposers.draft_step_request import draft_step_parts, draft_step_request
+from specd.clients.draft_step import draft_step_parts, draft_step_request
 from specd.transport import step_frames
 from specd.transport.tensor_codec import tensor_bytes, tensor_from_buffer, tensor_from_pb
 from specd.v1 import drafter_pb2

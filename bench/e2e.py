@@ -104,7 +104,7 @@ def step_split_ms(before: dict, after: dict) -> dict[str, float]:
 
 
 # A/B variants of a method, as suffixes of its name: "replay-sync" is replay with drafting ahead off,
-# "replay-nohandoff" without the send handoff (specd/proposers/drafter_stream.py), "replay-nocarry"
+# "replay-nohandoff" without the send handoff (specd/clients/drafter_stream.py), "replay-nocarry"
 # without carried drafts (specd/engine/drafting.py), "replay-carry4" carrying 4 past k (one step's worth),
 # "off-ownread" / "replay-ownread" with the busy verifier's request read on a round trip of its own
 # (services/verifier/admission.py ReadRider: it rides the result round trip by default), "-grpcsteps"

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import time
 
-from specd.proposers.drafter_stream import (DEFAULT_SEND_HANDOFF_S, FAST_PATH_ENV, SEND_HANDOFF_ENV,
-                                            DrafterStream, send_handoff_s)
+from specd.clients.drafter_stream import (DEFAULT_SEND_HANDOFF_S, FAST_PATH_ENV, SEND_HANDOFF_ENV, DrafterStream,
+                                          send_handoff_s)
 from specd.v1 import drafter_pb2
 
 
@@ -25,7 +25,7 @@ def test_send_returns_once_the_sender_thread_holds_the_step(monkeypatch, ngram_d
             t0 = time.perf_counter()
             stream.send(message)
             assert time.perf_counter() - t0 < 5.0
-            assert step in stream._left_at  # taken by gRPC's sender thread before send returned
+            assert step in stream._grpc.left_at  # taken by gRPC's sender thread before send returned
             answer = stream.receive(step, time.monotonic() + 10.0)
             assert answer.step_id == step and [s.seq_id for s in answer.sequences] == [1]
             assert stream.last_left_at <= stream.last_arrived_at

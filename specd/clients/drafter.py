@@ -1,6 +1,6 @@
 """RemoteProposer: the Proposer protocol over one or more drafter services (services/drafter).
 
-Each drafter gets one long-lived DraftSteps stream (specd/proposers/drafter_stream.py). open()
+Each drafter gets one long-lived DraftSteps stream (specd/clients/drafter_stream.py). open()
 and close() are buffered and ride along with the next step message. propose() splits the batch by
 drafter with a consistent-hash ring over the live drafters, sends one message to each at once (the
 streams' own threads send them in parallel), waits for all answers up to `deadline_s` and puts the
@@ -41,20 +41,17 @@ from dataclasses import dataclass
 import grpc
 import torch
 
+from specd.clients.discovery import DrafterDiscovery
+from specd.clients.draft_step import draft_step_parts
+from specd.clients.drafter_stream import DrafterStream
+from specd.clients.errors import DrafterError, DrafterRejectedError, DrafterUnavailableError
+from specd.clients.membership import DrafterMembership, HashRing, _contract
 from specd.proposers.base import DraftProposal, DraftRequest, HiddenKind, hidden_rows_to_host
-from specd.proposers.drafter_discovery import DrafterDiscovery
-from specd.proposers.draft_step_request import draft_step_parts
-from specd.proposers.drafter_membership import DrafterMembership, _contract
-from specd.proposers.drafter_stream import (DrafterError, DrafterRejectedError, DrafterStream,
-                                            DrafterUnavailableError, HashRing, sampling_params_to_pb)
 from specd.sampling_params import SamplingParams
 from specd.transport.tensor_codec import tensor_from_pb
 from specd.v1 import drafter_pb2
 
-__all__ = ["DrafterError", "DrafterRejectedError", "DrafterUnavailableError", "HashRing",
-           "RemoteProposer", "sampling_params_to_pb"]
-
-log = logging.getLogger("specd.proposers.remote")
+log = logging.getLogger("specd.clients.drafter")
 
 HIDDEN_KIND_FROM_PB: dict[int, HiddenKind] = {drafter_pb2.HIDDEN_KIND_NONE: "none",
                                                drafter_pb2.HIDDEN_KIND_FINAL: "final",

@@ -1,5 +1,5 @@
 """RemoteProposer's drafter membership: losing a drafter, reconnecting it, following DNS, and
-moving sequences to the drafters that join the ring (specd/proposers/remote.py says when each
+moving sequences to the drafters that join the ring (specd/clients/drafter.py says when each
 happens). A mixin over RemoteProposer's state: `_drafters` (address -> live DrafterStream),
 `_ring`, `_owner` (seq -> its drafter, None when parked), `_parked`, `_wanted` (the addresses DNS
 names), `_reconnecting` (address -> cancel event), `_revived` (streams the reconnect threads hand
@@ -9,17 +9,54 @@ engine thread changes the ring; the reconnect and discovery threads hand over th
 
 from __future__ import annotations
 
+import bisect
+import hashlib
 import logging
 import threading
 
-from specd.proposers.drafter_stream import DrafterError, DrafterStream, DrafterUnavailableError
+from specd.clients.drafter_stream import DrafterStream
+from specd.clients.errors import DrafterError, DrafterUnavailableError
 
-log = logging.getLogger("specd.proposers.remote")
+log = logging.getLogger("specd.clients.drafter")
 
 
 def _contract(info) -> tuple:
     """What every drafter of one proposer must agree on."""
     return info.method, info.hidden_kind, list(info.aux_layer_ids), info.vocab_size
+
+
+class HashRing:
+    """Consistent hashing of integer keys onto nodes: adding or removing a node moves only the
+    keys of the arcs it gains or loses (about 1/N of them), `replicas` virtual points per node."""
+
+    def __init__(self, nodes: list[str] = (), replicas: int = 64) -> None:
+        self.replicas = replicas
+        self._points: list[tuple[int, str]] = []  # sorted (hash, node)
+        for node in nodes:
+            self.add(node)
+
+    @staticmethod
+    def _hash(text: str) -> int:
+        return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
+
+    @property
+    def nodes(self) -> list[str]:
+        return sorted({node for _, node in self._points})
+
+    def add(self, node: str) -> None:
+        if node in self.nodes:
+            raise ValueError(f"drafter {node} is already on the ring")
+        for i in range(self.replicas):
+            bisect.insort(self._points, (self._hash(f"{node}#{i}"), node))
+
+    def remove(self, node: str) -> None:
+        self._points = [p for p in self._points if p[1] != node]
+
+    def lookup(self, key: int) -> str:
+        if not self._points:
+            raise LookupError("the hash ring has no drafters")
+        i = bisect.bisect(self._points, (self._hash(str(key)), "")) % len(self._points)
+        return self._points[i][1]
 
 
 class DrafterMembership:
