@@ -1,9 +1,12 @@
-"""The verifier worker's data: its config, the requests it runs, the figures it reports, and the
-error codes it answers with (kept apart from services/verifier/worker.py, which is the loop)."""
+"""The verifier worker's data: its config, the requests it runs, the figures it reports, the
+error codes it answers with and how it answers them, and its view of Redis's health (kept apart
+from services/verifier/worker.py, which is the loop)."""
 
 from __future__ import annotations
 
+import logging
 import os
+import threading
 from dataclasses import dataclass, field
 
 from services.verifier.claims import ClaimConfig
@@ -11,6 +14,8 @@ from specd.engine.sequence import Sequence
 from specd.messages import ConfigError, SpecStats
 from specd.transport.redis_streams import (CANCEL_PREFIX, CONSUMER_GROUP, DEFAULT_REQUEST_STREAM, RESULT_PREFIX,
                                            RESULT_TTL_SECONDS)
+
+log = logging.getLogger("specd.verifier")
 
 # Error codes written to result streams (HTTP-like, the gateway maps them to its protocols).
 BAD_REQUEST = 400
@@ -100,3 +105,39 @@ class WorkerSnapshot:
 def sid(entry_id) -> str:
     """Stream ids as text (redis-py hands back bytes unless decode_responses is set)."""
     return entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
+
+
+class ErrorAnswers:
+    """Answers a request with an error result and takes its entry off the stream (both sent with
+    the next flush of `emitter`); counts them (`num_errors`)."""
+
+    def __init__(self, emitter, metrics) -> None:
+        self.emitter, self.metrics = emitter, metrics
+        self.num_errors = 0
+
+    def __call__(self, entry_id, request_id: str | None, code: int, message: str, pos: int = 0) -> None:
+        if request_id is not None:
+            self.emitter.error(request_id, code, message, pos)
+        self.emitter.finish_entry(entry_id)
+        self.num_errors += 1
+        self.metrics.observe_error(code)
+        log.warning("request failed", extra={"request_id": request_id, "code": code, "reason": message})
+
+
+class RedisHealth:
+    """Redis unreachable is never fatal: `failed` logs (not every time) and, while idle, backs off
+    (until `stop` is set); `ok` after any round trip that went through."""
+
+    def __init__(self, stop: threading.Event) -> None:
+        self._stop = stop
+        self.failures = 0  # in a row
+
+    def ok(self) -> None:
+        self.failures = 0
+
+    def failed(self, verb: str, error: Exception, idle: bool) -> None:
+        self.failures += 1
+        if self.failures in (1, 10) or self.failures % 100 == 0:
+            log.error("redis unavailable", extra={"verb": verb, "failures": self.failures, "error": str(error)})
+        if idle:
+            self._stop.wait(min(1.0, 0.05 * self.failures))

@@ -141,7 +141,7 @@ def test_a_failed_flush_is_sent_again_in_order(redis_url, client, target, mode, 
         for rid in ids:
             assert got[rid][-1].kind == "final" and delivered_tokens(got[rid]) == want[rid], rid
     assert "redis unavailable" in caplog.text
-    assert not worker.writer.has_pending and worker._redis_failures == 0
+    assert not worker.writer.has_pending and worker.redis_health.failures == 0
     assert_queue_empty(client, stream, timeout=0)
 
 
