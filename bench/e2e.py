@@ -113,7 +113,7 @@ def step_split_ms(before: dict, after: dict) -> dict[str, float]:
 # graphs in two parts, the first two layers launched first (models/cuda_graphs.py), "-stage"
 # with the verify batch staged while drafts are out (engine/staging.py, the default again since
 # runs 63-64; "-nostage" without it), "-syncemit" with the
-# result flush on the loop's thread (services/verifier/writer.py: no writer thread to take the GIL
+# result flush on the loop's thread (services/verifier/results/writer.py: no writer thread to take the GIL
 # at the launch), "-switch50" with the verifier's GIL switch interval at 50 us (verifier/cli.py),
 # "-stagelate" with the batch staged after the step's result flush is handed over (staging.py),
 # "-trace" with a profiler trace of the verifier's steps 100-139 (specd/step_trace.py;

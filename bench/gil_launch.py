@@ -52,11 +52,11 @@ def run_order(order: str, redis_url: str, batch: int, steps: int, forward_ms: fl
               stage_us: float, drafter_sock: socket.socket) -> dict:
     import redis
 
-    from services.verifier.emitter import ResultEmitter
-    from services.verifier.writer import ResultWriter
+    from services.verifier.results.flush import ResultQueue
+    from services.verifier.results.writer import ResultWriter
 
-    emitter = ResultEmitter(redis.Redis.from_url(redis_url), f"gil-{order}:requests")
-    writer = ResultWriter(emitter)
+    result_queue = ResultQueue(redis.Redis.from_url(redis_url), f"gil-{order}:requests")
+    writer = ResultWriter(result_queue)
     waits, paths = [], []
     # The launch call: a one-byte pipe write (~0.5 us, the GIL given up around it, as a CUDA
     # event's record gives it up); time.sleep(0) would sleep ~50 us of timer slack here.
@@ -79,7 +79,7 @@ def run_order(order: str, redis_url: str, batch: int, steps: int, forward_ms: fl
                 busy_us(stage_us)
             writer.wait()
             for i in range(batch):
-                emitter.delta(f"gil-{order}-{i}", 4 * step, [1, 2, 3, 4])
+                result_queue.delta(f"gil-{order}-{i}", 4 * step, [1, 2, 3, 4])
             if order == "sync":
                 writer.flush()
             else:

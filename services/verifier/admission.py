@@ -22,10 +22,10 @@ import time
 import redis
 
 from services.verifier.claims import ClaimedEntry, Claims
-from services.verifier.emitter import ResultEmitter
+from services.verifier.results.flush import ResultQueue
 from services.verifier.worker_types import (BAD_REQUEST, DEADLINE_EXCEEDED, INTERNAL_ERROR, NOT_IMPLEMENTED,
                                             ActiveRequest, ErrorAnswers, RedisHealth, WorkerConfig, sid)
-from services.verifier.writer import ResultWriter
+from services.verifier.results.writer import ResultWriter
 from specd.grammar.response_format import parse_response_format
 from specd.messages import ConfigError
 from specd.transport.redis_streams import QueuedRequest
@@ -36,7 +36,7 @@ log = logging.getLogger("specd.verifier")
 
 class ReadRider:
     """The busy loop's XREADGROUP for its free batch slots (no BLOCK), as a result-pipeline rider
-    (services/verifier/emitter.py PipelineRider)."""
+    (services/verifier/results/flush.py PipelineRider)."""
 
     def __init__(self, stream: str, group: str, consumer: str, count: int) -> None:
         self.stream, self.group, self.consumer, self.count = stream, group, consumer, count
@@ -59,11 +59,11 @@ class Admission:
     the worker's `active` / `request_ids` (shared with the result pipeline), answers bad entries
     through `reject`, and asks `writer` what is still being answered. `draining` stops it."""
 
-    def __init__(self, engine, client: redis.Redis, config: WorkerConfig, claims: Claims, emitter: ResultEmitter,
+    def __init__(self, engine, client: redis.Redis, config: WorkerConfig, claims: Claims, result_queue: ResultQueue,
                  writer: ResultWriter, reject: ErrorAnswers, redis_health: RedisHealth,
                  active: dict[int, ActiveRequest], request_ids: set[str], metrics, clock) -> None:
         self.engine, self.client, self.config, self.claims = engine, client, config, claims
-        self.emitter, self.writer, self._reject, self.redis_health = emitter, writer, reject, redis_health
+        self.result_queue, self.writer, self._reject, self.redis_health = result_queue, writer, reject, redis_health
         self.active, self._request_ids, self.metrics, self.clock = active, request_ids, metrics, clock
         self.draining = False
         self.num_reclaimed = 0  # requests resumed from a dead verifier
@@ -169,17 +169,17 @@ class Admission:
             # ran (a step longer than idle_ms left it idle); resuming it would answer it twice.
             return 0
         if fields is None:  # deleted while pending: it was answered, only the XACK was lost
-            self.emitter.finish_entry(entry_id)
+            self.result_queue.finish_entry(entry_id)
             return 0
         raw_id = fields.get(b"id", fields.get("id"))
         request_id = raw_id.decode(errors="replace") if isinstance(raw_id, bytes) else raw_id
         mine = next((ar for ar in self.active.values() if ar.request_id == request_id), None)
         if mine is not None:  # our own, stale after a long stall: it stays ours
             if sid(mine.entry_id) != sid(entry_id):
-                self.emitter.finish_entry(entry_id)  # a second entry for the request: the first answers
+                self.result_queue.finish_entry(entry_id)  # a second entry for the request: the first answers
             return 0
         if resume is not None and resume.is_answered:
-            self.emitter.finish_entry(entry_id)
+            self.result_queue.finish_entry(entry_id)
             return 0
         if resume is None:
             self._reject(entry_id, request_id, INTERNAL_ERROR,
@@ -213,7 +213,7 @@ class Admission:
             return 0
         if request.request_id in self._request_ids:  # delivered twice: the first copy answers
             log.warning("duplicate request entry dropped", extra={"request_id": request.request_id})
-            self.emitter.finish_entry(entry_id)
+            self.result_queue.finish_entry(entry_id)
             return 0
         if deadline is not None and deadline <= now:
             self._reject(entry_id, request.request_id, DEADLINE_EXCEEDED,

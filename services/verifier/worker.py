@@ -6,14 +6,14 @@ and a writer thread that does nothing but the result round trips.
            requests past their deadline are answered with an error result instead
            (services/verifier/admission.py).
     step   engine.step(): draft, verify, commit for the whole batch (synchronous torch work).
-    emit   (services/verifier/emission.py) a request's first token as soon as its prefill
-           sampled it; then for every request with tokens committed since the last emit, one delta (with its pos);
-           for finished requests the final entry; then XACK + XDEL of their stream entries — all
-           in one pipelined Redis round trip per step (services/verifier/emitter.py), which also
+    emit   the result pipeline (services/verifier/results/): a request's first token as soon as
+           its prefill sampled it; then for every request with tokens committed since the last
+           emit, one delta (with its pos); for finished requests the final entry; then XACK + XDEL
+           of their stream entries — all in one pipelined Redis round trip per step, which also
            carries the cancellation poll (services/verifier/cancel.py) and, when due, the
            heartbeat of the running requests' entries (services/verifier/claims.py). While the
            engine has work left the round trip runs on the writer thread, overlapping the next
-           step (services/verifier/writer.py); the loop waits for it when it hands over the next.
+           step; the loop waits for it when it hands over the next.
     log    a periodic summary line; request-level events are logged where they happen.
 
 Redis is touched at most twice per iteration (the read, when the batch has room, and the result
@@ -34,13 +34,13 @@ import redis
 
 from services.verifier.admission import Admission
 from services.verifier.claims import Claims
-from services.verifier.emission import Emission
-from services.verifier.emitter import ResultEmitter
+from services.verifier.results.pipeline import ResultPipeline
+from services.verifier.results.flush import ResultQueue
 from services.verifier.metrics import StepRecord, VerifierMetrics
 from specd.step_trace import StepTracer, TraceWindow
 from services.verifier.worker_types import (DEADLINE_EXCEEDED, INTERNAL_ERROR, ActiveRequest, ErrorAnswers, RedisHealth,
                                             WorkerConfig, WorkerSnapshot)
-from services.verifier.writer import ResultWriter
+from services.verifier.results.writer import ResultWriter
 from specd.engine.engine import SpecEngine
 from specd.engine.sequence import Sequence
 from specd.messages import SpecStats
@@ -51,7 +51,7 @@ log = logging.getLogger("specd.verifier")
 class VerifierWorker:
     """Drives one SpecEngine from a Redis request stream to per-request result streams: the loop
     holds the admission (services/verifier/admission.py) and the result pipeline
-    (services/verifier/emission.py), which share the running requests (`active`) and Redis's health."""
+    (services/verifier/results/), which share the running requests (`active`) and Redis's health."""
 
     def __init__(self, engine: SpecEngine, client: redis.Redis, config: WorkerConfig,
                  metrics: VerifierMetrics | None = None, clock=time.time) -> None:
@@ -60,19 +60,19 @@ class VerifierWorker:
         self.config = config
         self.metrics = metrics or VerifierMetrics()
         self.clock = clock
-        self.emitter = ResultEmitter(client, config.request_stream, config.group, config.result_prefix,
+        self.result_queue = ResultQueue(client, config.request_stream, config.group, config.result_prefix,
                                      config.result_ttl_seconds)
-        self.writer = ResultWriter(self.emitter)
+        self.writer = ResultWriter(self.result_queue)
         self.claims = Claims(client, config.request_stream, config.group, config.consumer, config.claims,
                              config.result_prefix)
         self.active: dict[int, ActiveRequest] = {}  # engine seq id -> request
         request_ids: set[str] = set()  # of `active`: a second entry for one is dropped
         self._stop = threading.Event()
         self.redis_health = RedisHealth(self._stop)
-        self.reject = ErrorAnswers(self.emitter, self.metrics)
-        self.admission = Admission(engine, client, config, self.claims, self.emitter, self.writer, self.reject,
+        self.reject = ErrorAnswers(self.result_queue, self.metrics)
+        self.admission = Admission(engine, client, config, self.claims, self.result_queue, self.writer, self.reject,
                                    self.redis_health, self.active, request_ids, self.metrics, clock)
-        self.results = Emission(engine, config, self.claims, self.emitter, self.writer, self.admission,
+        self.results = ResultPipeline(engine, config, self.claims, self.result_queue, self.writer, self.admission,
                                 self.redis_health, self.active, request_ids, self.metrics, clock)
         self._request_ids = request_ids
         self.other_seconds = 0.0
@@ -230,7 +230,7 @@ class VerifierWorker:
         except Exception:
             log.exception("could not write the previous step's results")
         try:
-            self.emitter.flush()
+            self.result_queue.flush()
         except redis.RedisError:
             log.exception("could not write the error results")
 

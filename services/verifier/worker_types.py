@@ -43,7 +43,7 @@ class WorkerConfig:
     claims: ClaimConfig = field(default_factory=ClaimConfig)  # heartbeats and reclaiming dead verifiers'
     cancel_prefix: str = CANCEL_PREFIX
     # Result round trips on a writer thread, overlapping the next engine step; False: the loop
-    # waits for each one (services/verifier/writer.py says what changes: answers one step late).
+    # waits for each one (services/verifier/results/writer.py says what changes: answers one step late).
     async_emit: bool = True
     # While the engine is busy, the read for free batch slots rides that result round trip instead
     # of a round trip of its own on the step's critical path (admission.py, ReadRider); its entries
@@ -55,7 +55,7 @@ class WorkerConfig:
     early_first_token: bool = field(default_factory=lambda: os.environ.get(EARLY_FIRST_TOKEN_ENV, "1") != "0")
     # With async_emit, a step's flush is held until the next step's forward is queued (the
     # engine's on_launched), so its packing on the writer thread does not hold the GIL while the
-    # launch wants it (services/verifier/writer.py). An experiment: off unless
+    # launch wants it (services/verifier/results/writer.py). An experiment: off unless
     # SPECD_VERIFIER_FLUSH_AFTER_LAUNCH=1, until the GPU times it.
     flush_after_launch: bool = field(default_factory=lambda: os.environ.get(FLUSH_AFTER_LAUNCH_ENV, "0") == "1")
 
@@ -109,16 +109,16 @@ def sid(entry_id) -> str:
 
 class ErrorAnswers:
     """Answers a request with an error result and takes its entry off the stream (both sent with
-    the next flush of `emitter`); counts them (`num_errors`)."""
+    the next flush of `result_queue`); counts them (`num_errors`)."""
 
-    def __init__(self, emitter, metrics) -> None:
-        self.emitter, self.metrics = emitter, metrics
+    def __init__(self, result_queue, metrics) -> None:
+        self.result_queue, self.metrics = result_queue, metrics
         self.num_errors = 0
 
     def __call__(self, entry_id, request_id: str | None, code: int, message: str, pos: int = 0) -> None:
         if request_id is not None:
-            self.emitter.error(request_id, code, message, pos)
-        self.emitter.finish_entry(entry_id)
+            self.result_queue.error(request_id, code, message, pos)
+        self.result_queue.finish_entry(entry_id)
         self.num_errors += 1
         self.metrics.observe_error(code)
         log.warning("request failed", extra={"request_id": request_id, "code": code, "reason": message})

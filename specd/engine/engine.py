@@ -91,7 +91,7 @@ class SpecEngine:
         # may abort sequences (engine.abort) and add requests: the step's batch is taken after it.
         self.on_admitted: Callable[[list[Sequence]], None] | None = None
         # Called right after a verify step's forward is queued (the verifier sends its held result
-        # flush then: services/verifier/writer.py).
+        # flush then: services/verifier/results/writer.py).
         self.on_launched: Callable[[], None] | None = None
 
     # ---- requests -------------------------------------------------------------------------

@@ -124,7 +124,7 @@ def check_write_order(executed: list[Executed], entries: dict[str, str]) -> None
         for args in ex.commands:
             name = args[0].upper()
             if name == "XADD":
-                fields = {_text(k): _text(v) for k, v in zip(args[3::2], args[4::2])}  # the emitter sends bytes
+                fields = {_text(k): _text(v) for k, v in zip(args[3::2], args[4::2])}  # the result queue sends bytes
                 rid = args[1][len("specd:results:"):]
                 assert int(fields["pos"]) >= last_pos.get(rid, 0), (rid, fields["pos"], last_pos.get(rid))
                 last_pos[rid] = int(fields["pos"])

@@ -1,4 +1,4 @@
-"""The result writer thread (services/verifier/writer.py) against a real Redis: a step's results go
+"""The result writer thread (services/verifier/results/writer.py) against a real Redis: a step's results go
 out while the next step runs, yet strictly in order (deltas by position, a request's XACK + XDEL
 after its final); a failed flush is sent again in order; cancellation, drain and stop still write
 everything; and the loop really overlaps the round trip with the engine step. Redis is slowed
@@ -12,9 +12,9 @@ import time
 import pytest
 import redis
 
-from services.verifier.emitter import ResultEmitter
+from services.verifier.results.flush import ResultQueue
 from services.verifier.worker_types import EARLY_FIRST_TOKEN_ENV
-from services.verifier.writer import ResultWriter
+from services.verifier.results.writer import ResultWriter
 from specd.sampling_params import SamplingParams
 from specd.transport.redis_streams import CONSUMER_GROUP, QueuedRequest, ResultEntry, cancel_key, result_key
 from tests.services.emit_helpers import SlowRedis, check_write_order, enqueue, make_worker, read_streams, \
@@ -31,17 +31,17 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 # ---- the writer alone ---------------------------------------------------------------------------
 def test_writer_keeps_a_failed_flush_in_front_of_the_next(client):
     slow = SlowRedis(client, fail=lambda n: "before" if n == 0 else None)
-    emitter = ResultEmitter(slow, "writer-unit:requests")
-    writer = ResultWriter(emitter)
-    emitter.delta("wu-a", 0, [1, 2])
+    result_queue = ResultQueue(slow, "writer-unit:requests")
+    writer = ResultWriter(result_queue)
+    result_queue.delta("wu-a", 0, [1, 2])
     assert writer.start() and writer.in_flight and writer.has_pending
     with pytest.raises(RuntimeError):
         writer.start()  # one flush in flight at a time
-    emitter.delta("wu-a", 2, [3])  # queued while the first is on its way
+    result_queue.delta("wu-a", 2, [3])  # queued while the first is on its way
     with pytest.raises(redis.ConnectionError):
         writer.wait()
-    assert not writer.in_flight and emitter.has_pending and not client.exists(result_key("wu-a"))
-    emitter.final("wu-a", 3, [4], "length", None, prompt_tokens=1)
+    assert not writer.in_flight and result_queue.has_pending and not client.exists(result_key("wu-a"))
+    result_queue.final("wu-a", 3, [4], "length", None, prompt_tokens=1)
     assert writer.start()
     flush = writer.wait()
     assert flush.seconds > 0 and not writer.has_pending
@@ -54,9 +54,9 @@ def test_writer_keeps_a_failed_flush_in_front_of_the_next(client):
 
 def test_a_held_flush_waits_for_its_release_or_the_wait(client):
     slow = SlowRedis(client)
-    emitter = ResultEmitter(slow, "writer-hold:requests")
-    writer = ResultWriter(emitter)
-    emitter.delta("wh-a", 0, [1, 2])
+    result_queue = ResultQueue(slow, "writer-hold:requests")
+    writer = ResultWriter(result_queue)
+    result_queue.delta("wh-a", 0, [1, 2])
     assert writer.start(hold=True) and writer.held and writer.in_flight and writer.has_pending
     with pytest.raises(RuntimeError):
         writer.start()  # held counts as in flight: flushes go out in order
@@ -65,7 +65,7 @@ def test_a_held_flush_waits_for_its_release_or_the_wait(client):
     writer.release()
     assert not writer.held and writer.wait() is not None and len(slow.executed) == 1
     writer.release()  # nothing held: a no-op
-    emitter.delta("wh-a", 2, [3])
+    result_queue.delta("wh-a", 2, [3])
     assert writer.start(hold=True)
     assert writer.wait() is not None and not writer.in_flight  # the wait sends a held flush itself
     got = [(e.kind, e.pos, e.tokens) for e in read_streams(client, ["wh-a"])["wh-a"]]
@@ -152,7 +152,7 @@ def test_an_exception_of_the_writer_thread_reaches_the_loop(redis_url, client, t
     worker.run_once()  # flush 0: the first tokens (worker.emit_first_tokens); flush 1, the step's, fails
     with pytest.raises(RuntimeError, match="a bug in the writer"):
         worker.run_once()  # raised on the loop's thread, where it waits for that flush
-    assert worker.emitter.has_pending and not worker.writer.in_flight  # its results kept for the next flush
+    assert worker.result_queue.has_pending and not worker.writer.in_flight  # its results kept for the next flush
 
 
 # ---- cancellation, drain, stop -----------------------------------------------------------------------

@@ -2,11 +2,11 @@
 
 For every request with tokens committed since the last emit, one delta (with its pos); for
 finished requests the final entry, then XACK + XDEL of their stream entries: one pipelined Redis
-round trip per step (services/verifier/emitter.py), carrying the cancellation poll
+round trip per step (services/verifier/results/flush.py), carrying the cancellation poll
 (services/verifier/cancel.py), the heartbeat when due (services/verifier/claims.py) and, while
 busy, the request read (admission.py ReadRider). While the engine has work left the round trip
-runs on the writer thread, overlapping the next step (services/verifier/writer.py); the loop waits
-for it, and applies what its riders learned, when it hands over the next. A request's first token
+runs on the writer thread, overlapping the next step (services/verifier/results/writer.py); the
+loop waits for it, and applies what its riders learned, when it hands over the next. A request's first token
 does not wait for the step's end: it leaves on a flush of its own as soon as its prefill sampled
 it (emit_first_tokens).
 """
@@ -22,26 +22,27 @@ import redis
 from services.verifier.admission import Admission, ReadRider
 from services.verifier.cancel import CancelPoll
 from services.verifier.claims import Claims, HeartbeatRider
-from services.verifier.emitter import Flush, ResultEmitter
+from services.verifier.results.flush import ResultFlush, ResultQueue
 from services.verifier.metrics import StepRecord, add_spec_difference
 from services.verifier.worker_types import CLIENT_CLOSED, ActiveRequest, RedisHealth, WorkerConfig, sid
-from services.verifier.writer import ResultWriter
+from services.verifier.results.writer import ResultWriter
 from specd.engine.sequence import Sequence
 from specd.messages import SpecStats
 
 log = logging.getLogger("specd.verifier")
 
 
-class Emission:
+class ResultPipeline:
     """The emit verb of VerifierWorker (services/verifier/worker.py): writes the worker's `active`
-    requests' results through `emitter` and `writer`, drops the requests its riders' answers end
+    requests' results through `result_queue` and `writer`, drops the requests its riders' answers end
     (shared with the admission, whose request read it carries), and counts what it answered.
     `record` is the step under way (emit_first_tokens adds to it)."""
 
-    def __init__(self, engine, config: WorkerConfig, claims: Claims, emitter: ResultEmitter, writer: ResultWriter,
+    def __init__(self, engine, config: WorkerConfig, claims: Claims, result_queue: ResultQueue, writer: ResultWriter,
                  admission: Admission, redis_health: RedisHealth, active: dict[int, ActiveRequest],
                  request_ids: set[str], metrics, clock) -> None:
-        self.engine, self.config, self.claims, self.emitter, self.writer = engine, config, claims, emitter, writer
+        self.engine, self.config, self.claims = engine, config, claims
+        self.result_queue, self.writer = result_queue, writer
         self.admission, self.redis_health, self.metrics, self.clock = admission, redis_health, metrics, clock
         self.active, self._request_ids = active, request_ids
         self.record: StepRecord | None = None
@@ -67,7 +68,7 @@ class Emission:
             seq = ar.seq
             n = len(seq.output_token_ids)
             if n > ar.num_emitted and not seq.is_finished:
-                self.emitter.delta(ar.request_id, ar.num_emitted, seq.output_token_ids[ar.num_emitted:n],
+                self.result_queue.delta(ar.request_id, ar.num_emitted, seq.output_token_ids[ar.num_emitted:n],
                                    seq.stats)
                 ar.num_emitted = n
         for seq in finished:
@@ -97,7 +98,8 @@ class Emission:
             ar = self.active.get(seq.seq_id)
             n = len(seq.output_token_ids)
             if ar is not None and not seq.is_finished and n > ar.num_emitted:
-                self.emitter.delta(ar.request_id, ar.num_emitted, seq.output_token_ids[ar.num_emitted:n], seq.stats)
+                self.result_queue.delta(ar.request_id, ar.num_emitted, seq.output_token_ids[ar.num_emitted:n],
+                                        seq.stats)
                 ar.num_emitted = n
                 queued = True
         if queued:
@@ -121,7 +123,7 @@ class Emission:
         admission = self.admission
         riding, admission.read_riding = admission.read_riding, False  # the flush in flight, if any, is taken now
         try:
-            flush: Flush | None = send()
+            flush: ResultFlush | None = send()
         except (redis.ConnectionError, redis.TimeoutError) as e:
             admission.reread_own = admission.reread_own or riding  # its read may have taken entries: find them
             self.redis_health.failed("emit", e, idle=not self.engine.has_unfinished())
@@ -142,9 +144,9 @@ class Emission:
                 self._cancel(rider.cancelled)
             elif isinstance(rider, ReadRider):
                 record.num_admitted += admission.admit_ridden(rider)
-        for e in self.emitter.last_errors:
+        for e in self.result_queue.last_errors:
             log.error("redis refused a result write: %s", e)
-        self.emitter.last_errors = []
+        self.result_queue.last_errors = []
 
     def _drop_lost(self, entry_ids: list) -> None:
         """Entries another verifier reclaimed while we stalled: theirs now, stop running them."""
@@ -167,8 +169,8 @@ class Emission:
             self.engine.abort(ar.seq, reason="cancelled")
             del self.active[seq_id]
             self._request_ids.discard(ar.request_id)
-            self.emitter.finish_entry(ar.entry_id)
-            self.emitter.discard(ar.request_id)
+            self.result_queue.finish_entry(ar.entry_id)
+            self.result_queue.discard(ar.request_id)
             self.num_cancelled += 1
             self.metrics.observe_error(CLIENT_CLOSED)
             log.info("cancelled by the client", extra={"request_id": ar.request_id,
@@ -176,9 +178,9 @@ class Emission:
 
     def _finish(self, ar: ActiveRequest) -> None:
         seq = ar.seq
-        self.emitter.final(ar.request_id, ar.num_emitted, seq.output_token_ids[ar.num_emitted:],
+        self.result_queue.final(ar.request_id, ar.num_emitted, seq.output_token_ids[ar.num_emitted:],
                            seq.finish_reason, seq.stats, len(seq.prompt_token_ids))
-        self.emitter.finish_entry(ar.entry_id)
+        self.result_queue.finish_entry(ar.entry_id)
         ar.num_emitted = len(seq.output_token_ids)
         self._request_ids.discard(ar.request_id)
         self.num_finished += 1

@@ -13,10 +13,10 @@ VMs), and a flush started at the step's end competes with the next step's launch
 it competes with the host work that overlaps the forward instead. An experiment until timed on
 the GPU (the e2e suffix -flushlate).
 
-The writer thread runs `Flush.execute` and nothing else: the pipeline is filled on the loop's
-thread (ResultEmitter.prepare), and the outcome is brought back there by `wait`, which answers the
-riders (ResultEmitter.complete) or, when the round trip failed, puts the flush's results back in
-front of the queue (ResultEmitter.requeue) and raises the writer's exception where a synchronous
+The writer thread runs `ResultFlush.execute` and nothing else: the pipeline is filled on the loop's
+thread (ResultQueue.prepare), and the outcome is brought back there by `wait`, which answers the
+riders (ResultQueue.complete) or, when the round trip failed, puts the flush's results back in
+front of the queue (ResultQueue.requeue) and raises the writer's exception where a synchronous
 flush would have raised it. The engine, which is not thread-safe, is never touched by the writer.
 """
 
@@ -24,16 +24,16 @@ from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from services.verifier.emitter import Flush, PipelineRider, ResultEmitter
+from services.verifier.results.flush import ResultFlush, PipelineRider, ResultQueue
 
 
 class ResultWriter:
-    """At most one ResultEmitter flush in flight on a background thread."""
+    """At most one ResultQueue flush in flight on a background thread."""
 
-    def __init__(self, emitter: ResultEmitter) -> None:
-        self.emitter = emitter
+    def __init__(self, result_queue: ResultQueue) -> None:
+        self.result_queue = result_queue
         self._pool: ThreadPoolExecutor | None = None  # one thread, started with the first flush
-        self._flush: Flush | None = None  # in flight (or held)
+        self._flush: ResultFlush | None = None  # in flight (or held)
         self._future: Future | None = None  # None while the flush is held
 
     @property
@@ -48,22 +48,22 @@ class ResultWriter:
     @property
     def has_pending(self) -> bool:
         """Results queued or on their way: not yet known to be written."""
-        return self.in_flight or self.emitter.has_pending
+        return self.in_flight or self.result_queue.has_pending
 
     def is_finishing(self, entry_id: bytes | str) -> bool:
         """Whether the entry's XACK + XDEL is queued or in flight: its request was answered here,
         and a reclaim scan that finds it still pending must leave it alone."""
         if self._flush is not None and self._flush.is_finishing(entry_id):
             return True
-        return self.emitter.is_finishing(entry_id)
+        return self.result_queue.is_finishing(entry_id)
 
     def start(self, riders: list[PipelineRider] = (), *, hold: bool = False) -> bool:
-        """Send what the emitter queued, and the riders, in the background; False if nothing to send.
+        """Send what the ResultQueue holds, and the riders, in the background; False if nothing to send.
         The previous flush must have been waited for. hold: prepared now, sent at `release` (or
         the next `wait`)."""
         if self._flush is not None:
             raise RuntimeError("a flush is in flight: wait() for it first (flushes go out in order)")
-        flush = self.emitter.prepare(riders)
+        flush = self.result_queue.prepare(riders)
         if flush is None:
             return False
         self._flush = flush
@@ -79,18 +79,18 @@ class ResultWriter:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specd-result-writer")
         self._future = self._pool.submit(self._flush.execute)
 
-    def flush(self, riders: list[PipelineRider] = ()) -> Flush | None:
+    def flush(self, riders: list[PipelineRider] = ()) -> ResultFlush | None:
         """Send now, on the caller's thread (nothing to overlap with, or async_emit off); None if
-        there was nothing to send. Raises as ResultEmitter.flush does, keeping the queue."""
+        there was nothing to send. Raises as ResultQueue.flush does, keeping the queue."""
         if self._flush is not None:
             raise RuntimeError("a flush is in flight: wait() for it first (flushes go out in order)")
-        return self.emitter.send(riders)
+        return self.result_queue.send(riders)
 
-    def wait(self) -> Flush | None:
+    def wait(self) -> ResultFlush | None:
         """The flush in flight once written, with its riders answered; None if there was none.
 
         Raises what the round trip raised (redis.ConnectionError when Redis is unreachable), after
-        putting its results back in the emitter's queue for the next flush.
+        putting its results back in the ResultQueue for the next flush.
         """
         if self._flush is None:
             return None
@@ -100,10 +100,10 @@ class ResultWriter:
             future.result()  # an interrupt (KeyboardInterrupt) here leaves the flush in flight
         except Exception:
             self._flush = self._future = None
-            self.emitter.requeue(flush)
+            self.result_queue.requeue(flush)
             raise
         self._flush = self._future = None
-        self.emitter.complete(flush)
+        self.result_queue.complete(flush)
         return flush
 
     def close(self) -> None:
