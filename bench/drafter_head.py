@@ -1,4 +1,4 @@
-"""The EAGLE-3 drafter's own step, in-process: PairHeadProposer.propose (specd/proposers/mtp_common.py)
+"""The EAGLE-3 drafter's own step, in-process: PairHeadProposer.propose (specd/proposers/pair_head.py)
 over an 8B-shaped head with random weights, as the drafter service runs it each round trip: every
 sequence brings the tokens and target rows its last step committed, then gets k drafts.
 
@@ -39,7 +39,7 @@ from specd.proposers.base import DraftRequest
 from specd.proposers.draft_constraints import DraftConstraints
 from specd.proposers.eagle3_head import Eagle3Config, Eagle3Head
 from specd.proposers.head_kv import StaticBatchKV, masked_attention
-from specd.proposers.mtp_common import PairHeadProposer
+from specd.proposers.pair_head import PairHeadProposer
 from specd.sampling_params import SamplingParams
 
 SHAPES = {  # the target's shape: the head's layer is one of its layers; the draft vocabulary half of it
