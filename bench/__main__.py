@@ -163,8 +163,7 @@ def main(argv: list[str] | None = None) -> int:
                          "small batches (bench/e2e.py waves_for; default 8, small: 1)")
     ap.add_argument("--methods", type=lambda s: s.split(","), default=None,
                     help="default off,replay,ngram,eagle3,draft_model; for A/B, a -sync suffix "
-                         "(replay-sync) runs the method with drafting ahead off (SPECD_DRAFT_AHEAD=0), a -nohandoff "
-                         "suffix without the drafter stream's send handoff (SPECD_DRAFT_SEND_HANDOFF=0), a -nocarry "
+                         "(replay-sync) runs the method with drafting ahead off (SPECD_DRAFT_AHEAD=0), a -nocarry "
                          "suffix without carried drafts (SPECD_DRAFT_CARRY=0), a -carry4 suffix carrying 4 (one "
                          "step's worth at k = 3, SPECD_DRAFT_CARRY=4), an -ownread suffix (off-ownread too) with "
                          "the busy verifier's request read on its own round trip (SPECD_VERIFIER_RIDE_READS=0)")

@@ -83,8 +83,6 @@ class VerifierWorker:
         self._last_logged = (0, 0)  # (steps, errors) at the last summary line
         if config.async_emit and config.early_first_token:
             engine.on_admitted = self.results.emit_first_tokens
-        if config.async_emit and config.flush_after_launch:
-            engine.on_launched = self.writer.release
         window = TraceWindow.from_env()  # SPECD_TRACE_STEPS: a profiler trace of some steps (diagnosis)
         self.tracer = StepTracer(window, getattr(engine.runner, "device", None)) if window is not None else None
 
@@ -127,7 +125,6 @@ class VerifierWorker:
                 self._stop.wait(self.config.block_ms / 1000)  # drained: nothing to read, nothing to do
         self.expire_deadlines()
         self.results.emit(finished, record)
-        self.engine.stage_next_verify()  # (SPECD_STAGE_VERIFY=late only: else staged in the step)
         record.total_seconds = time.perf_counter() - t0
         record.num_running, record.num_waiting = len(self.engine.running), len(self.engine.waiting)
         if record.engine_seconds > 0:

@@ -26,7 +26,6 @@ DEADLINE_EXCEEDED = 504
 
 RIDE_READS_ENV = "SPECD_VERIFIER_RIDE_READS"  # "0": the busy loop reads the request stream on its own round trip
 EARLY_FIRST_TOKEN_ENV = "SPECD_VERIFIER_EARLY_FIRST_TOKEN"
-FLUSH_AFTER_LAUNCH_ENV = "SPECD_VERIFIER_FLUSH_AFTER_LAUNCH"  # "1": a step's results go out at the next launch
 
 
 @dataclass
@@ -53,11 +52,6 @@ class WorkerConfig:
     # own before the step drafts and verifies (worker.emit_first_tokens): time to first token is
     # the prefill's, not the prefill's and a step's. SPECD_VERIFIER_EARLY_FIRST_TOKEN=0: off (A/B).
     early_first_token: bool = field(default_factory=lambda: os.environ.get(EARLY_FIRST_TOKEN_ENV, "1") != "0")
-    # With async_emit, a step's flush is held until the next step's forward is queued (the
-    # engine's on_launched), so its packing on the writer thread does not hold the GIL while the
-    # launch wants it (services/verifier/results/writer.py). An experiment: off unless
-    # SPECD_VERIFIER_FLUSH_AFTER_LAUNCH=1, until the GPU times it.
-    flush_after_launch: bool = field(default_factory=lambda: os.environ.get(FLUSH_AFTER_LAUNCH_ENV, "0") == "1")
 
     def __post_init__(self) -> None:
         if not self.consumer:

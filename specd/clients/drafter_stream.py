@@ -33,29 +33,23 @@ from specd.v1 import drafter_pb2, drafter_pb2_grpc
 logger = logging.getLogger(__name__)
 FAST_PATH_ENV = "SPECD_DRAFTER_FAST_PATH"  # "0": the steps stay on the gRPC stream (A/B, or a firewall)
 
-# How long send() waits for gRPC's sender thread to take a step (seconds); "0" turns the wait off
-# (the e2e bench's "-nohandoff" variant). A wait that times out is harmless: the step still goes.
-SEND_HANDOFF_ENV = "SPECD_DRAFT_SEND_HANDOFF"
-DEFAULT_SEND_HANDOFF_S = 0.002
-
-
-def send_handoff_s() -> float:
-    value = os.environ.get(SEND_HANDOFF_ENV)
-    return DEFAULT_SEND_HANDOFF_S if value is None or value == "1" else float(value)
+# How long send() waits for gRPC's sender thread to take a step (seconds). A wait that times out
+# is harmless: the step still goes.
+SEND_HANDOFF_S = 0.002
 
 
 class DrafterStream:
     """One drafter: channel, Info, the DraftSteps stream and the open/close ops not yet sent."""
 
     def __init__(self, address: str, connect_timeout_s: float,
-                 credentials: grpc.ChannelCredentials | None = None, handoff_s: float | None = None,
+                 credentials: grpc.ChannelCredentials | None = None, handoff_s: float = SEND_HANDOFF_S,
                  send_timeout_s: float | None = None) -> None:
         """send_timeout_s bounds a fast-path write (default connect_timeout_s): a drafter stuck in a
         step stops reading, and a large step (hidden rows) would otherwise block the engine thread
         past the step's deadline once the socket's buffer is full."""
         self.address = address
         self.send_timeout_s = connect_timeout_s if send_timeout_s is None else send_timeout_s
-        self.handoff_s = send_handoff_s() if handoff_s is None else handoff_s
+        self.handoff_s = handoff_s
         self.channel = open_channel(address, credentials)
         stub = drafter_pb2_grpc.DrafterStub(self.channel)
         try:  # wait_for_ready: a drafter still starting up is waited for, up to the timeout

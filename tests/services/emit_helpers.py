@@ -80,12 +80,11 @@ class SlowRedis:
 
 
 def make_worker(redis_url, target, stream, async_emit=True, spec=NGRAM, max_batch_size=8, idle_ms=30_000,
-                flush_after_launch=False, **slow_kw):
+                **slow_kw):
     slow = SlowRedis(redis.Redis.from_url(redis_url), **slow_kw)
     engine = build_engine(target, PytorchEngineConfig(max_batch_size=max_batch_size, **ENGINE), spec)
     worker = VerifierWorker(engine, slow, WorkerConfig(consumer="w", request_stream=stream, log_interval_s=0,
-                                                       async_emit=async_emit, claims=ClaimConfig(idle_ms=idle_ms),
-                                                       flush_after_launch=flush_after_launch))
+                                                       async_emit=async_emit, claims=ClaimConfig(idle_ms=idle_ms)))
     worker.ensure_group()
     return worker, slow
 

@@ -79,8 +79,7 @@ class ResultPipeline:
         riders = self._riders()
         if self.config.async_emit and self.engine.has_unfinished():
             read = self.admission.read_rider()  # the next admit's read, on this round trip
-            started = self.writer.start(riders + [read] if read is not None else riders,
-                                        hold=self.config.flush_after_launch)  # released at the launch
+            started = self.writer.start(riders + [read] if read is not None else riders)
             self.admission.read_riding = started and read is not None  # answered by the next emit's wait
         else:
             self.collect(lambda: self.writer.flush(riders), record)
