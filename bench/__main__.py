@@ -110,8 +110,8 @@ def _prepare_e2e_models(args, work: Path) -> tuple[Path, dict, int]:
 
     # Written only when their method's turn comes: off and replay never wait for them. A write on
     # the GPU hands the bench process's cached memory back after it: the stacks that start next
-    # size their KV caches from what is free, and in run 67 the bench process still held 8.4 GB
-    # from writing the target while an eagle3 stack's verifier ran out of memory.
+    # size their KV caches from what is free (a bench process still holding the target's write
+    # once left an eagle3 stack's verifier out of memory).
     drafts = {"draft_model": draft_model, "eagle3": eagle3}
     return target, drafts, 500
 

@@ -130,8 +130,8 @@ VARIANTS = {"-fold": {"SPECD_NORM_FOLD": "1"}, "-head2": {"SPECD_GRAPH_HEAD_LAYE
 def base_method(label: str) -> tuple[str, dict]:
     """("replay-sync") -> ("replay", {"SPECD_DRAFT_AHEAD": "0"}): the method and its variants'
     env; suffixes combine ("replay-nostage-nopdl"). A trailing "#N" names another stack of the
-    same method ("replay-stage#2"): why: stacks of one method differ by several percent (BENCHMARKS.md,
-    runs 60-61: 2.72x and 2.58x), so an A/B within that needs each side twice, interleaved."""
+    same method ("replay-stage#2"): stacks of one method differ by several percent, so an A/B
+    within that needs each side twice, interleaved."""
     label = label.partition("#")[0]
     env: dict = {}
     while True:

@@ -226,7 +226,7 @@ def test_a_layout_met_first_by_the_stage_is_prepared_under_the_runners_settings(
     """A graph keeps its capture's kernel settings and serves every later forward of its layout,
     staged or not; so the stage, where a layout may be met (and captured) first, must prepare it
     under the runner's GEMM backend, PDL mode and L2 prefetch plan, as forward does. (Captured
-    outside them, run 56-60's staged stacks replayed cuBLAS graphs without PDL, ~0.37 ms slower.)"""
+    outside them, staged stacks replayed cuBLAS graphs without PDL, ~0.37 ms a forward slower.)"""
     from specd.models import linear
     from specd.models.cuda_graphs import StaticForward
     from specd.models.kernels import l2_prefetch, pdl
