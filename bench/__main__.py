@@ -95,8 +95,8 @@ def _prepare_e2e_models(args, work: Path) -> tuple[Path, dict, int]:
 
     # Written only when their method's turn comes: off and replay never wait for them. A write on
     # the GPU hands the bench process's cached memory back after it: the stacks that start next
-    # size their KV caches from what is free (an eagle3 stack's verifier once ran out of memory
-    # while the bench process still held 8.4 GB from writing the target).
+    # size their KV caches from what is free (a bench process still holding the target's write
+    # once left an eagle3 stack's verifier out of memory).
     drafts = {"draft_model": draft_model, "eagle3": eagle3}
     return target, drafts, 500
 
@@ -141,8 +141,7 @@ def main(argv: list[str] | None = None) -> int:
                          "small batches (bench/e2e.py waves_for; default 8, small: 1)")
     ap.add_argument("--methods", type=lambda s: s.split(","), default=None,
                     help="default off,replay,ngram,eagle3,draft_model; for A/B, a -sync suffix "
-                         "(replay-sync) runs the method with drafting ahead off (SPECD_DRAFT_AHEAD=0), a -nohandoff "
-                         "suffix without the drafter stream's send handoff (SPECD_DRAFT_SEND_HANDOFF=0), a -nocarry "
+                         "(replay-sync) runs the method with drafting ahead off (SPECD_DRAFT_AHEAD=0), a -nocarry "
                          "suffix without carried drafts (SPECD_DRAFT_CARRY=0), a -carry4 suffix carrying 4 (one "
                          "step's worth at k = 3, SPECD_DRAFT_CARRY=4), an -ownread suffix (off-ownread too) with "
                          "the busy verifier's request read on its own round trip (SPECD_VERIFIER_RIDE_READS=0)")

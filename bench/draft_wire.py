@@ -12,9 +12,9 @@ old against new, side by side in one run:
   header and payload written apart and read without the copy (step_frames now). The sender's
   time is what the verifier's engine thread spends; the reader answers one byte per frame.
 
-Why: through the services on an H100 the verifier's "commit" (which sends the next step's
-requests) took 11.8 ms a step at batch 128 with an EAGLE-3 drafter, against 0.6 ms without
-drafts (BENCHMARKS.md, run 74). CPU only; medians over --repeats.
+Why: through the services on a GPU the verifier's "commit" (which sends the next step's
+requests) costs far more with an EAGLE-3 drafter's hidden rows than without drafts at large
+batches, and both ends of a step wait for it. CPU only; medians over --repeats.
 
     python -m bench.draft_wire [--batches 64,128] [--rows 1,4] [--width 12288] [--repeats 15]
 """
@@ -30,7 +30,7 @@ import time
 import torch
 
 from specd.proposers.base import DraftRequest
-from specd.proposers.draft_step_request import draft_step_parts, draft_step_request
+from specd.clients.draft_step import draft_step_parts, draft_step_request
 from specd.transport import step_frames
 from specd.transport.tensor_codec import tensor_bytes, tensor_from_buffer, tensor_from_pb
 from specd.v1 import drafter_pb2

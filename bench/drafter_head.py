@@ -1,21 +1,20 @@
-"""The EAGLE-3 drafter's own step, in-process: PairHeadProposer.propose (specd/proposers/mtp_common.py)
+"""The EAGLE-3 drafter's own step, in-process: PairHeadProposer.propose (specd/proposers/pair_head.py)
 over an 8B-shaped head with random weights, as the drafter service runs it each round trip: every
 sequence brings the tokens and target rows its last step committed, then gets k drafts.
 
-Why: through the services on an H100 (BENCHMARKS.md, run 67) the eagle3 drafter took 7.1 ms of
-its own per round trip at batch 1 and 33.5 ms at batch 64, for k = 3, where the head's weights
-(~1 GB in bf16) take ~0.3 ms to read per draft step. This times the step and splits it with
+Why: through the services the eagle3 drafter's own time per round trip is many times what
+reading the head's weights (~1 GB in bf16, ~0.3 ms per draft step on an H100) costs. This times the step and splits it with
 torch.profiler (--profile), so that the drafter's cost can be read without the services around
 it. Each batch runs through the fixed-shape forwards the drafter takes on CUDA (CUDA graphs,
 specd/proposers/head_graphs.py) and through the eager ones (BatchKV); with --gathered also the
 fixed-shape forwards with the attention they had before they read the block pools in place
-(head_kv.StaticBatchKV.attend; run 76 found the gather's copies half of a forward at batch 128);
+(head_kv.StaticBatchKV.attend: the gather's copies were half of a forward at batch 128);
 with --kv-blocks N over head caches of N-position blocks; with --grammar-support also the
 fixed-shape forwards with structured output enabled and no grammar in the batch, as the services'
-drafters run (run 80: they had taken the per-step host argmax of the grammar path);
+drafters run (which once took the grammar path's per-step host argmax);
 and with --cudnn also eager
-with SDPA's own kernel choice, cuDNN first on Hopper (run 69: 111.7 against 5.0 ms at batch 1;
-the drafter allows no cuDNN attention, specd/models/sdpa_backends.py).
+with SDPA's own kernel choice, cuDNN first on Hopper (far slower at batch 1: the drafter allows
+no cuDNN attention, specd/models/sdpa_backends.py).
 
     python -m bench.drafter_head [--batches 1,64] [--steps 20] [--prompt-len 32] [--shape 8b|small] [--device cuda] [--kv-blocks 16] [--gathered]
         [--grammar-support] [--cudnn]
@@ -39,7 +38,7 @@ from specd.proposers.base import DraftRequest
 from specd.proposers.draft_constraints import DraftConstraints
 from specd.proposers.eagle3_head import Eagle3Config, Eagle3Head
 from specd.proposers.head_kv import StaticBatchKV, masked_attention
-from specd.proposers.mtp_common import PairHeadProposer
+from specd.proposers.pair_head import PairHeadProposer
 from specd.sampling_params import SamplingParams
 
 SHAPES = {  # the target's shape: the head's layer is one of its layers; the draft vocabulary half of it

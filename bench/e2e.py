@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from bench.e2e_rounds import generate_waves, make_prompts, waves_for
+from specd import settings
 
 DRAFT_NAMES = {"eagle3": "draft-eagle3", "draft_model": "draft-llama-small"}
 
@@ -103,38 +104,20 @@ def step_split_ms(before: dict, after: dict) -> dict[str, float]:
                     "prefills": int(sum(p1) - sum(p0)), "eager_prefills": int(p1[1] - p0[1])}
 
 
-# A/B variants of a method, as suffixes of its name: "replay-sync" is replay with drafting ahead off,
-# "replay-nohandoff" without the send handoff (specd/proposers/drafter_stream.py), "replay-nocarry"
-# without carried drafts (specd/engine/drafting.py), "replay-carry4" carrying 4 past k (one step's worth),
-# "off-ownread" / "replay-ownread" with the busy verifier's request read on a round trip of its own
-# (services/verifier/admission.py ReadRider: it rides the result round trip by default), "-grpcsteps"
-# with the drafter round trip on the gRPC stream instead of the fast socket path (drafter_stream.py),
-# "-stage" with the verify batch staged while drafts are out (engine/staging.py, the default;
-# "-nostage" without it), "-syncemit" with the
-# result flush on the loop's thread (services/verifier/writer.py: no writer thread to take the GIL
-# at the launch), "-switch50" with the verifier's GIL switch interval at 50 us (verifier/cli.py),
-# "-stagelate" with the batch staged after the step's result flush is handed over (staging.py),
-# "-trace" with a profiler trace of the verifier's steps 100-139 (specd/step_trace.py;
-# written under SPECD_TRACE_DIR, default ./traces, one folder per method; summed up by
-# bench/trace_summary.py: at batch 1 these steps fall in the second and third timed rounds),
-# "-dtrace" with one of the drafter's steps 100-139, host ops and named ranges included (its
-# own time split: inputs, propose, answer; pair it with --e2e-batches 128 to trace that batch).
-VARIANTS = {"-stage": {"SPECD_STAGE_VERIFY": "1"}, "-nostage": {"SPECD_STAGE_VERIFY": "0"}, "-stagelate": {"SPECD_STAGE_VERIFY": "late"},
-            "-grpcsteps": {"SPECD_DRAFTER_FAST_PATH": "0"}, "-sync": {"SPECD_DRAFT_AHEAD": "0"}, "-nohandoff": {"SPECD_DRAFT_SEND_HANDOFF": "0"},
-            "-nocarry": {"SPECD_DRAFT_CARRY": "0"}, "-ownread": {"SPECD_VERIFIER_RIDE_READS": "0"},
-            "-carry4": {"SPECD_DRAFT_CARRY": "4"},  # one step's worth at the bench's k = 3
-            "-flushlate": {"SPECD_VERIFIER_FLUSH_AFTER_LAUNCH": "1"},
-            "-nopdl": {"SPECD_PDL": "off"}, "-syncemit": {"SPECD_ASYNC_EMIT": "0"},
-            "-switch50": {"SPECD_GIL_SWITCH_US": "50"}, "-trace": {"SPECD_TRACE_STEPS": "100:40"},
-            "-dtrace": {"SPECD_DRAFTER_TRACE_STEPS": "100:40"}}
+# A/B variants of a method, as suffixes of its name ("replay-sync": replay with SPECD_DRAFT_AHEAD=0),
+# each from a registered setting's `variants` (specd/settings.py; docs/settings.md lists what each
+# setting does). "-trace" traces the verifier's steps 100-139 under SPECD_TRACE_DIR (default
+# ./traces, one folder per method; bench/trace_summary.py sums them up: at batch 1 these steps fall
+# in the second and third timed rounds); "-dtrace" the drafter's, host ops and named ranges included
+# (pair it with --e2e-batches 128 to trace that batch).
+VARIANTS = settings.bench_variants()
 
 
 def base_method(label: str) -> tuple[str, dict]:
     """("replay-sync") -> ("replay", {"SPECD_DRAFT_AHEAD": "0"}): the method and its variants'
     env; suffixes combine ("replay-nostage-nopdl"). A trailing "#N" names another stack of the
-    same method ("replay-stage#2"): why: stacks of one method differ by several percent
-    (2.72x and 2.58x for two replay stacks of the same code), so an A/B within that needs each side
-    twice, interleaved."""
+    same method ("replay-stage#2"): stacks of one method differ by several percent, so an A/B
+    within that needs each side twice, interleaved."""
     label = label.partition("#")[0]
     env: dict = {}
     while True:

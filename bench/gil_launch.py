@@ -2,9 +2,8 @@
 in a call that gives it up right before its forward (torch's CUDA event record, the launch mark),
 while the result writer's flush is on its way, by where the loop stages its next verify batch.
 
-Why: on the GPU (BENCHMARKS.md, run 55) the staged batch-1 forward reads 0.16-0.33 ms longer on
-the device's clock than the unstaged one, in the services only. The device clock starts at the
-step's first mark; a wait for the GIL between it and the replay call counts as forward time.
+Why: the device clock starts at the step's first mark, so a wait for the GIL between it and the
+replay call counts as forward time; a flush on the writer thread may hold the GIL then.
 
 Per step, as the verifier's loop runs it at batch B (services/verifier/worker.py, engine.py):
 the launch (a call that gives up the GIL, timed: the wait), the forward (the host idle for F ms,
@@ -13,7 +12,6 @@ process (a socket; it answers after D us), the stage (S us of host work: the fil
 (the previous flush waited for, B deltas queued and handed to the writer thread: ResultWriter
 over the embedded Redis), then the wait for the drafts. Orders:
   step   staged at the step's end, before the emit (SPECD_STAGE_VERIFY=1, the default)
-  late   staged after the emit (SPECD_STAGE_VERIFY=late)
   none   no stage: the fill after the drafts arrive, before the launch (SPECD_STAGE_VERIFY=0)
   sync   staged at the step's end, the flush on the loop's thread (SPECD_ASYNC_EMIT=0)
 Reported per order: the wait in the launch call (median, p90, mean us) and the launch path (from
@@ -31,7 +29,7 @@ import socket
 import statistics
 import time
 
-ORDERS = ("step", "late", "none", "sync")
+ORDERS = ("step", "none", "sync")
 
 
 def busy_us(us: float) -> None:
@@ -52,11 +50,11 @@ def run_order(order: str, redis_url: str, batch: int, steps: int, forward_ms: fl
               stage_us: float, drafter_sock: socket.socket) -> dict:
     import redis
 
-    from services.verifier.emitter import ResultEmitter
-    from services.verifier.writer import ResultWriter
+    from services.verifier.results.flush import ResultQueue
+    from services.verifier.results.writer import ResultWriter
 
-    emitter = ResultEmitter(redis.Redis.from_url(redis_url), f"gil-{order}:requests")
-    writer = ResultWriter(emitter)
+    result_queue = ResultQueue(redis.Redis.from_url(redis_url), f"gil-{order}:requests")
+    writer = ResultWriter(result_queue)
     waits, paths = [], []
     # The launch call: a one-byte pipe write (~0.5 us, the GIL given up around it, as a CUDA
     # event's record gives it up); time.sleep(0) would sleep ~50 us of timer slack here.
@@ -79,13 +77,11 @@ def run_order(order: str, redis_url: str, batch: int, steps: int, forward_ms: fl
                 busy_us(stage_us)
             writer.wait()
             for i in range(batch):
-                emitter.delta(f"gil-{order}-{i}", 4 * step, [1, 2, 3, 4])
+                result_queue.delta(f"gil-{order}-{i}", 4 * step, [1, 2, 3, 4])
             if order == "sync":
                 writer.flush()
             else:
                 writer.start()
-            if order == "late":
-                busy_us(stage_us)
             drafter_sock.recv(1)
             arrived = time.perf_counter()
         writer.wait()

@@ -2,7 +2,7 @@
 client busy between messages, as the verifier is while the device runs a step.
 
 The drafter round trip of a remote proposer is one message each way on a DraftSteps stream
-(specd/proposers/drafter_stream.py): a sender thread pulls requests from a queue, a reader thread
+(specd/clients/drafter_stream.py, step_stream.py): a sender thread pulls requests from a queue, a reader thread
 puts responses on another, the caller blocks on that queue. Here the same pattern runs against an
 echo server in a process of its own; between messages the client spins for `gap` ms (the engine
 thread's wait for the device), so the server's threads sleep that long, as the drafter's do.

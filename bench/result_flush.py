@@ -1,4 +1,4 @@
-"""A step's result flush at batch B: the emitter's prepare (the loop's thread) and the pipeline's
+"""A step's result flush at batch B: the result queue's prepare (the loop's thread) and the pipeline's
 round trip (the writer thread: redis-py packs every command, then Redis runs them), against the
 embedded Redis, median us over `--flushes` steps of B deltas each.
 
@@ -15,25 +15,25 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from services.verifier.emitter import ResultEmitter  # noqa: E402
+from services.verifier.results.flush import ResultQueue  # noqa: E402
 from specd.messages import SpecStats  # noqa: E402
 from specd.transport.embedded_redis import start_embedded_redis  # noqa: E402
 
 
 def flush_us(client, batch: int, flushes: int) -> tuple[float, float, float]:
     """(prepare, execute, commands per flush): medians over the flushes after 50 warm-up ones."""
-    emitter = ResultEmitter(client, "specd:bench:requests")
+    result_queue = ResultQueue(client, "specd:bench:requests")
     stats = SpecStats(num_drafts=3, num_draft_tokens=9, num_accepted_tokens=6, accepted_per_position=[3, 2, 1])
     prepares, executes, commands = [], [], []
     for step in range(flushes + 50):
         for i in range(batch):
-            emitter.delta(f"bench-{batch}-{i}", 3 * step, [5, 6, 7], stats)
+            result_queue.delta(f"bench-{batch}-{i}", 3 * step, [5, 6, 7], stats)
         t0 = time.perf_counter()
-        flush = emitter.prepare()
+        flush = result_queue.prepare()
         t1 = time.perf_counter()
         flush.execute()
         t2 = time.perf_counter()
-        emitter.complete(flush)
+        result_queue.complete(flush)
         if step >= 50:
             prepares.append((t1 - t0) * 1e6)
             executes.append((t2 - t1) * 1e6)

@@ -69,7 +69,7 @@ def main() -> int:
     assert on["outputs"] == off["outputs"], "draft masking must not change the output"
 
     from services.grammar.server import load_grammar, start_server
-    from specd.grammar.remote import RemoteGrammarBackend
+    from specd.clients.grammar import RemoteGrammarBackend
 
     server = start_server(load_grammar(target), "127.0.0.1", 0)
     try:

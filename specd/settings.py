@@ -35,6 +35,9 @@ class Setting:
     readers: tuple[str, ...]  # the files that read it (compose files and scripts included)
     parse: Callable[[str], Any] = str
     flag: str = ""  # the command-line flag that sets the same thing, where one exists
+    # The benches' A/B columns: a method's name with the suffix runs its stack with this value
+    # ("replay-sync": SPECD_DRAFT_AHEAD=0), bench/e2e.py's VARIANTS.
+    variants: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         assert self.name.startswith("SPECD_") and self.kind in KINDS, self
@@ -95,6 +98,11 @@ def registered() -> dict[str, Setting]:
     return dict(_REGISTRY)
 
 
+def bench_variants() -> dict[str, dict[str, str]]:
+    """Every registered A/B suffix -> the environment it sets ({"-sync": {"SPECD_DRAFT_AHEAD": "0"}})."""
+    return {suffix: {s.name: value} for s in _REGISTRY.values() for suffix, value in s.variants}
+
+
 # -- configuration ------------------------------------------------------------------------------
 API_KEYS = register(
     "SPECD_API_KEYS", "configuration", "", "comma-separated keys",
@@ -130,20 +138,22 @@ GEMM = register(
 PDL = register(
     "SPECD_PDL", "fallback", "auto", "auto | off (0)",
     "off: kernels launch plainly, without programmatic dependent launch (Hopper)",
-    ("specd/models/kernels/pdl.py",), parse=lambda raw: choice("auto", "off")({"0": "off", "1": "auto"}.get(raw, raw)))
+    ("specd/models/kernels/pdl.py",), parse=lambda raw: choice("auto", "off")({"0": "off", "1": "auto"}.get(raw, raw)),
+    variants=(("-nopdl", "off"),))
 DRAFTER_FAST_PATH = register(
     "SPECD_DRAFTER_FAST_PATH", "fallback", True, "1 | 0",
     "0: the verifier keeps its drafter steps on the gRPC stream (where the fast port is firewalled)",
-    ("specd/clients/drafter_stream.py",), parse=switch)
+    ("specd/clients/drafter_stream.py",), parse=switch, variants=(("-grpcsteps", "0"),))
 
 # -- diagnostics --------------------------------------------------------------------------------
 TRACE_STEPS = register(
     "SPECD_TRACE_STEPS", "diagnostic", "", "FIRST:COUNT",
     "trace the verifier's steps FIRST .. FIRST+COUNT-1 (torch profiler, Chrome trace)",
-    ("specd/step_trace.py", "services/verifier/worker.py"))
+    ("specd/step_trace.py", "services/verifier/worker.py"), variants=(("-trace", "100:40"),))
 DRAFTER_TRACE_STEPS = register(
     "SPECD_DRAFTER_TRACE_STEPS", "diagnostic", "", "FIRST:COUNT",
-    "trace the drafter's steps the same way", ("specd/step_trace.py", "services/drafter/server.py"))
+    "trace the drafter's steps the same way", ("specd/step_trace.py", "services/drafter/server.py"),
+    variants=(("-dtrace", "100:40"),))
 TRACE_DIR = register(
     "SPECD_TRACE_DIR", "diagnostic", ".", "a folder", "where step traces are written",
     ("specd/step_trace.py",))
@@ -154,23 +164,29 @@ GRAPH_DEBUG_DIR = register(
 DRAFT_AHEAD = register(
     "SPECD_DRAFT_AHEAD", "diagnostic", True, "1 | 0",
     "0: drafts are asked for inside each step instead of right after the previous commit",
-    ("specd/engine/engine.py",), parse=switch)
+    ("specd/engine/engine.py",), parse=switch, variants=(("-sync", "0"),))
 DRAFT_CARRY = register(
     "SPECD_DRAFT_CARRY", "diagnostic", None, "drafts past k; default 2(k + 1) for lookup drafters",
     "how many drafts past k a lookup drafter's answer carries for later steps",
-    ("specd/engine/drafting.py",), parse=at_least(0))
+    ("specd/engine/drafting.py",), parse=at_least(0), variants=(("-nocarry", "0"), ("-carry4", "4")))
 STAGE_VERIFY = register(
     "SPECD_STAGE_VERIFY", "diagnostic", True, "1 | 0",
     "0: the next verify batch is built after the drafts arrive, not while they are out",
-    ("specd/engine/staging.py",), parse=switch)
+    ("specd/engine/staging.py",), parse=switch, variants=(("-stage", "1"), ("-nostage", "0")))
 VERIFIER_RIDE_READS = register(
     "SPECD_VERIFIER_RIDE_READS", "diagnostic", True, "1 | 0",
     "0: a busy verifier reads the request stream on a round trip of its own",
-    ("services/verifier/worker_types.py",), parse=switch)
+    ("services/verifier/worker_types.py",), parse=switch, variants=(("-ownread", "0"),))
 VERIFIER_EARLY_FIRST_TOKEN = register(
     "SPECD_VERIFIER_EARLY_FIRST_TOKEN", "diagnostic", True, "1 | 0",
     "0: a request's first token leaves with its step's results, not on a round trip of its own",
-    ("services/verifier/worker_types.py",), parse=switch)
+    ("services/verifier/worker_types.py", "bench/first_token.py"), parse=switch,
+    variants=(("-latefirst", "0"),))
+ASYNC_EMIT = register(
+    "SPECD_ASYNC_EMIT", "diagnostic", True, "1 | 0",
+    "0: the verifier's loop waits for each result round trip (no writer thread)",
+    ("services/verifier/cli.py", "bench/services_vs_inprocess.py"), parse=switch, flag="--no-async-emit",
+    variants=(("-syncemit", "0"),))
 
 
 # -- deployment: read by docker-compose*.yml, deploy/ and scripts/demo.sh, passed on as flags --------

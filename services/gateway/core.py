@@ -194,7 +194,7 @@ class Gateway:
         """The grammar service's Validate RPC, or a local compile cache (made on first use)."""
         if getattr(self, "_validator", None) is None:
             if self.config.grammar:
-                from specd.grammar.remote import RemoteGrammarBackend
+                from specd.clients.grammar import RemoteGrammarBackend
 
                 self._validator = RemoteGrammarBackend(self.config.grammar,
                                                        credentials=channel_credentials(self.config.tls))

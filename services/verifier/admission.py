@@ -6,8 +6,8 @@ the engine is idle and no results are waiting to be written, so a busy loop neve
 While the engine is busy the read rides the step's result pipeline instead (ReadRider, on the
 writer thread, overlapping the next step: config.ride_reads), so a busy step spends no round trip
 of its own on admission; what it read is admitted when the loop collects that flush, one step
-later than a read of its own would (at batch 1 on an H200 that read was 0.4 ms of a 5 ms "off" step:
-+7% tokens/s, BENCHMARKS.md run 41). After a read that found requests the next one is the loop's
+later than a read of its own would (at batch 1 on an H200 that read was ~8% of an "off" step).
+After a read that found requests the next one is the loop's
 own again: a burst is admitted without a step's delay per wave.
 Every `scan_ms` a verifier with room first looks for entries idle past `--reclaim-idle-ms` (their
 verifier died) and resumes them from their result streams (services/verifier/claims.py).
@@ -21,9 +21,11 @@ import time
 
 import redis
 
-from services.verifier.claims import ClaimedEntry
+from services.verifier.claims import ClaimedEntry, Claims
+from services.verifier.results.flush import ResultQueue
 from services.verifier.worker_types import (BAD_REQUEST, DEADLINE_EXCEEDED, INTERNAL_ERROR, NOT_IMPLEMENTED,
-                                            ActiveRequest, sid)
+                                            ActiveRequest, ErrorAnswers, RedisHealth, WorkerConfig, sid)
+from services.verifier.results.writer import ResultWriter
 from specd.grammar.response_format import parse_response_format
 from specd.messages import ConfigError
 from specd.transport.redis_streams import QueuedRequest
@@ -34,7 +36,7 @@ log = logging.getLogger("specd.verifier")
 
 class ReadRider:
     """The busy loop's XREADGROUP for its free batch slots (no BLOCK), as a result-pipeline rider
-    (services/verifier/emitter.py PipelineRider)."""
+    (services/verifier/results/flush.py PipelineRider)."""
 
     def __init__(self, stream: str, group: str, consumer: str, count: int) -> None:
         self.stream, self.group, self.consumer, self.count = stream, group, consumer, count
@@ -53,9 +55,31 @@ class ReadRider:
 
 
 class Admission:
-    """The admit verb of VerifierWorker (services/verifier/worker.py), which it is mixed into: it
-    uses the worker's engine, config, client, claims, emitter, writer, `active` and `_request_ids`,
-    and answers through the worker's `_reject` and `_on_redis_error`."""
+    """The admit verb of VerifierWorker (services/verifier/worker.py): reads into the engine and
+    the worker's `active` / `request_ids` (shared with the result pipeline), answers bad entries
+    through `reject`, and asks `writer` what is still being answered. `draining` stops it."""
+
+    def __init__(self, engine, client: redis.Redis, config: WorkerConfig, claims: Claims, result_queue: ResultQueue,
+                 writer: ResultWriter, reject: ErrorAnswers, redis_health: RedisHealth,
+                 active: dict[int, ActiveRequest], request_ids: set[str], metrics, clock) -> None:
+        self.engine, self.client, self.config, self.claims = engine, client, config, claims
+        self.result_queue, self.writer, self._reject, self.redis_health = result_queue, writer, reject, redis_health
+        self.active, self._request_ids, self.metrics, self.clock = active, request_ids, metrics, clock
+        self.draining = False
+        self.num_reclaimed = 0  # requests resumed from a dead verifier
+        self._group_ready = False
+        self.read_riding = False  # the in-flight result flush carries the request read
+        self.reread_own = False  # a flush with a read failed: read this consumer's pending entries
+        self._read_found = False  # the last request read found entries (no ride next)
+
+    def ensure_group(self) -> None:
+        """XGROUP CREATE ... MKSTREAM from the stream's start; an existing group is fine."""
+        try:
+            self.client.xgroup_create(self.config.request_stream, self.config.group, id="0", mkstream=True)
+        except redis.ResponseError as e:
+            if "BUSYGROUP" not in str(e):
+                raise
+        self._group_ready = True
 
     def admit(self) -> int:
         """Read up to the batch's free slots from the request stream; returns how many were admitted."""
@@ -75,16 +99,16 @@ class Admission:
                     admitted += self._admit_claimed(claimed, now)
                 free = self.engine.max_batch_size - len(self.engine.running) - len(self.engine.waiting)
                 if free <= 0:
-                    self._redis_failures = 0
+                    self.redis_health.ok()
                     return admitted
                 idle = idle and not admitted and not self.writer.has_pending
-            if self._reread_own:  # a ridden read's reply was lost: what it took is ours, pending
+            if self.reread_own:  # a ridden read's reply was lost: what it took is ours, pending
                 own = self.client.xreadgroup(self.config.group, self.config.consumer,
                                              {self.config.request_stream: "0"})
-                self._reread_own = False
+                self.reread_own = False
                 admitted += self._admit_reply(own, now, unanswered_only=True)
-            if self._read_riding:  # this step's read is in the result flush in flight
-                self._redis_failures = 0
+            if self.read_riding:  # this step's read is in the result flush in flight
+                self.redis_health.ok()
                 return admitted
             reply = self.client.xreadgroup(self.config.group, self.config.consumer,
                                            {self.config.request_stream: ">"}, count=free,
@@ -95,9 +119,9 @@ class Admission:
             self._group_ready = False  # the stream was deleted under us: create it again next time
             return admitted
         except (redis.ConnectionError, redis.TimeoutError) as e:
-            self._on_redis_error("admit", e, idle)
+            self.redis_health.failed("admit", e, idle)
             return admitted
-        self._redis_failures = 0
+        self.redis_health.ok()
         return admitted + self._admit_reply(reply, now)
 
     def read_rider(self) -> ReadRider | None:
@@ -114,7 +138,7 @@ class Admission:
         """What a collected ReadRider read. A refused read (the group gone: NOGROUP) makes the next
         admit create the group again. Entries read by a round trip whose reply was lost are
         pending under this consumer: the next admit reads this consumer's pending history
-        (`_reread_own`, set by the loop) and admits those it is not running or answering."""
+        (`reread_own`, set by the result pipeline) and admits those it is not running or answering."""
         if rider.error is not None:
             if "NOGROUP" in str(rider.error):
                 self._group_ready = False
@@ -145,17 +169,17 @@ class Admission:
             # ran (a step longer than idle_ms left it idle); resuming it would answer it twice.
             return 0
         if fields is None:  # deleted while pending: it was answered, only the XACK was lost
-            self.emitter.finish_entry(entry_id)
+            self.result_queue.finish_entry(entry_id)
             return 0
         raw_id = fields.get(b"id", fields.get("id"))
         request_id = raw_id.decode(errors="replace") if isinstance(raw_id, bytes) else raw_id
         mine = next((ar for ar in self.active.values() if ar.request_id == request_id), None)
         if mine is not None:  # our own, stale after a long stall: it stays ours
             if sid(mine.entry_id) != sid(entry_id):
-                self.emitter.finish_entry(entry_id)  # a second entry for the request: the first answers
+                self.result_queue.finish_entry(entry_id)  # a second entry for the request: the first answers
             return 0
         if resume is not None and resume.is_answered:
-            self.emitter.finish_entry(entry_id)
+            self.result_queue.finish_entry(entry_id)
             return 0
         if resume is None:
             self._reject(entry_id, request_id, INTERNAL_ERROR,
@@ -189,7 +213,7 @@ class Admission:
             return 0
         if request.request_id in self._request_ids:  # delivered twice: the first copy answers
             log.warning("duplicate request entry dropped", extra={"request_id": request.request_id})
-            self.emitter.finish_entry(entry_id)
+            self.result_queue.finish_entry(entry_id)
             return 0
         if deadline is not None and deadline <= now:
             self._reject(entry_id, request.request_id, DEADLINE_EXCEEDED,

@@ -4,7 +4,7 @@ The gateway sets `specd:cancel:<id>` (with a TTL) when a client disconnects or t
 (Gateway.abandon -> ResultReader.cancel). Each step the verifier MGETs the keys of the requests it
 runs, as one more command of the step's result pipeline, so cancellation costs no extra round
 trip; a hit aborts the request (its KV blocks are freed) and acknowledges its entry. With the
-result writer thread (services/verifier/writer.py) the answer is read a step later: the request
+result writer thread (services/verifier/results/writer.py) the answer is read a step later: the request
 runs one more step, whose tokens are dropped, and a request that finished in that step is still
 cancelled (no final).
 """
@@ -15,7 +15,7 @@ from specd.transport.redis_streams import CANCEL_PREFIX, cancel_key
 
 
 class CancelPoll:
-    """One step's MGET over the cancel keys of `request_ids` (a ResultEmitter.flush rider)."""
+    """One step's MGET over the cancel keys of `request_ids` (a ResultQueue.flush rider)."""
 
     def __init__(self, request_ids: list[str], prefix: str = CANCEL_PREFIX) -> None:
         self.request_ids = request_ids

@@ -7,7 +7,7 @@ each pending entry has been idle, so liveness needs no extra keys:
     script claims only entries still in *its* pending list and returns the others: an entry a
     survivor reclaimed (we stalled past the idle limit, or lost Redis for that long) is its
     request now, and this verifier drops it instead of racing the new owner (a step later with
-    the result writer thread, services/verifier/writer.py; that step's tokens are not written).
+    the result writer thread, services/verifier/results/writer.py; that step's tokens are not written).
   - reclaim: a verifier with room XAUTOCLAIMs entries idle past `idle_ms` (their owner stopped
     heartbeating: dead, hung, or cut off) and reads each one's result stream in the same round
     trip, which says where the request stands (specd/transport/resume.py). A request is resumed
@@ -78,7 +78,7 @@ class ClaimedEntry:
 
 
 class HeartbeatRider:
-    """The heartbeat as a part of the emitter's pipeline (see ResultEmitter.flush)."""
+    """The heartbeat as a part of the result pipeline (see ResultQueue.flush)."""
 
     def __init__(self, script, stream: str, group: str, consumer: str, sent_at: float = 0.0) -> None:
         self.script, self.stream, self.group, self.consumer = script, stream, group, consumer

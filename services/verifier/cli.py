@@ -51,32 +51,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     return p
 
 
-# The interpreter's switch interval in microseconds (Python's default: 5000). Why: the engine
-# thread gives up the GIL at each CUDA call before its forward's launch; when the result writer
-# takes it then, the engine waits for the writer to block or to be asked to drop it, which it is
-# only after the interval. An experiment until timed on the GPU (the e2e suffix -switch50).
-GIL_SWITCH_ENV = "SPECD_GIL_SWITCH_US"
-
-
-def set_gil_switch_interval() -> str | None:
-    """Apply SPECD_GIL_SWITCH_US, if set; returns an error message for a bad value."""
-    value = os.environ.get(GIL_SWITCH_ENV)
-    if not value:
-        return None
-    try:
-        micros = float(value)
-    except ValueError:
-        micros = -1.0
-    if not micros > 0:
-        return f"{GIL_SWITCH_ENV}={value!r}: must be a positive number of microseconds"
-    sys.setswitchinterval(micros * 1e-6)
-    return None
-
-
 def run(args: argparse.Namespace) -> int:
-    if (error := set_gil_switch_interval()) is not None:
-        print(f"specd verifier: error: {error}", file=sys.stderr)
-        return 2
     if args.tp != 1:  # refuse before loading anything
         print(f"specd verifier: error: --tp {args.tp}: tensor parallelism is not available yet in specd; "
               "run one verifier per GPU with --tp 1", file=sys.stderr)

@@ -190,7 +190,7 @@ class VerifierMetrics:
         self.spec.observe(record.spec)
 
     def observe_round_trip(self, num_round_trips: int, last) -> None:
-        """The proposer's last round trip (remote.DraftRoundTrip), when it is a new one."""
+        """The proposer's last round trip (specd/clients/drafter.py DraftRoundTrip), when it is a new one."""
         if num_round_trips > self._round_trips_seen and last is not None:
             for part in ("queued", "transit", "handle", "propose", "waited", "to_host", "encode", "write"):
                 self.drafter_round_trip.labels(part=part).observe(getattr(last, part))

@@ -137,7 +137,7 @@ class _Shutdown:
 def build_grammar_backend(config):
     """Matchers on the grammar service when --grammar is given, else in this process."""
     if config.grammar:
-        from specd.grammar.remote import RemoteGrammarBackend
+        from specd.clients.grammar import RemoteGrammarBackend
 
         return RemoteGrammarBackend(config.grammar, credentials=channel_credentials(config.tls))
     from specd.grammar.compiler import GrammarCompilerCache
@@ -193,7 +193,7 @@ def build_proposer(config: VerifierConfig):
     if not config.drafters or spec is None:
         return None
     try:
-        from specd.proposers.remote import RemoteProposer
+        from specd.clients.drafter import RemoteProposer
     except ImportError as e:
         raise ConfigError(f"drafter: the remote proposer is unavailable ({e})") from e
     expansions: dict[str, list[str]] = {}  # shared with the refresh thread, which alone uses it later

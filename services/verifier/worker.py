@@ -6,14 +6,14 @@ and a writer thread that does nothing but the result round trips.
            requests past their deadline are answered with an error result instead
            (services/verifier/admission.py).
     step   engine.step(): draft, verify, commit for the whole batch (synchronous torch work).
-    emit   (services/verifier/emission.py) a request's first token as soon as its prefill
-           sampled it; then for every request with tokens committed since the last emit, one delta (with its pos);
-           for finished requests the final entry; then XACK + XDEL of their stream entries — all
-           in one pipelined Redis round trip per step (services/verifier/emitter.py), which also
+    emit   the result pipeline (services/verifier/results/): a request's first token as soon as
+           its prefill sampled it; then for every request with tokens committed since the last
+           emit, one delta (with its pos); for finished requests the final entry; then XACK + XDEL
+           of their stream entries — all in one pipelined Redis round trip per step, which also
            carries the cancellation poll (services/verifier/cancel.py) and, when due, the
            heartbeat of the running requests' entries (services/verifier/claims.py). While the
            engine has work left the round trip runs on the writer thread, overlapping the next
-           step (services/verifier/writer.py); the loop waits for it when it hands over the next.
+           step; the loop waits for it when it hands over the next.
     log    a periodic summary line; request-level events are logged where they happen.
 
 Redis is touched at most twice per iteration (the read, when the batch has room, and the result
@@ -34,12 +34,13 @@ import redis
 
 from services.verifier.admission import Admission
 from services.verifier.claims import Claims
-from services.verifier.emission import Emission
-from services.verifier.emitter import ResultEmitter
+from services.verifier.results.pipeline import ResultPipeline
+from services.verifier.results.flush import ResultQueue
 from services.verifier.metrics import StepRecord, VerifierMetrics
 from specd.step_trace import StepTracer, TraceWindow
-from services.verifier.worker_types import DEADLINE_EXCEEDED, INTERNAL_ERROR, ActiveRequest, WorkerConfig, WorkerSnapshot
-from services.verifier.writer import ResultWriter
+from services.verifier.worker_types import (DEADLINE_EXCEEDED, INTERNAL_ERROR, ActiveRequest, ErrorAnswers, RedisHealth,
+                                            WorkerConfig, WorkerSnapshot)
+from services.verifier.results.writer import ResultWriter
 from specd.engine.engine import SpecEngine
 from specd.engine.sequence import Sequence
 from specd.messages import SpecStats
@@ -47,8 +48,10 @@ from specd.messages import SpecStats
 log = logging.getLogger("specd.verifier")
 
 
-class VerifierWorker(Admission, Emission):
-    """Drives one SpecEngine from a Redis request stream to per-request result streams."""
+class VerifierWorker:
+    """Drives one SpecEngine from a Redis request stream to per-request result streams: the loop
+    holds the admission (services/verifier/admission.py) and the result pipeline
+    (services/verifier/results/), which share the running requests (`active`) and Redis's health."""
 
     def __init__(self, engine: SpecEngine, client: redis.Redis, config: WorkerConfig,
                  metrics: VerifierMetrics | None = None, clock=time.time) -> None:
@@ -57,40 +60,39 @@ class VerifierWorker(Admission, Emission):
         self.config = config
         self.metrics = metrics or VerifierMetrics()
         self.clock = clock
-        self.emitter = ResultEmitter(client, config.request_stream, config.group, config.result_prefix,
+        self.result_queue = ResultQueue(client, config.request_stream, config.group, config.result_prefix,
                                      config.result_ttl_seconds)
-        self.writer = ResultWriter(self.emitter)
+        self.writer = ResultWriter(self.result_queue)
         self.claims = Claims(client, config.request_stream, config.group, config.consumer, config.claims,
                              config.result_prefix)
         self.active: dict[int, ActiveRequest] = {}  # engine seq id -> request
-        self._request_ids: set[str] = set()
-        self.num_finished = 0
-        self.num_errors = 0
-        self.num_reclaimed = 0  # requests resumed from a dead verifier
-        self.num_cancelled = 0  # requests the client gave up on
-        self.num_lost = 0  # requests another verifier reclaimed from us (we had stalled)
+        request_ids: set[str] = set()  # of `active`: a second entry for one is dropped
+        self._stop = threading.Event()
+        self.redis_health = RedisHealth(self._stop)
+        self.reject = ErrorAnswers(self.result_queue, self.metrics)
+        self.admission = Admission(engine, client, config, self.claims, self.result_queue, self.writer, self.reject,
+                                   self.redis_health, self.active, request_ids, self.metrics, clock)
+        self.results = ResultPipeline(engine, config, self.claims, self.result_queue, self.writer, self.admission,
+                                self.redis_health, self.active, request_ids, self.metrics, clock)
+        self._request_ids = request_ids
         self.other_seconds = 0.0
-        self.finished_spec = SpecStats()  # totals over finished requests
-        self.draining = False
         self.exit_when_drained = False
         self.on_drain = None  # callable run once when a drain begins (health -> NOT_SERVING)
-        self._stop = threading.Event()
-        self._lock = threading.Lock()  # guards finished_spec for snapshot readers
         self._started = time.monotonic()
         self._last_log = time.monotonic()
         self._last_logged = (0, 0)  # (steps, errors) at the last summary line
-        self._redis_failures = 0
-        self._group_ready = False
-        self._read_riding = False  # the in-flight result flush carries the request read (admission.py)
-        self._reread_own = False  # a flush with a read failed: read this consumer's pending entries
-        self._read_found = False  # the last request read found entries (admission.py: no ride next)
-        self._record: StepRecord | None = None  # the step under way (emit_first_tokens adds to it)
         if config.async_emit and config.early_first_token:
-            engine.on_admitted = self.emit_first_tokens
-        if config.async_emit and config.flush_after_launch:
-            engine.on_launched = self.writer.release
+            engine.on_admitted = self.results.emit_first_tokens
         window = TraceWindow.from_env()  # SPECD_TRACE_STEPS: a profiler trace of some steps (diagnosis)
         self.tracer = StepTracer(window, getattr(engine.runner, "device", None)) if window is not None else None
+
+    # the worker's figures (admin API, logs, tests)
+    draining = property(lambda self: self.admission.draining)
+    num_reclaimed = property(lambda self: self.admission.num_reclaimed)
+    num_errors = property(lambda self: self.reject.num_errors)
+    num_finished = property(lambda self: self.results.num_finished)
+    num_cancelled = property(lambda self: self.results.num_cancelled)
+    num_lost = property(lambda self: self.results.num_lost)
 
     # ---- lifecycle --------------------------------------------------------------------------
     def run(self) -> None:
@@ -112,7 +114,7 @@ class VerifierWorker(Admission, Emission):
         record = StepRecord()
         idle = not self.engine.has_unfinished()
         t0 = time.perf_counter()
-        record.num_admitted = self.admit()
+        record.num_admitted = self.admission.admit()
         if idle:  # the read blocked until work came: idle time, not the loop's own (rest)
             t0 = time.perf_counter()
         if self.engine.has_unfinished():
@@ -122,8 +124,7 @@ class VerifierWorker(Admission, Emission):
             if self.draining and not self.writer.has_pending:
                 self._stop.wait(self.config.block_ms / 1000)  # drained: nothing to read, nothing to do
         self.expire_deadlines()
-        self.emit(finished, record)
-        self.engine.stage_next_verify()  # (SPECD_STAGE_VERIFY=late only: else staged in the step)
+        self.results.emit(finished, record)
         record.total_seconds = time.perf_counter() - t0
         record.num_running, record.num_waiting = len(self.engine.running), len(self.engine.waiting)
         if record.engine_seconds > 0:
@@ -135,7 +136,7 @@ class VerifierWorker(Admission, Emission):
     def drain(self, exit_when_drained: bool = False) -> tuple[int, int]:
         """Stop admitting; the running requests finish. Returns (num_running, num_waiting)."""
         first = not self.draining
-        self.draining = True
+        self.admission.draining = True
         self.exit_when_drained = self.exit_when_drained or exit_when_drained
         if first:
             log.info("draining", extra={"num_running": len(self.engine.running),
@@ -158,28 +159,13 @@ class VerifierWorker(Admission, Emission):
     def finish_writes(self) -> None:
         """The flush in flight lands (and is answered) before the worker reports it stopped."""
         try:
-            self._collect(self.writer.wait, StepRecord())
+            self.results.collect(self.writer.wait, StepRecord())
         finally:
             self.writer.close()
 
     def ensure_group(self) -> None:
         """XGROUP CREATE ... MKSTREAM from the stream's start; an existing group is fine."""
-        try:
-            self.client.xgroup_create(self.config.request_stream, self.config.group, id="0", mkstream=True)
-        except redis.ResponseError as e:
-            if "BUSYGROUP" not in str(e):
-                raise
-        self._group_ready = True
-
-    # ---- answers ----------------------------------------------------------------------------
-    def _reject(self, entry_id, request_id: str | None, code: int, message: str, pos: int = 0) -> None:
-        """Answer a request with an error result and take its entry off the stream (next flush)."""
-        if request_id is not None:
-            self.emitter.error(request_id, code, message, pos)
-        self.emitter.finish_entry(entry_id)
-        self.num_errors += 1
-        self.metrics.observe_error(code)
-        log.warning("request failed", extra={"request_id": request_id, "code": code, "reason": message})
+        self.admission.ensure_group()
 
     # ---- step -------------------------------------------------------------------------------
     def step(self, record: StepRecord) -> list[Sequence]:
@@ -188,7 +174,7 @@ class VerifierWorker(Admission, Emission):
         before, tokens0 = stats.timings.copy(), stats.num_output_tokens
         prefills0, eager0 = stats.num_prefills, stats.num_eager_prefills
         t0 = time.perf_counter()
-        self._record = record
+        self.results.record = record
         if self.tracer is not None:
             self.tracer.started()
         try:
@@ -234,14 +220,14 @@ class VerifierWorker(Admission, Emission):
         """
         log.exception("engine failure: failing all active requests", extra={"num_active": len(self.active)})
         for ar in list(self.active.values()):
-            self._reject(ar.entry_id, ar.request_id, INTERNAL_ERROR, message, ar.num_emitted)
+            self.reject(ar.entry_id, ar.request_id, INTERNAL_ERROR, message, ar.num_emitted)
         self.active.clear()
         try:
             self.writer.wait()  # the step before goes out first (or back in front of the queue)
         except Exception:
             log.exception("could not write the previous step's results")
         try:
-            self.emitter.flush()
+            self.result_queue.flush()
         except redis.RedisError:
             log.exception("could not write the error results")
 
@@ -256,7 +242,7 @@ class VerifierWorker(Admission, Emission):
                 self.engine.abort(ar.seq, reason="deadline")
                 del self.active[seq_id]
                 self._request_ids.discard(ar.request_id)
-                self._reject(ar.entry_id, ar.request_id, DEADLINE_EXCEEDED,
+                self.reject(ar.entry_id, ar.request_id, DEADLINE_EXCEEDED,
                              f"deadline exceeded after {ar.seq.num_output_tokens} tokens", ar.num_emitted)
 
     # ---- log --------------------------------------------------------------------------------
@@ -281,9 +267,9 @@ class VerifierWorker(Admission, Emission):
     def snapshot(self) -> WorkerSnapshot:
         """Figures for the admin API (safe to call from another thread)."""
         stats = self.engine.stats
-        with self._lock:
+        with self.results.lock:
             spec = SpecStats()
-            spec.merge(self.finished_spec)
+            spec.merge(self.results.finished_spec)
         return WorkerSnapshot(
             consumer=self.config.consumer, num_running=len(self.engine.running),
             num_waiting=len(self.engine.waiting), num_finished=self.num_finished, num_errors=self.num_errors,
@@ -291,14 +277,3 @@ class VerifierWorker(Admission, Emission):
             draft_seconds=stats.timings.draft, verify_seconds=stats.timings.verify,
             other_seconds=self.other_seconds, draining=self.draining,
             uptime_seconds=time.monotonic() - self._started)
-
-    # ---- errors -----------------------------------------------------------------------------
-    def _on_redis_error(self, verb: str, error: Exception, idle: bool) -> None:
-        """Redis unreachable: log (not every time), back off while idle; queued results are kept."""
-        self._redis_failures += 1
-        if self._redis_failures in (1, 10) or self._redis_failures % 100 == 0:
-            log.error("redis unavailable", extra={"verb": verb, "failures": self._redis_failures,
-                                                  "error": str(error)})
-        if idle:
-            self._stop.wait(min(1.0, 0.05 * self._redis_failures))
-

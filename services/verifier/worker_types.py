@@ -1,9 +1,12 @@
-"""The verifier worker's data: its config, the requests it runs, the figures it reports, and the
-error codes it answers with (kept apart from services/verifier/worker.py, which is the loop)."""
+"""The verifier worker's data: its config, the requests it runs, the figures it reports, the
+error codes it answers with and how it answers them, and its view of Redis's health (kept apart
+from services/verifier/worker.py, which is the loop)."""
 
 from __future__ import annotations
 
+import logging
 import os
+import threading
 from dataclasses import dataclass, field
 
 from services.verifier.claims import ClaimConfig
@@ -11,6 +14,8 @@ from specd.engine.sequence import Sequence
 from specd.messages import ConfigError, SpecStats
 from specd.transport.redis_streams import (CANCEL_PREFIX, CONSUMER_GROUP, DEFAULT_REQUEST_STREAM, RESULT_PREFIX,
                                            RESULT_TTL_SECONDS)
+
+log = logging.getLogger("specd.verifier")
 
 # Error codes written to result streams (HTTP-like, the gateway maps them to its protocols).
 BAD_REQUEST = 400
@@ -21,7 +26,6 @@ DEADLINE_EXCEEDED = 504
 
 RIDE_READS_ENV = "SPECD_VERIFIER_RIDE_READS"  # "0": the busy loop reads the request stream on its own round trip
 EARLY_FIRST_TOKEN_ENV = "SPECD_VERIFIER_EARLY_FIRST_TOKEN"
-FLUSH_AFTER_LAUNCH_ENV = "SPECD_VERIFIER_FLUSH_AFTER_LAUNCH"  # "1": a step's results go out at the next launch
 
 
 @dataclass
@@ -38,7 +42,7 @@ class WorkerConfig:
     claims: ClaimConfig = field(default_factory=ClaimConfig)  # heartbeats and reclaiming dead verifiers'
     cancel_prefix: str = CANCEL_PREFIX
     # Result round trips on a writer thread, overlapping the next engine step; False: the loop
-    # waits for each one (services/verifier/writer.py says what changes: answers one step late).
+    # waits for each one (services/verifier/results/writer.py says what changes: answers one step late).
     async_emit: bool = True
     # While the engine is busy, the read for free batch slots rides that result round trip instead
     # of a round trip of its own on the step's critical path (admission.py, ReadRider); its entries
@@ -48,11 +52,6 @@ class WorkerConfig:
     # own before the step drafts and verifies (worker.emit_first_tokens): time to first token is
     # the prefill's, not the prefill's and a step's. SPECD_VERIFIER_EARLY_FIRST_TOKEN=0: off (A/B).
     early_first_token: bool = field(default_factory=lambda: os.environ.get(EARLY_FIRST_TOKEN_ENV, "1") != "0")
-    # With async_emit, a step's flush is held until the next step's forward is queued (the
-    # engine's on_launched), so its packing on the writer thread does not hold the GIL while the
-    # launch wants it (services/verifier/writer.py). An experiment: off unless
-    # SPECD_VERIFIER_FLUSH_AFTER_LAUNCH=1, until the GPU times it.
-    flush_after_launch: bool = field(default_factory=lambda: os.environ.get(FLUSH_AFTER_LAUNCH_ENV, "0") == "1")
 
     def __post_init__(self) -> None:
         if not self.consumer:
@@ -100,3 +99,39 @@ class WorkerSnapshot:
 def sid(entry_id) -> str:
     """Stream ids as text (redis-py hands back bytes unless decode_responses is set)."""
     return entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
+
+
+class ErrorAnswers:
+    """Answers a request with an error result and takes its entry off the stream (both sent with
+    the next flush of `result_queue`); counts them (`num_errors`)."""
+
+    def __init__(self, result_queue, metrics) -> None:
+        self.result_queue, self.metrics = result_queue, metrics
+        self.num_errors = 0
+
+    def __call__(self, entry_id, request_id: str | None, code: int, message: str, pos: int = 0) -> None:
+        if request_id is not None:
+            self.result_queue.error(request_id, code, message, pos)
+        self.result_queue.finish_entry(entry_id)
+        self.num_errors += 1
+        self.metrics.observe_error(code)
+        log.warning("request failed", extra={"request_id": request_id, "code": code, "reason": message})
+
+
+class RedisHealth:
+    """Redis unreachable is never fatal: `failed` logs (not every time) and, while idle, backs off
+    (until `stop` is set); `ok` after any round trip that went through."""
+
+    def __init__(self, stop: threading.Event) -> None:
+        self._stop = stop
+        self.failures = 0  # in a row
+
+    def ok(self) -> None:
+        self.failures = 0
+
+    def failed(self, verb: str, error: Exception, idle: bool) -> None:
+        self.failures += 1
+        if self.failures in (1, 10) or self.failures % 100 == 0:
+            log.error("redis unavailable", extra={"verb": verb, "failures": self.failures, "error": str(error)})
+        if idle:
+            self._stop.wait(min(1.0, 0.05 * self.failures))

@@ -90,9 +90,6 @@ class SpecEngine:
         # (a request's time to first token is its prefill, not its prefill and a whole step). It
         # may abort sequences (engine.abort) and add requests: the step's batch is taken after it.
         self.on_admitted: Callable[[list[Sequence]], None] | None = None
-        # Called right after a verify step's forward is queued (the verifier sends its held result
-        # flush then: services/verifier/writer.py).
-        self.on_launched: Callable[[], None] | None = None
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
@@ -166,18 +163,16 @@ class SpecEngine:
         t_sent = time.perf_counter()
         self.drafting.send_ahead([s for s in self.running if not s.is_finished])
         t_staged = time.perf_counter()
-        self.stage_next_verify(at_step_end=True)
+        self._stage_next_verify()
         self.stats.timings.add_step(t0, t_collect, t1, t2, t3, t_sent, t_staged, time.perf_counter())
         self.stats.num_steps += 1
         return finished
 
-    def stage_next_verify(self, at_step_end: bool = False) -> None:
-        """Stage the next verify batch while its drafts are out (staging.py): at step()'s end, or
-        with SPECD_STAGE_VERIFY=late on its owner's call (the verifier's: after its result flush)."""
-        if at_step_end != self._staging.late:
-            self._staging.stage_next(self.running, self._num_drafts, drafts_out=self.drafting.in_flight,
-                                     admission_due=bool(self.waiting) and len(self.running) < self.max_batch_size,
-                                     want_aux_hidden=self._hidden_kind == "aux")
+    def _stage_next_verify(self) -> None:
+        """At step()'s end: stage the next verify batch while its drafts are out (staging.py)."""
+        self._staging.stage_next(self.running, self._num_drafts, drafts_out=self.drafting.in_flight,
+                                 admission_due=bool(self.waiting) and len(self.running) < self.max_batch_size,
+                                 want_aux_hidden=self._hidden_kind == "aux")
 
     def admit(self) -> list[Sequence]:
         """Prefill waiting sequences while the batch and the cache have room; sample their first token."""
@@ -255,8 +250,6 @@ class SpecEngine:
                                   want_aux_hidden=self._hidden_kind == "aux")
         self.stats.timings.launch += time.perf_counter() - t0
         self._clock.forward_queued(staged)
-        if self.on_launched is not None:
-            self.on_launched()
         draft_ids, draft_probs, num_drafts_t = pad_drafts(proposals, host_drafts, vocab, device)
         st = self._batch_sampling.get(batch, device)
         positions = torch.tensor([s.num_tokens for s in batch]).to(device, non_blocking=True)

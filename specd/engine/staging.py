@@ -15,17 +15,11 @@ from collections.abc import Callable
 from specd.engine.sequence import Sequence
 from specd.models.base import SequenceChunk
 
-# "1" (the default): the verify batch staged while drafts are out; "late": staged when the
-# engine's owner says so (SpecEngine.stage_next_verify), after the verifier hands its result
-# flush to the writer thread; "0": never. Off from run 56 to run 64: the staged stacks lost at
-# batch 1 (H100: 2.30-2.40x of off against 2.52x unstaged) because the stage captured its
-# layouts' graphs without the runner's kernel settings (cuBLAS, no PDL, ~0.37 ms a forward;
-# fixed in LlamaRunner.stage). With the fix, interleaved stacks (BENCHMARKS.md, runs 61-64,
-# H100) put staging ahead in 6 of 9 pairs, +2% at batch 1, +7% at 64, +3% at 128 on average,
-# and its forward is launched sooner after the step starts at every batch (device clock: by
-# 0.02-0.18 ms at batch 1, ~0.45 ms at 64, ~0.7 ms at 128).
+# "1" (the default): the verify batch staged at a step's end while its drafts are out; "0": never.
+# On the GPU a staged step launches its forward sooner after the step starts, more so at large
+# batches (BENCHMARKS.md, "staging").
 STAGE_VERIFY_ENV = "SPECD_STAGE_VERIFY"
-STAGE_VERIFY_MODES = ("0", "1", "late")
+STAGE_VERIFY_MODES = ("0", "1")
 
 
 def resolve_stage_mode() -> str:
@@ -45,7 +39,6 @@ class VerifyStaging:
         self._runner = runner
         self._stage = getattr(runner, "stage", None) if mode != "0" else None
         self._staged = False
-        self.late = mode == "late"  # staged on the owner's call, not at the step's end
 
     def stage_next(self, running: list[Sequence], num_drafts: Callable[[Sequence], int], *,
                    drafts_out: bool, admission_due: bool, want_aux_hidden: bool) -> None:

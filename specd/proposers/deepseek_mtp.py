@@ -24,7 +24,7 @@ from torch import nn
 from transformers import AutoConfig, PretrainedConfig
 
 from specd.models.weights import iter_tensors
-from specd.proposers.mtp_common import (BatchKV, PairHeadProposer, TransformersCache,
+from specd.proposers.pair_head import (BatchKV, PairHeadProposer, TransformersCache,
                                         load_module_tensors, read_first_tensor)
 
 CHAIN_AFTER_NORM = False  # feed g (vLLM, the paper), not shared_head.norm(g) (SGLang)

@@ -14,7 +14,7 @@ import torch
 
 from specd.models.weights import WeightsNotFoundError, iter_tensors
 from specd.proposers.eagle3_head import Eagle3Config, Eagle3Head
-from specd.proposers.mtp_common import PairHeadProposer, read_first_tensor
+from specd.proposers.pair_head import PairHeadProposer, read_first_tensor
 
 # Where the head finds the target's input embeddings when its checkpoint has none.
 TARGET_EMBED_NAMES = ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight")

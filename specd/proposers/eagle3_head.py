@@ -23,7 +23,7 @@ from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-from specd.proposers.mtp_common import BatchKV
+from specd.proposers.pair_head import BatchKV
 
 
 @dataclass(slots=True)

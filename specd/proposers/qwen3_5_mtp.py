@@ -19,7 +19,7 @@ from torch import nn
 from transformers import AutoConfig, PreTrainedConfig
 
 from specd.models.weights import iter_tensors
-from specd.proposers.mtp_common import (BatchKV, PairHeadProposer, TransformersCache,
+from specd.proposers.pair_head import (BatchKV, PairHeadProposer, TransformersCache,
                                         load_module_tensors, read_first_tensor)
 
 MTP_PREFIX = "mtp."

@@ -1,6 +1,6 @@
 """EAGLE-3's training-time test: train a pair head on its own outputs over several draft steps.
 
-At inference a pair head (specd.proposers.mtp_common) drafts d_1 from committed pairs, then feeds
+At inference a pair head (specd.proposers.pair_head) drafts d_1 from committed pairs, then feeds
 its own output hidden state back: draft step j's pair at position t pairs the head's step-(j-1)
 output at t-1 with token x_{t+1}. Its query attends the committed (step-0) entries at positions
 <= t - j, the chain origin, and the chain's own speculative entries, one per later step: step i's

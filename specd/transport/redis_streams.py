@@ -13,7 +13,7 @@ Result stream (one per request, `specd:results:<id>`), written by the verifier, 
     kind=error  code (HTTP-like status), message
     A TTL makes abandoned results expire: set with a stream's first write and its last, and
     refreshed by any write a tenth of the TTL after the last refresh, so a stream outlives any
-    write by at least 0.9 TTL (services/verifier/emitter.py). Positions make deltas idempotent: a
+    write by at least 0.9 TTL (services/verifier/results/flush.py). Positions make deltas idempotent: a
     reader drops tokens below the position it already has (exactly-once across verifier restarts).
     The result stream is also the resume point: a verifier that reclaims the entry of a dead one
     replays it (specd/transport/resume.py) and continues from the tokens already written.

@@ -146,7 +146,6 @@ def test_method_suffixes_name_their_settings():
     assert base_method("replay-grpcsteps") == ("replay", {"SPECD_DRAFTER_FAST_PATH": "0"})
     assert base_method("replay-nostage-nopdl") == ("replay", {"SPECD_STAGE_VERIFY": "0", "SPECD_PDL": "off"})
     assert base_method("replay-stage") == ("replay", {"SPECD_STAGE_VERIFY": "1"})
-    assert base_method("replay-stagelate") == ("replay", {"SPECD_STAGE_VERIFY": "late"})
     assert base_method("replay-stage-trace") == ("replay", {"SPECD_STAGE_VERIFY": "1", "SPECD_TRACE_STEPS": "100:40"})
     assert base_method("replay-stage#2") == ("replay", {"SPECD_STAGE_VERIFY": "1"})  # a second stack
     assert base_method("eagle3-dtrace") == ("eagle3", {"SPECD_DRAFTER_TRACE_STEPS": "100:40"})  # not "-trace"

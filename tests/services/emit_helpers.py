@@ -80,12 +80,11 @@ class SlowRedis:
 
 
 def make_worker(redis_url, target, stream, async_emit=True, spec=NGRAM, max_batch_size=8, idle_ms=30_000,
-                flush_after_launch=False, **slow_kw):
+                **slow_kw):
     slow = SlowRedis(redis.Redis.from_url(redis_url), **slow_kw)
     engine = build_engine(target, PytorchEngineConfig(max_batch_size=max_batch_size, **ENGINE), spec)
     worker = VerifierWorker(engine, slow, WorkerConfig(consumer="w", request_stream=stream, log_interval_s=0,
-                                                       async_emit=async_emit, claims=ClaimConfig(idle_ms=idle_ms),
-                                                       flush_after_launch=flush_after_launch))
+                                                       async_emit=async_emit, claims=ClaimConfig(idle_ms=idle_ms)))
     worker.ensure_group()
     return worker, slow
 
@@ -124,7 +123,7 @@ def check_write_order(executed: list[Executed], entries: dict[str, str]) -> None
         for args in ex.commands:
             name = args[0].upper()
             if name == "XADD":
-                fields = {_text(k): _text(v) for k, v in zip(args[3::2], args[4::2])}  # the emitter sends bytes
+                fields = {_text(k): _text(v) for k, v in zip(args[3::2], args[4::2])}  # the result queue sends bytes
                 rid = args[1][len("specd:results:"):]
                 assert int(fields["pos"]) >= last_pos.get(rid, 0), (rid, fields["pos"], last_pos.get(rid))
                 last_pos[rid] = int(fields["pos"])

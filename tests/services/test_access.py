@@ -131,10 +131,10 @@ def test_tls_drafter_and_grammar_refuse_what_they_cannot_verify(tiny_models, pki
     from services.grammar.server import load_grammar
     from services.grammar.server import start_server as start_grammar
     from specd.grammar.backend import GrammarSpec
-    from specd.grammar.remote import GrammarServiceError, RemoteGrammarBackend
+    from specd.clients.errors import DrafterError, GrammarServiceError
+    from specd.clients.grammar import RemoteGrammarBackend
     from specd.messages import SpeculativeConfig
-    from specd.proposers.drafter_stream import DrafterError
-    from specd.proposers.remote import RemoteProposer
+    from specd.clients.drafter import RemoteProposer
 
     model = tiny_models["target-llama"]
     server_tls = TLSConfig(cert_file=pki["cert"], key_file=pki["key"])

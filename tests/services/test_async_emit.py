@@ -1,4 +1,4 @@
-"""The result writer thread (services/verifier/writer.py) against a real Redis: a step's results go
+"""The result writer thread (services/verifier/results/writer.py) against a real Redis: a step's results go
 out while the next step runs, yet strictly in order (deltas by position, a request's XACK + XDEL
 after its final); a failed flush is sent again in order; cancellation, drain and stop still write
 everything; and the loop really overlaps the round trip with the engine step. Redis is slowed
@@ -12,9 +12,9 @@ import time
 import pytest
 import redis
 
-from services.verifier.emitter import ResultEmitter
+from services.verifier.results.flush import ResultQueue
 from services.verifier.worker_types import EARLY_FIRST_TOKEN_ENV
-from services.verifier.writer import ResultWriter
+from services.verifier.results.writer import ResultWriter
 from specd.sampling_params import SamplingParams
 from specd.transport.redis_streams import CONSUMER_GROUP, QueuedRequest, ResultEntry, cancel_key, result_key
 from tests.services.emit_helpers import SlowRedis, check_write_order, enqueue, make_worker, read_streams, \
@@ -31,17 +31,17 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 # ---- the writer alone ---------------------------------------------------------------------------
 def test_writer_keeps_a_failed_flush_in_front_of_the_next(client):
     slow = SlowRedis(client, fail=lambda n: "before" if n == 0 else None)
-    emitter = ResultEmitter(slow, "writer-unit:requests")
-    writer = ResultWriter(emitter)
-    emitter.delta("wu-a", 0, [1, 2])
+    result_queue = ResultQueue(slow, "writer-unit:requests")
+    writer = ResultWriter(result_queue)
+    result_queue.delta("wu-a", 0, [1, 2])
     assert writer.start() and writer.in_flight and writer.has_pending
     with pytest.raises(RuntimeError):
         writer.start()  # one flush in flight at a time
-    emitter.delta("wu-a", 2, [3])  # queued while the first is on its way
+    result_queue.delta("wu-a", 2, [3])  # queued while the first is on its way
     with pytest.raises(redis.ConnectionError):
         writer.wait()
-    assert not writer.in_flight and emitter.has_pending and not client.exists(result_key("wu-a"))
-    emitter.final("wu-a", 3, [4], "length", None, prompt_tokens=1)
+    assert not writer.in_flight and result_queue.has_pending and not client.exists(result_key("wu-a"))
+    result_queue.final("wu-a", 3, [4], "length", None, prompt_tokens=1)
     assert writer.start()
     flush = writer.wait()
     assert flush.seconds > 0 and not writer.has_pending
@@ -52,64 +52,12 @@ def test_writer_keeps_a_failed_flush_in_front_of_the_next(client):
     writer.close()
 
 
-def test_a_held_flush_waits_for_its_release_or_the_wait(client):
-    slow = SlowRedis(client)
-    emitter = ResultEmitter(slow, "writer-hold:requests")
-    writer = ResultWriter(emitter)
-    emitter.delta("wh-a", 0, [1, 2])
-    assert writer.start(hold=True) and writer.held and writer.in_flight and writer.has_pending
-    with pytest.raises(RuntimeError):
-        writer.start()  # held counts as in flight: flushes go out in order
-    time.sleep(0.05)
-    assert slow.executed == [] and not client.exists(result_key("wh-a"))  # not sent while held
-    writer.release()
-    assert not writer.held and writer.wait() is not None and len(slow.executed) == 1
-    writer.release()  # nothing held: a no-op
-    emitter.delta("wh-a", 2, [3])
-    assert writer.start(hold=True)
-    assert writer.wait() is not None and not writer.in_flight  # the wait sends a held flush itself
-    got = [(e.kind, e.pos, e.tokens) for e in read_streams(client, ["wh-a"])["wh-a"]]
-    assert got == [("delta", 0, [1, 2]), ("delta", 2, [3])]
-    assert all(ex.thread.startswith(WRITER_THREAD) for ex in slow.executed)
-    writer.close()
-
-
-def test_with_flush_after_launch_a_steps_results_go_out_at_the_next_launch(redis_url, client, target):
-    stream = "async-late:requests"
-    worker, slow = make_worker(redis_url, target, stream, delay_s=0.002, flush_after_launch=True)
-    released_by = []
-    release, wait = worker.writer.release, worker.writer.wait
-
-    def on_launched():
-        if worker.writer.held:
-            released_by.append("launch")
-        release()
-
-    def wait_for_flush():
-        if worker.writer.held:
-            released_by.append("wait")
-        return wait()
-
-    worker.engine.on_launched, worker.writer.wait = on_launched, wait_for_flush
-    requests = make_requests(6, seed=37, prefix="late", max_new_tokens=(30, 50))
-    entries = enqueue(client, stream, requests)
-    run_until_idle(worker)
-    ids = [r.request_id for r in requests]
-    check_answers(read_streams(client, ids), reference_tokens(target, requests))
-    check_write_order(slow.executed, entries)
-    assert slow.max_concurrent == 1
-    # Every busy step's flush left at the next step's launch; a wait sent one only where no
-    # launch came first (a step that only prefilled, say).
-    assert released_by.count("launch") >= 10 and released_by.count("wait") <= 3, released_by
-    assert_queue_empty(client, stream, timeout=0)
-
-
 # ---- ordering ---------------------------------------------------------------------------------------
-@pytest.mark.parametrize("async_emit,late", [(True, False), (False, False), (True, True)])
-def test_deltas_and_finals_in_order_across_many_steps(redis_url, client, target, async_emit, late):
-    stream = f"async-order-{async_emit}-{late}:requests"
-    worker, slow = make_worker(redis_url, target, stream, async_emit, delay_s=0.003, flush_after_launch=late)
-    requests = make_requests(12, seed=31, prefix=f"ao-{async_emit}-{late}", max_new_tokens=(20, 45, 70))
+@pytest.mark.parametrize("async_emit", [True, False])
+def test_deltas_and_finals_in_order_across_many_steps(redis_url, client, target, async_emit):
+    stream = f"async-order-{async_emit}:requests"
+    worker, slow = make_worker(redis_url, target, stream, async_emit, delay_s=0.003)
+    requests = make_requests(12, seed=31, prefix=f"ao-{async_emit}", max_new_tokens=(20, 45, 70))
     entries = enqueue(client, stream, requests)
     records = run_until_idle(worker)
     assert len(records) > 20
@@ -141,7 +89,7 @@ def test_a_failed_flush_is_sent_again_in_order(redis_url, client, target, mode, 
         for rid in ids:
             assert got[rid][-1].kind == "final" and delivered_tokens(got[rid]) == want[rid], rid
     assert "redis unavailable" in caplog.text
-    assert not worker.writer.has_pending and worker._redis_failures == 0
+    assert not worker.writer.has_pending and worker.redis_health.failures == 0
     assert_queue_empty(client, stream, timeout=0)
 
 
@@ -152,7 +100,7 @@ def test_an_exception_of_the_writer_thread_reaches_the_loop(redis_url, client, t
     worker.run_once()  # flush 0: the first tokens (worker.emit_first_tokens); flush 1, the step's, fails
     with pytest.raises(RuntimeError, match="a bug in the writer"):
         worker.run_once()  # raised on the loop's thread, where it waits for that flush
-    assert worker.emitter.has_pending and not worker.writer.in_flight  # its results kept for the next flush
+    assert worker.result_queue.has_pending and not worker.writer.in_flight  # its results kept for the next flush
 
 
 # ---- cancellation, drain, stop -----------------------------------------------------------------------
@@ -175,12 +123,11 @@ def test_a_request_cancelled_as_it_finishes_is_cancelled(redis_url, client, targ
     assert_queue_empty(client, stream, timeout=0)
 
 
-@pytest.mark.parametrize("async_emit,late", [(True, False), (False, False), (True, True)])
-def test_drain_writes_everything_before_the_worker_is_done(redis_url, client, target, async_emit, late):
-    stream = f"async-drain-{async_emit}-{late}:requests"
-    worker, slow = make_worker(redis_url, target, stream, async_emit, max_batch_size=4, delay_s=0.02,
-                               flush_after_launch=late)
-    requests = make_requests(6, seed=34, prefix=f"ad-{async_emit}-{late}", max_new_tokens=(40,), ignore_eos=True)
+@pytest.mark.parametrize("async_emit", [True, False])
+def test_drain_writes_everything_before_the_worker_is_done(redis_url, client, target, async_emit):
+    stream = f"async-drain-{async_emit}:requests"
+    worker, slow = make_worker(redis_url, target, stream, async_emit, max_batch_size=4, delay_s=0.02)
+    requests = make_requests(6, seed=34, prefix=f"ad-{async_emit}", max_new_tokens=(40,), ignore_eos=True)
     entries = enqueue(client, stream, requests)
     running = RunningWorker(worker)
     deadline = time.monotonic() + 30

@@ -23,8 +23,9 @@ from specd.engine.builder import build_engine
 from specd.messages import PytorchEngineConfig, SpeculativeConfig
 from specd.proposers.base import DraftProposal, DraftRequest
 from specd.proposers.factory import build_proposer
-from specd.proposers.remote import (DrafterRejectedError, DrafterUnavailableError, RemoteProposer,
-                                    sampling_params_to_pb)
+from specd.clients.draft_step import sampling_params_to_pb
+from specd.clients.drafter import RemoteProposer
+from specd.clients.errors import DrafterRejectedError, DrafterUnavailableError
 from specd.sampling_params import SamplingParams
 from specd.transport.tensor_codec import tensor_to_pb
 from specd.v1 import drafter_pb2, drafter_pb2_grpc

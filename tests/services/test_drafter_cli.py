@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from specd.proposers.base import DraftRequest
-from specd.proposers.remote import RemoteProposer
+from specd.clients.drafter import RemoteProposer
 from specd.sampling_params import SamplingParams
 from specd.transport.ports import free_port
 from tests.services.service_process import heavy_imports_of, serving

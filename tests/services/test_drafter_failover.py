@@ -21,7 +21,7 @@ from specd.engine.staging import STAGE_VERIFY_ENV
 from specd.messages import PytorchEngineConfig, SpeculativeConfig
 from specd.models.llama_runner import LlamaRunner
 from specd.proposers.base import DraftProposal
-from specd.proposers.remote import RemoteProposer
+from specd.clients.drafter import RemoteProposer
 from specd.sampling_params import SamplingParams
 from specd.transport.ports import free_port
 from tests.services.test_drafter import SlowProposer, make_requests, target_greedy

@@ -13,8 +13,8 @@ import torch
 from services.drafter.server import load_drafter, start_server
 from services.drafter.servicer import DrafterServicer
 from specd.messages import SpeculativeConfig
-from specd.proposers.drafter_stream import (FAST_PATH_ENV, DrafterRejectedError, DrafterStream,
-                                            DrafterUnavailableError)
+from specd.clients.drafter_stream import FAST_PATH_ENV, DrafterStream
+from specd.clients.errors import DrafterRejectedError, DrafterUnavailableError
 from specd.transport import step_frames
 from specd.transport.tensor_codec import tensor_meta_to_pb
 from specd.v1 import drafter_pb2

@@ -14,8 +14,8 @@ import pytest
 from services.verifier import server as verifier_server
 from specd.engine.builder import build_engine
 from specd.messages import PytorchEngineConfig
-from specd.proposers.drafter_discovery import DrafterDiscovery
-from specd.proposers.remote import RemoteProposer
+from specd.clients.discovery import DrafterDiscovery
+from specd.clients.drafter import RemoteProposer
 from specd.sampling_params import SamplingParams
 from specd.transport.ports import free_port
 from tests.services.test_drafter import make_requests

@@ -1,13 +1,11 @@
 """DrafterStream's send handoff on the gRPC stream: send() returns once gRPC's sender thread holds
-the step (a real n-gram drafter service over loopback gRPC, the fast socket path turned off), and
-SPECD_DRAFT_SEND_HANDOFF sets or turns off the wait."""
+the step (a real n-gram drafter service over loopback gRPC, the fast socket path turned off)."""
 
 from __future__ import annotations
 
 import time
 
-from specd.proposers.drafter_stream import (DEFAULT_SEND_HANDOFF_S, FAST_PATH_ENV, SEND_HANDOFF_ENV,
-                                            DrafterStream, send_handoff_s)
+from specd.clients.drafter_stream import FAST_PATH_ENV, DrafterStream
 from specd.v1 import drafter_pb2
 
 
@@ -25,28 +23,9 @@ def test_send_returns_once_the_sender_thread_holds_the_step(monkeypatch, ngram_d
             t0 = time.perf_counter()
             stream.send(message)
             assert time.perf_counter() - t0 < 5.0
-            assert step in stream._left_at  # taken by gRPC's sender thread before send returned
+            assert step in stream._grpc.left_at  # taken by gRPC's sender thread before send returned
             answer = stream.receive(step, time.monotonic() + 10.0)
             assert answer.step_id == step and [s.seq_id for s in answer.sequences] == [1]
             assert stream.last_left_at <= stream.last_arrived_at
-    finally:
-        stream.shutdown()
-
-
-def test_the_handoff_wait_is_configurable_and_can_be_turned_off(monkeypatch, ngram_drafter):
-    monkeypatch.setenv(FAST_PATH_ENV, "0")
-    monkeypatch.delenv(SEND_HANDOFF_ENV, raising=False)
-    assert send_handoff_s() == DEFAULT_SEND_HANDOFF_S
-    monkeypatch.setenv(SEND_HANDOFF_ENV, "0.01")
-    assert send_handoff_s() == 0.01
-    monkeypatch.setenv(SEND_HANDOFF_ENV, "0")
-    stream = DrafterStream(ngram_drafter.address, connect_timeout_s=10.0)
-    try:
-        assert stream.handoff_s == 0.0
-        message = drafter_pb2.DraftStepRequest()
-        message.open.add(seq_id=2)
-        message.sequences.add(seq_id=2, new_token_ids=[7, 8, 7, 8], num_draft_tokens=2)
-        stream.send(message)  # no wait: the answer still comes
-        assert stream.receive(0, time.monotonic() + 10.0).sequences[0].seq_id == 2
     finally:
         stream.shutdown()

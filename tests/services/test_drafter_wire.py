@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from services.drafter.servicer import sampling_params_from_pb
-from specd.proposers.remote import HashRing, sampling_params_to_pb
+from specd.clients.draft_step import sampling_params_to_pb
+from specd.clients.membership import HashRing
 from specd.sampling_params import SamplingParams
 from specd.transport.tensor_codec import (TensorCodecError, tensor_bytes, tensor_from_buffer, tensor_from_pb,
                                          tensor_meta_to_pb, tensor_to_pb)
@@ -71,7 +72,7 @@ def test_sampling_params_survive_the_wire():
 
 def test_step_request_sends_one_rows_tensor_where_it_can():
     from specd.proposers.base import DraftRequest
-    from specd.proposers.draft_step_request import draft_step_request
+    from specd.clients.draft_step import draft_step_request
 
     rows = [torch.randn(3, 8), None, torch.randn(1, 8)]
     requests = [DraftRequest(i, [1, 2, 3], r, 2) for i, r in enumerate(rows)]
@@ -92,7 +93,7 @@ def test_step_request_sends_one_rows_tensor_where_it_can():
 
 
 def test_rows_back_to_back_join_without_a_copy():
-    from specd.proposers.draft_step_request import joined_rows
+    from specd.clients.draft_step import joined_rows
 
     whole = torch.randn(6, 4)
     parts = list(whole.split([2, 0, 3, 1]))

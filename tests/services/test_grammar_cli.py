@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from specd.grammar.backend import GrammarSpec, GrammarStep
-from specd.grammar.remote import RemoteGrammarBackend
+from specd.clients.grammar import RemoteGrammarBackend
 from specd.transport.ports import free_port
 from tests.services.service_process import heavy_imports_of, serving
 

@@ -14,7 +14,7 @@ from specd.engine.builder import build_engine
 from specd.grammar.backend import GrammarSpec
 from specd.grammar.compiler import GrammarCompilerCache
 from specd.grammar.local import LocalGrammarBackend
-from specd.grammar.remote import RemoteGrammarBackend
+from specd.clients.grammar import RemoteGrammarBackend
 from specd.messages import PytorchEngineConfig, SpeculativeConfig
 from specd.sampling_params import SamplingParams
 from specd.transport.ports import free_port
@@ -88,7 +88,7 @@ def test_no_replica_within_the_recovery_time_raises(target):
     backend = RemoteGrammarBackend(f"127.0.0.1:{port}", deadline_s=0.3, recover_timeout_s=1.0)
     backend.open(0, SPECS[0])
     from specd.grammar.backend import GrammarStep
-    from specd.grammar.remote import GrammarUnavailableError
+    from specd.clients.errors import GrammarUnavailableError
 
     t0 = time.monotonic()
     with pytest.raises(GrammarUnavailableError) as info:

@@ -23,7 +23,8 @@ from services.grammar.server import load_grammar, start_server
 from specd.grammar.backend import GrammarSpec, GrammarStep, MaskResult
 from specd.grammar.errors import GrammarCompileError
 from specd.grammar.local import LocalGrammarBackend
-from specd.grammar.remote import GrammarRejectedError, RemoteGrammarBackend
+from specd.clients.errors import GrammarRejectedError
+from specd.clients.grammar import RemoteGrammarBackend
 from specd.v1 import grammar_pb2, grammar_pb2_grpc
 from tests.conftest import JSONSCHEMABENCH as SCHEMAS
 from tests.services.conftest import _allowed

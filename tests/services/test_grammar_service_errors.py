@@ -15,8 +15,8 @@ import torch
 
 from specd.grammar.backend import GrammarSpec, GrammarStep
 from specd.grammar.errors import GrammarNotOpenError
-from specd.grammar.remote import (GrammarRejectedError, GrammarServiceError, GrammarUnavailableError,
-                                  RemoteGrammarBackend, spec_to_pb)
+from specd.clients.errors import GrammarRejectedError, GrammarServiceError, GrammarUnavailableError
+from specd.clients.grammar import RemoteGrammarBackend, spec_to_pb
 from specd.transport.tensor_codec import tensor_to_pb
 from specd.v1 import grammar_pb2, grammar_pb2_grpc
 from tests.services.conftest import _allowed

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from services.verifier.claims import ClaimConfig
-from services.verifier.emitter import ResultEmitter
+from services.verifier.results.flush import ResultQueue
 from specd.engine.builder import build_engine
 from specd.messages import ConfigError, PytorchEngineConfig, SpecStats
 from specd.transport.redis_streams import CONSUMER_GROUP, QueuedRequest, ResultEntry, result_key
@@ -147,9 +147,9 @@ def test_answered_but_unacknowledged_entry_is_only_acknowledged(redis_url, clien
     enqueue(client, stream, [request])
     client.xgroup_create(stream, CONSUMER_GROUP, id="0", mkstream=True)
     client.xreadgroup(CONSUMER_GROUP, "ghost", {stream: ">"}, count=1)  # read, answered, died before XACK
-    emitter = ResultEmitter(client, stream)
-    emitter.final("ra-0", 0, [9, 9, 9, 9], "length", SpecStats(), prompt_tokens=3)
-    emitter.flush()
+    result_queue = ResultQueue(client, stream)
+    result_queue.final("ra-0", 0, [9, 9, 9, 9], "length", SpecStats(), prompt_tokens=3)
+    result_queue.flush()
     worker = make_worker(redis_url, target, stream, "survivor", idle_ms=100)
     time.sleep(0.15)
     worker.run_once()

@@ -1,4 +1,4 @@
-"""The result streams' TTL (services/verifier/emitter.py): an EXPIRE with a stream's first write,
+"""The result streams' TTL (services/verifier/results/flush.py): an EXPIRE with a stream's first write,
 its last, and any write a tenth of the TTL after its last EXPIRE, not one per stream per step;
 against the real Redis, the clock stepped by hand."""
 
@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from services.verifier import emitter as emitter_module
-from services.verifier.emitter import ResultEmitter
+from services.verifier.results import flush as flush_module
+from services.verifier.results.flush import ResultQueue
 from specd.transport.redis_streams import result_key
 
 TTL = 600
@@ -24,11 +24,11 @@ class Clock:
 @pytest.fixture()
 def clock(monkeypatch):
     c = Clock()
-    monkeypatch.setattr(emitter_module.time, "monotonic", c)
+    monkeypatch.setattr(flush_module.time, "monotonic", c)
     return c
 
 
-def flush(em: ResultEmitter) -> list[str]:
+def flush(em: ResultQueue) -> list[str]:
     """Send the queue; the streams whose TTL it refreshed."""
     f = em.prepare()
     f.execute()
@@ -38,7 +38,7 @@ def flush(em: ResultEmitter) -> list[str]:
 
 
 def test_first_write_then_a_tenth_of_the_ttl_then_the_last(client, clock):
-    em = ResultEmitter(client, "specd:ttl:requests", ttl_seconds=TTL)
+    em = ResultQueue(client, "specd:ttl:requests", ttl_seconds=TTL)
     key = result_key("ttl-a")
     client.delete(key)
     em.delta("ttl-a", 0, [5])
@@ -57,7 +57,7 @@ def test_first_write_then_a_tenth_of_the_ttl_then_the_last(client, clock):
 
 
 def test_a_stream_that_expired_in_a_stall_gets_its_ttl_back(client, clock):
-    em = ResultEmitter(client, "specd:ttl:requests", ttl_seconds=TTL)
+    em = ResultQueue(client, "specd:ttl:requests", ttl_seconds=TTL)
     key = result_key("ttl-b")
     em.delta("ttl-b", 0, [5])
     flush(em)
@@ -68,7 +68,7 @@ def test_a_stream_that_expired_in_a_stall_gets_its_ttl_back(client, clock):
 
 
 def test_a_failed_flush_sends_its_expire_again(client, clock):
-    em = ResultEmitter(client, "specd:ttl:requests", ttl_seconds=TTL)
+    em = ResultQueue(client, "specd:ttl:requests", ttl_seconds=TTL)
     key = result_key("ttl-c")
     client.delete(key)
     em.delta("ttl-c", 0, [5])
@@ -80,7 +80,7 @@ def test_a_failed_flush_sends_its_expire_again(client, clock):
 
 
 def test_a_final_requeued_behind_new_deltas_still_expires(client, clock):
-    em = ResultEmitter(client, "specd:ttl:requests", ttl_seconds=TTL)
+    em = ResultQueue(client, "specd:ttl:requests", ttl_seconds=TTL)
     key = result_key("ttl-d")
     em.delta("ttl-d", 0, [5])
     flush(em)
@@ -93,7 +93,7 @@ def test_a_final_requeued_behind_new_deltas_still_expires(client, clock):
 def test_streams_a_verifier_stopped_writing_are_forgotten(client, clock):
     """A request another verifier took over never gets its last entry here: its record goes
     once it is a TTL old (the next write, if any, would send an EXPIRE anyway)."""
-    em = ResultEmitter(client, "specd:ttl:requests", ttl_seconds=TTL)
+    em = ResultQueue(client, "specd:ttl:requests", ttl_seconds=TTL)
     em.delta("ttl-e", 0, [5])
     flush(em)
     assert result_key("ttl-e") in em._refreshed
@@ -105,7 +105,7 @@ def test_streams_a_verifier_stopped_writing_are_forgotten(client, clock):
 
 def test_pipeline_commands_at_batch_64(client, clock):
     """The point: a steady step at batch 64 sends 64 XADDs, not 64 XADDs and 64 EXPIREs."""
-    em = ResultEmitter(client, "specd:ttl:requests", ttl_seconds=TTL)
+    em = ResultQueue(client, "specd:ttl:requests", ttl_seconds=TTL)
     for step in range(3):
         for i in range(64):
             em.delta(f"ttl-batch-{i}", step, [5])

@@ -15,7 +15,7 @@ from bench.trace_summary import load_events, step_ranges_table
 from services.drafter.server import load_drafter, start_server
 from specd.messages import SpeculativeConfig
 from specd.proposers.base import DraftRequest
-from specd.proposers.remote import RemoteProposer
+from specd.clients.drafter import RemoteProposer
 from specd.sampling_params import SamplingParams
 from specd import settings
 from specd.step_trace import DRAFTER_TRACE_FILE, TRACE_FILE, StepTracer, TraceWindow

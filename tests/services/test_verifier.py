@@ -1,6 +1,6 @@
 """The verifier service against a real Redis, its worker in-process (driven directly or in a
 thread): greedy speculative output against target-only decoding, bad entries, deadlines, the
-emitter's batching and its retries, the admin API. Requests are XADDed the way the gateway does.
+result queue's batching and its retries, the admin API. Requests are XADDed the way the gateway does.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from services.verifier.admin import AdminServer
-from services.verifier.emitter import ResultEmitter
+from services.verifier.results.flush import ResultQueue
 from services.verifier.metrics import VerifierMetrics
 from services.verifier.worker import VerifierWorker, WorkerConfig
 from specd.engine.builder import build_engine
@@ -166,14 +166,14 @@ class FailingOnceClient:
         return pipe
 
 
-def test_emitter_keeps_its_queue_when_redis_is_unreachable(client):
-    emitter = ResultEmitter(FailingOnceClient(client), "emitter-retry:requests")
-    emitter.delta("retry-a", 0, [7, 8])
+def test_the_result_queue_keeps_its_queue_when_redis_is_unreachable(client):
+    result_queue = ResultQueue(FailingOnceClient(client), "result-queue-retry:requests")
+    result_queue.delta("retry-a", 0, [7, 8])
     with pytest.raises(redis.ConnectionError):
-        emitter.flush()
-    assert emitter.has_pending and not client.exists(result_key("retry-a"))
-    emitter.final("retry-a", 2, [9], "length", None, prompt_tokens=3)
-    assert emitter.flush() == 2 and not emitter.has_pending
+        result_queue.flush()
+    assert result_queue.has_pending and not client.exists(result_key("retry-a"))
+    result_queue.final("retry-a", 2, [9], "length", None, prompt_tokens=3)
+    assert result_queue.flush() == 2 and not result_queue.has_pending
     entries = [ResultEntry.from_fields(f) for _, f in client.xrange(result_key("retry-a"))]
     assert [(e.kind, e.pos, e.tokens) for e in entries] == [("delta", 0, [7, 8]), ("final", 2, [9])]
     assert entries[-1].finish_reason == "length" and entries[-1].prompt_tokens == 3

@@ -62,7 +62,7 @@ def test_prefill_forwards_are_counted_by_path_and_timed_out_of_rest():
 
 
 def test_drafter_round_trips_are_observed_once_and_averaged_per_round_trip():
-    from specd.proposers.remote import DraftRoundTrip
+    from specd.clients.drafter import DraftRoundTrip
 
     m = VerifierMetrics()
     rt = DraftRoundTrip(queued=0.001, transit=0.002, handle=0.003, waited=0.0005)
@@ -172,7 +172,7 @@ def test_commit_parts_are_phases_and_the_bench_prints_them():
 
 def test_the_round_trips_send_parts_are_observed_and_printed():
     from bench.e2e import E2ERow, format_row
-    from specd.proposers.remote import DraftRoundTrip
+    from specd.clients.drafter import DraftRoundTrip
 
     m = VerifierMetrics()
     m.observe_round_trip(1, DraftRoundTrip(queued=0.001, transit=0.002, handle=0.003, waited=0.0005,
@@ -187,7 +187,7 @@ def test_the_round_trips_send_parts_are_observed_and_printed():
 
 def test_the_drafters_propose_share_is_observed_and_printed_inside_its_handle_time():
     from bench.e2e import E2ERow, format_row
-    from specd.proposers.remote import DraftRoundTrip
+    from specd.clients.drafter import DraftRoundTrip
 
     m = VerifierMetrics()
     m.observe_round_trip(1, DraftRoundTrip(queued=0.001, transit=0.002, handle=0.003, waited=0.0005,

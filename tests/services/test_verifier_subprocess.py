@@ -131,26 +131,3 @@ def test_tp_above_1_is_refused(redis_url, target):
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert done.returncode != 0
     assert "--tp 2" in done.stderr and "tensor parallelism" in done.stderr
-
-
-def test_the_gil_switch_interval_is_set_from_the_environment(monkeypatch):
-    from services.verifier.cli import GIL_SWITCH_ENV, set_gil_switch_interval
-
-    default = sys.getswitchinterval()
-    try:
-        monkeypatch.setenv(GIL_SWITCH_ENV, "50")
-        assert set_gil_switch_interval() is None
-        assert sys.getswitchinterval() == pytest.approx(50e-6, rel=0.05)  # (kept in whole us)
-        for bad in ("0", "-5", "fast"):
-            monkeypatch.setenv(GIL_SWITCH_ENV, bad)
-            assert GIL_SWITCH_ENV in set_gil_switch_interval()
-    finally:
-        sys.setswitchinterval(default)
-
-
-def test_a_bad_gil_switch_interval_is_refused(redis_url, target):
-    done = subprocess.run([sys.executable, "-m", "specd.cli", "verifier", str(target), "--redis-url", redis_url],
-                          cwd=ROOT, capture_output=True, text=True, timeout=60,
-                          env={**os.environ, "PYTHONPATH": str(ROOT), "SPECD_GIL_SWITCH_US": "fast"})
-    assert done.returncode == 2
-    assert "SPECD_GIL_SWITCH_US='fast'" in done.stderr and "microseconds" in done.stderr

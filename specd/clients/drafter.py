@@ -1,6 +1,6 @@
 """RemoteProposer: the Proposer protocol over one or more drafter services (services/drafter).
 
-Each drafter gets one long-lived DraftSteps stream (specd/proposers/drafter_stream.py). open()
+Each drafter gets one long-lived DraftSteps stream (specd/clients/drafter_stream.py). open()
 and close() are buffered and ride along with the next step message. propose() splits the batch by
 drafter with a consistent-hash ring over the live drafters, sends one message to each at once (the
 streams' own threads send them in parallel), waits for all answers up to `deadline_s` and puts the
@@ -27,13 +27,13 @@ take_resync() parks them on their old drafter (which frees their state there) an
 the other parked ones, so they reopen on the new drafter through the same resync path (for a
 drafter fed hidden states, a re-prefill, as after a failover: paid once per ring change). Only the
 engine thread touches the ring; the discovery and reconnect threads hand over through queues.
+Who serves what is the proposer's DrafterMembership (`members`, specd/clients/membership.py);
+the proposer itself builds steps, sends them and maps the answers back.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -41,20 +41,16 @@ from dataclasses import dataclass
 import grpc
 import torch
 
+from specd.clients.draft_step import draft_step_parts
+from specd.clients.drafter_stream import DrafterStream
+from specd.clients.errors import DrafterError, DrafterRejectedError
+from specd.clients.membership import DrafterMembership
 from specd.proposers.base import DraftProposal, DraftRequest, HiddenKind, hidden_rows_to_host
-from specd.proposers.drafter_discovery import DrafterDiscovery
-from specd.proposers.draft_step_request import draft_step_parts
-from specd.proposers.drafter_membership import DrafterMembership, _contract
-from specd.proposers.drafter_stream import (DrafterError, DrafterRejectedError, DrafterStream,
-                                            DrafterUnavailableError, HashRing, sampling_params_to_pb)
 from specd.sampling_params import SamplingParams
 from specd.transport.tensor_codec import tensor_from_pb
 from specd.v1 import drafter_pb2
 
-__all__ = ["DrafterError", "DrafterRejectedError", "DrafterUnavailableError", "HashRing",
-           "RemoteProposer", "sampling_params_to_pb"]
-
-log = logging.getLogger("specd.proposers.remote")
+log = logging.getLogger("specd.clients.drafter")
 
 HIDDEN_KIND_FROM_PB: dict[int, HiddenKind] = {drafter_pb2.HIDDEN_KIND_NONE: "none",
                                                drafter_pb2.HIDDEN_KIND_FINAL: "final",
@@ -83,7 +79,7 @@ class DraftRoundTrip:
     propose: float = 0.0
 
 
-class RemoteProposer(DrafterMembership):
+class RemoteProposer:
     """Proposer whose draft state lives on drafter services at `addresses` ("host:port").
 
     deadline_s bounds one step's round trip (past it the step goes on without that drafter's
@@ -115,93 +111,70 @@ class RemoteProposer(DrafterMembership):
         self.hidden_dtype = hidden_dtype
         self._write_seconds = 0.0  # of the step being sent: in DrafterStream.send (the send split)
         self.credentials = credentials  # TLS for the drafter channels; None: plaintext
-        self.reconnect_timeout_s = reconnect_timeout_s
-        self.reconnect_backoff_s = reconnect_backoff_s
-        self.reconnect_max_backoff_s = reconnect_max_backoff_s
-        self._wanted = list(dict.fromkeys(addresses))  # what the names resolve to: live or being connected
-        self._drafters: dict[str, DrafterStream] = {}  # live ones
-        self._owner: dict[int, DrafterStream | None] = {}  # open seq id -> its drafter (None: parked)
-        self._parked: set[int] = set()  # open, without draft state: waiting for a live drafter
-        # (DrafterStream, its thread's cancel event) from the connect threads
-        self._revived: queue.SimpleQueue = queue.SimpleQueue()
-        self._reconnecting: dict[str, threading.Event] = {}  # address -> cancels its connect thread
-        self._rebalance = False  # a drafter joined the ring: move the sequences that hash to it
-        self._closed = threading.Event()
-        self._discovery: DrafterDiscovery | None = None
-        self.num_failovers = 0  # drafters lost over the proposer's life (tests, logs)
-        self.num_reconnects = 0  # drafters (back) on the ring after the start, new ones included
-        self.num_removed = 0  # addresses that left DNS
-        self.num_moved = 0  # sequences moved to a drafter that joined the ring
-        failures: list[DrafterError] = []
-        for address in self._wanted:
-            try:
-                self._drafters[address] = DrafterStream(address, connect_timeout_s, self.credentials,
-                                                        send_timeout_s=deadline_s)
-            except DrafterError as err:
-                failures.append(err)
-        if not self._drafters:
-            raise failures[0]
-        infos = {a: d.info for a, d in self._drafters.items()}
-        first = next(iter(infos.values()))
-        if any(_contract(i) != _contract(first) for i in infos.values()):
-            self.shutdown()
-            raise ValueError("addresses: the drafters disagree on method / hidden states / vocab: "
-                             + "; ".join(f"{a}: {_contract(i)}" for a, i in infos.items()))
-        self._contract = _contract(first)
+        self.members = DrafterMembership(
+            addresses, self._connect, connect_timeout_s=connect_timeout_s, deadline_s=deadline_s,
+            reconnect_timeout_s=reconnect_timeout_s, reconnect_backoff_s=reconnect_backoff_s,
+            reconnect_max_backoff_s=reconnect_max_backoff_s, resolve=resolve, refresh_s=refresh_s)
+        first = self.members.info
         self.method: str = first.method
         self.hidden_kind: HiddenKind = HIDDEN_KIND_FROM_PB[first.hidden_kind]
         self.aux_layer_ids: list[int] = list(first.aux_layer_ids)  # build_engine sets the runner's
         self.vocab_size = int(first.vocab_size)
-        self.max_num_draft_tokens = min(i.max_num_draft_tokens for i in infos.values())
-        self._ring = HashRing(list(self._drafters))
-        for err in failures:  # unreachable at start: joins the ring once it answers
-            log.warning("drafter unreachable at start, reconnecting in the background: %s", err)
-            self._start_reconnect(err.address)
+        self.max_num_draft_tokens = self.members.max_num_draft_tokens
         self.last_rpc_seconds = 0.0
         self.last_draft_seconds = 0.0
         self.last_round_trip: DraftRoundTrip | None = None
         self.num_round_trips = 0
         self._in_flight: PendingDrafts | None = None  # a sent step not collected yet
-        if refresh_s > 0:
-            self._discovery = DrafterDiscovery(resolve, refresh_s, self._wanted)
+
+    def _connect(self, address: str, timeout_s: float) -> DrafterStream:
+        return DrafterStream(address, timeout_s, self.credentials, send_timeout_s=self.deadline_s)
 
     @property
     def addresses(self) -> list[str]:
         """The live drafters."""
-        return list(self._drafters)
+        return list(self.members.drafters)
 
     @property
     def wanted_addresses(self) -> list[str]:
         """Every drafter address the names resolve to (last refresh), live or being connected."""
-        return list(self._wanted)
+        return list(self.members.wanted)
 
     @property
     def num_parked(self) -> int:
-        return len(self._parked)
+        return len(self.members.parked)
+
+    # membership figures (tests, logs): drafters lost, (back) on the ring, gone from DNS; sequences moved
+    num_failovers = property(lambda self: self.members.num_failovers)
+    num_reconnects = property(lambda self: self.members.num_reconnects)
+    num_removed = property(lambda self: self.members.num_removed)
+    num_moved = property(lambda self: self.members.num_moved)
 
     def drafter_of(self, seq_id: int) -> str | None:
         """The address that holds (or would hold) the sequence's draft state; None while parked."""
-        if seq_id in self._owner:
-            owner = self._owner[seq_id]
+        members = self.members
+        if seq_id in members.owner:
+            owner = members.owner[seq_id]
             return owner.address if owner is not None else None
-        return self._ring.lookup(seq_id) if self._drafters else None
+        return members.ring.lookup(seq_id) if members.drafters else None
 
     # ---- the Proposer protocol --------------------------------------------------------------
     def open(self, seq_id: int, params: SamplingParams, grammar=None) -> None:
-        if seq_id in self._owner:
+        members = self.members
+        if seq_id in members.owner:
             raise ValueError(f"seq {seq_id}: already open")
-        self._absorb()
-        if not self._drafters:  # no drafter at all: decode target-only until one is back
-            self._owner[seq_id] = None
-            self._parked.add(seq_id)
+        members.absorb()
+        if not members.drafters:  # no drafter at all: decode target-only until one is back
+            members.owner[seq_id] = None
+            members.parked.add(seq_id)
             return
-        drafter = self._drafters[self._ring.lookup(seq_id)]
+        drafter = members.lookup(seq_id)
         drafter.pending_open[seq_id] = (params, grammar)
-        self._owner[seq_id] = drafter
+        members.owner[seq_id] = drafter
 
     def close(self, seq_id: int) -> None:
-        drafter = self._owner.pop(seq_id, None)
-        self._parked.discard(seq_id)
+        drafter = self.members.owner.pop(seq_id, None)
+        self.members.parked.discard(seq_id)
         if drafter is None or drafter.error is not None:
             return
         if drafter.pending_open.pop(seq_id, None) is None:  # never sent: nothing to close remotely
@@ -217,15 +190,16 @@ class RemoteProposer(DrafterMembership):
         A stream carries one step at a time: a step still in flight is collected first."""
         self._settle()
         t0 = time.perf_counter()
-        self._absorb()
+        members = self.members
+        members.absorb()
         groups: dict[str, list[int]] = {}  # live drafter address -> indices into requests
         for i, r in enumerate(requests):
-            if r.seq_id not in self._owner:
+            if r.seq_id not in members.owner:
                 raise ValueError(f"seq {r.seq_id}: propose before open")
-            owner = self._owner[r.seq_id]
+            owner = members.owner[r.seq_id]
             if owner is not None:  # parked sequences: no drafts, their tokens are not needed
                 groups.setdefault(owner.address, []).append(i)
-        targets = [d for a, d in self._drafters.items() if a in groups or d.pending_open or d.pending_close]
+        targets = [d for a, d in members.drafters.items() if a in groups or d.pending_open or d.pending_close]
         t_rows = time.perf_counter()
         wire = hidden_rows_to_host(requests, self.hidden_dtype) if self.hidden_kind != "none" else requests
         t_encode = time.perf_counter()
@@ -251,10 +225,10 @@ class RemoteProposer(DrafterMembership):
             try:
                 responses[d.address] = d.receive(pending.sent[d.address], deadline)
             except DrafterRejectedError as err:
-                err.lost_seq_ids = self._lose(d, err)
+                err.lost_seq_ids = self.members.lose(d, err)
                 raise
             except DrafterError as err:
-                self._lose(d, err)
+                self.members.lose(d, err)
         out: list[DraftProposal | None] = [None] * len(requests)
         for address, indices in groups.items():
             answer = responses.get(address)
@@ -262,7 +236,8 @@ class RemoteProposer(DrafterMembership):
                 continue  # lost this step: target-only for its sequences
             seqs = answer.sequences
             if [s.seq_id for s in seqs] != [requests[i].seq_id for i in indices]:
-                self._lose(self._drafters[address], DrafterError(address, "answered for other sequences"))
+                self.members.lose(self.members.drafters[address],
+                                  DrafterError(address, "answered for other sequences"))
                 continue
             # One tensor per answer, split into views: a tensor per sequence cost ~3 us each (a
             # batch of 64 spent 0.2 ms of the step's critical path on them here).
@@ -271,7 +246,8 @@ class RemoteProposer(DrafterMembership):
                          for seq, token_ids in zip(seqs, ids.split([len(s.token_ids) for s in seqs]))]
             fault = self._malformed(ids, proposals, [requests[i].num_draft_tokens for i in indices])
             if fault is not None:  # a drafter's bug or a version skew must not reach the forward
-                self._lose(self._drafters[address], DrafterError(address, f"answered malformed drafts: {fault}"))
+                self.members.lose(self.members.drafters[address],
+                                  DrafterError(address, f"answered malformed drafts: {fault}"))
                 continue
             for i, proposal in zip(indices, proposals):
                 out[i] = proposal
@@ -314,14 +290,16 @@ class RemoteProposer(DrafterMembership):
         Called between steps (a step in flight is collected first), this is also where sequences
         move to a drafter that joined the ring: they are parked here and named with the rest."""
         self._settle()
-        self._absorb()
-        if not self._drafters:
+        members = self.members
+        members.absorb()
+        if not members.drafters:
             return []
-        if self._rebalance:
-            self._move_to_ring_owners()
-        if not self._parked:
+        if members.rebalance:
+            members.move_to_ring_owners()
+        if not members.parked:
             return []
-        seq_ids, self._parked = sorted(self._parked), set()
+        seq_ids = sorted(members.parked)
+        members.parked.clear()
         return seq_ids
 
     def flush(self) -> None:
@@ -330,16 +308,7 @@ class RemoteProposer(DrafterMembership):
 
     def shutdown(self) -> None:
         """End every stream (each drafter drops this proposer's sequences) and close channels."""
-        self._closed.set()
-        if self._discovery is not None:
-            self._discovery.stop()
-        for drafter in self._drafters.values():
-            drafter.shutdown()
-        self._drafters.clear()
-        while not self._revived.empty():
-            self._revived.get()[0].shutdown()
-        self._owner.clear()
-        self._parked.clear()
+        self.members.shutdown()
 
     def __enter__(self) -> "RemoteProposer":
         return self

@@ -1,134 +1,56 @@
-"""One drafter connection: channel, Info, the DraftSteps stream, and the errors it raises.
+"""One drafter connection: channel, Info, and the DraftSteps stream.
 
 Where the drafter advertises a fast step port (Info.fast_step_port) and the channel is not on TLS,
 the steps go over a plain socket with the same messages (specd/transport/step_frames.py): the
 engine thread writes each request and reads each answer itself, with the deadline as the socket's
 timeout, and no other thread of this process is involved. Otherwise (or with SPECD_DRAFTER_FAST_PATH=0,
-or when the port cannot be reached) the gRPC stream carries them: sync gRPC, a request queue feeds
-the stream and a reader thread drains the responses, so a step can wait for its answer with a
-deadline. send() then hands a step to gRPC's sender thread and waits (up to `handoff_s`) until that
-thread has taken it: left alone, the sender thread waits for the GIL while the engine thread runs
-its commit and emit, ~0.26 ms a step on the H200 machine. A stream that fails once is dead
-(`error` is set): the drafter drops a stream's sequences when it ends, so the owner
-(RemoteProposer) starts a new one. Also the consistent-hash ring that spreads sequences over drafters.
+or when the port cannot be reached) the gRPC stream carries them (specd/clients/step_stream.py),
+and send() waits (up to `handoff_s`) until gRPC's sender thread has taken the step: left alone,
+that thread waits for the GIL while the engine thread runs its commit and emit. A stream that
+fails once is dead (`error` is set): the drafter drops a stream's sequences when it ends, so the
+owner (RemoteProposer) starts a new one.
 """
 
 from __future__ import annotations
 
-import bisect
-import hashlib
 import logging
 import os
-import queue
 import socket
-import threading
 import time
 
 import grpc
 import torch
 from google.protobuf.message import DecodeError
 
+from specd.clients.channel import open_channel
+from specd.clients.errors import DrafterError, DrafterUnavailableError
+from specd.clients.step_stream import GrpcStepStream
 from specd.sampling_params import SamplingParams
 from specd.transport import step_frames
-from specd.transport.grpc_client import CHANNEL_OPTIONS, REJECTED_CODES
 from specd.transport.tensor_codec import tensor_bytes, tensor_to_pb
-from specd.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
+from specd.v1 import drafter_pb2, drafter_pb2_grpc
 
 logger = logging.getLogger(__name__)
 FAST_PATH_ENV = "SPECD_DRAFTER_FAST_PATH"  # "0": the steps stay on the gRPC stream (A/B, or a firewall)
 
-# How long send() waits for gRPC's sender thread to take a step (seconds); "0" turns the wait off
-# (the e2e bench's "-nohandoff" variant). A wait that times out is harmless: the step still goes.
-SEND_HANDOFF_ENV = "SPECD_DRAFT_SEND_HANDOFF"
-DEFAULT_SEND_HANDOFF_S = 0.002
-
-
-def send_handoff_s() -> float:
-    value = os.environ.get(SEND_HANDOFF_ENV)
-    return DEFAULT_SEND_HANDOFF_S if value is None or value == "1" else float(value)
-
-
-class DrafterError(RuntimeError):
-    """A drafter failed a step; its draft state for `lost_seq_ids` is gone."""
-
-    def __init__(self, address: str, message: str, code: grpc.StatusCode | None = None) -> None:
-        super().__init__(f"drafter {address}: {message}")
-        self.address = address
-        self.code = code
-        self.lost_seq_ids: list[int] = []
-
-
-class DrafterUnavailableError(DrafterError):
-    """The drafter is unreachable, missed the step deadline, or its stream broke."""
-
-
-class DrafterRejectedError(DrafterError):
-    """The drafter refused a step as malformed (a bug on this side, not a transient failure)."""
-
-
-def _error_from_rpc(address: str, err: grpc.RpcError) -> DrafterError:
-    return _error_from_status(address, err.code(), err.details())
-
-
-def _error_from_status(address: str, code: grpc.StatusCode, details: str) -> DrafterError:
-    cls = DrafterRejectedError if code in REJECTED_CODES else DrafterUnavailableError
-    return cls(address, f"{code.name}: {details}", code)
-
-
-def sampling_params_to_pb(params: SamplingParams) -> common_pb2.SamplingParameters:
-    return common_pb2.SamplingParameters(
-        temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, min_p=params.min_p,
-        repetition_penalty=params.repetition_penalty, seed=params.seed)
-
-
-class HashRing:
-    """Consistent hashing of integer keys onto nodes: adding or removing a node moves only the
-    keys of the arcs it gains or loses (about 1/N of them), `replicas` virtual points per node."""
-
-    def __init__(self, nodes: list[str] = (), replicas: int = 64) -> None:
-        self.replicas = replicas
-        self._points: list[tuple[int, str]] = []  # sorted (hash, node)
-        for node in nodes:
-            self.add(node)
-
-    @staticmethod
-    def _hash(text: str) -> int:
-        return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
-
-    @property
-    def nodes(self) -> list[str]:
-        return sorted({node for _, node in self._points})
-
-    def add(self, node: str) -> None:
-        if node in self.nodes:
-            raise ValueError(f"drafter {node} is already on the ring")
-        for i in range(self.replicas):
-            bisect.insort(self._points, (self._hash(f"{node}#{i}"), node))
-
-    def remove(self, node: str) -> None:
-        self._points = [p for p in self._points if p[1] != node]
-
-    def lookup(self, key: int) -> str:
-        if not self._points:
-            raise LookupError("the hash ring has no drafters")
-        i = bisect.bisect(self._points, (self._hash(str(key)), "")) % len(self._points)
-        return self._points[i][1]
+# How long send() waits for gRPC's sender thread to take a step (seconds). A wait that times out
+# is harmless: the step still goes.
+SEND_HANDOFF_S = 0.002
 
 
 class DrafterStream:
     """One drafter: channel, Info, the DraftSteps stream and the open/close ops not yet sent."""
 
     def __init__(self, address: str, connect_timeout_s: float,
-                 credentials: grpc.ChannelCredentials | None = None, handoff_s: float | None = None,
+                 credentials: grpc.ChannelCredentials | None = None, handoff_s: float = SEND_HANDOFF_S,
                  send_timeout_s: float | None = None) -> None:
         """send_timeout_s bounds a fast-path write (default connect_timeout_s): a drafter stuck in a
         step stops reading, and a large step (hidden rows) would otherwise block the engine thread
         past the step's deadline once the socket's buffer is full."""
         self.address = address
         self.send_timeout_s = connect_timeout_s if send_timeout_s is None else send_timeout_s
-        self.handoff_s = send_handoff_s() if handoff_s is None else handoff_s
-        self.channel = (grpc.secure_channel(address, credentials, options=CHANNEL_OPTIONS) if credentials
-                        else grpc.insecure_channel(address, options=CHANNEL_OPTIONS))
+        self.handoff_s = handoff_s
+        self.channel = open_channel(address, credentials)
         stub = drafter_pb2_grpc.DrafterStub(self.channel)
         try:  # wait_for_ready: a drafter still starting up is waited for, up to the timeout
             self.info = stub.Info(drafter_pb2.DrafterInfoRequest(), timeout=connect_timeout_s,
@@ -137,17 +59,10 @@ class DrafterStream:
             self.channel.close()
             raise DrafterUnavailableError(address, f"Info failed: {err.code().name}: {err.details()}",
                                           err.code()) from None
-        self._requests: queue.SimpleQueue = queue.SimpleQueue()  # None half-closes the stream
-        self._responses: queue.SimpleQueue = queue.SimpleQueue()  # responses or a DrafterError
-        self._left_at: dict[int, float] = {}  # step id -> when it left (gRPC: its sender pulled it)
-        self._taken = threading.Event()  # set when the sender thread takes a step (send() waits on it)
+        self._left_at: dict[int, float] = {}  # fast path: step id -> when it was written
         self._sock = None if credentials is not None else self._connect_fast(connect_timeout_s)
         self._send_error: DrafterError | None = None  # a socket write that failed, raised by receive()
-        self._call = self._reader = None
-        if self._sock is None:
-            self._call = stub.DraftSteps(self._outgoing())
-            self._reader = threading.Thread(target=self._read, name=f"drafter-{address}", daemon=True)
-            self._reader.start()
+        self._grpc = GrpcStepStream(stub.DraftSteps, address, DrafterError) if self._sock is None else None
         self.pending_open: dict[int, tuple[SamplingParams, object]] = {}  # seq -> (params, grammar)
         self.pending_close: list[int] = []
         self.next_step_id = 0
@@ -155,21 +70,6 @@ class DrafterStream:
         # the last received step: when its request left the queue, and when its answer arrived
         # (perf_counter; the round trip's split, RemoteProposer.last_round_trip)
         self.last_left_at = self.last_arrived_at = 0.0
-
-    def _outgoing(self):
-        """The request stream as gRPC's sender thread pulls it (None half-closes it)."""
-        while (message := self._requests.get()) is not None:
-            self._left_at[message.step_id] = time.perf_counter()
-            self._taken.set()
-            yield message
-
-    def _read(self) -> None:
-        try:
-            for response in self._call:
-                self._responses.put((response, time.perf_counter()))
-            self._responses.put(DrafterUnavailableError(self.address, "the drafter ended the stream"))
-        except grpc.RpcError as err:
-            self._responses.put(_error_from_rpc(self.address, err))
 
     @property
     def fast(self) -> bool:
@@ -216,12 +116,7 @@ class DrafterStream:
                 except OSError as err:
                     self._send_error = DrafterUnavailableError(self.address, f"fast step path: send failed: {err}")
             return
-        self._taken.clear()
-        self._requests.put(message)
-        if self.handoff_s > 0:
-            # Blocking here releases the GIL to the sender thread, which then serialises the step
-            # and hands it to gRPC's core (where it drops the GIL again) before this thread resumes.
-            self._taken.wait(self.handoff_s)
+        self._grpc.send(message, self.handoff_s)
 
     def probe(self, timeout_s: float) -> None:
         """One empty step, answered within timeout_s (raises DrafterError otherwise): the drafter
@@ -234,21 +129,11 @@ class DrafterStream:
         if self._sock is not None:
             return self._receive_fast(step_id, deadline)
         try:
-            item = self._responses.get(timeout=max(0.0, deadline - time.monotonic()))
-        except queue.Empty:
-            self._call.cancel()
-            item = DrafterUnavailableError(self.address, f"no answer to step {step_id} within the deadline",
-                                           grpc.StatusCode.DEADLINE_EXCEEDED)
-        if not isinstance(item, DrafterError):
-            item, self.last_arrived_at = item
-            self.last_left_at = self._left_at.pop(item.step_id, self.last_arrived_at)
-            if item.step_id != step_id:
-                self._call.cancel()
-                item = DrafterError(self.address, f"answered step {item.step_id}, expected {step_id}")
-        if isinstance(item, DrafterError):
-            self.error = item
-            raise item
-        return item
+            response, self.last_left_at, self.last_arrived_at = self._grpc.receive(step_id, deadline)
+        except DrafterError as err:
+            self.error = err
+            raise
+        return response
 
     def _receive_fast(self, step_id: int, deadline: float) -> drafter_pb2.DraftStepResponse:
         error = self._send_error
@@ -260,7 +145,7 @@ class DrafterStream:
                 if frame is None:
                     error = DrafterUnavailableError(self.address, "the drafter ended the stream")
                 elif frame[0] == step_frames.ERROR:
-                    error = _error_from_status(self.address, *step_frames.parse_error(frame[1]))
+                    error = DrafterError.from_status(self.address, *step_frames.parse_error(frame[1]))
                 elif frame[0] != step_frames.MESSAGE:
                     error = DrafterError(self.address, f"fast step path: a frame of kind {frame[0]} for an answer")
                 else:
@@ -285,8 +170,5 @@ class DrafterStream:
             self._sock.close()
             self.channel.close()
             return
-        self._requests.put(None)
-        if self.error is not None:  # a dead (maybe hung) drafter: do not wait for it to answer
-            self._call.cancel()
-        self._reader.join(timeout_s)
+        self._grpc.shutdown(timeout_s, hung=self.error is not None)  # a dead drafter is not waited for
         self.channel.close()

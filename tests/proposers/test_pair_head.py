@@ -11,7 +11,7 @@ from torch import nn
 from specd.proposers.base import DraftRequest
 from specd.proposers.head_graphs import MAX_STATIC_QUERY as MAX_Q, HeadGraphs
 from specd.proposers.head_kv import BLOCK, SCRATCH_BLOCK, BatchKV, HeadKVCache, StaticBatchKV
-from specd.proposers.mtp_common import PairHeadProposer, load_module_tensors
+from specd.proposers.pair_head import PairHeadProposer, load_module_tensors
 from specd.sampling_params import SamplingParams
 
 

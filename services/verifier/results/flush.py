@@ -1,4 +1,4 @@
-"""Result writes: a step's deltas, finals and errors leave in one pipelined Redis round trip.
+"""The result queue: a step's deltas, finals and errors leave in one pipelined Redis round trip.
 
 The worker queues entries while it walks the batch (no I/O), then `flush` sends them all: the
 XADDs to the result streams, the EXPIREs that keep their TTL (below), and last the XACK + XDEL of
@@ -21,10 +21,11 @@ running requests' entries, the cancellation poll): each queues its commands afte
 and reads its own replies, so a step still costs one round trip. A rider's commands are not
 kept when the flush fails; it asks again next step.
 
-A flush is three phases so that its round trip can run on another thread (services/verifier/
-writer.py): `prepare` takes the queue out into a Flush and fills its pipeline, `Flush.execute`
-is the round trip and touches nothing but the Flush, and `complete` (or `requeue`, when it
-failed) brings the outcome back; prepare, complete and requeue belong to the loop's thread.
+A flush is three phases so that its round trip can run on another thread
+(services/verifier/results/writer.py): `prepare` takes the queue out into a ResultFlush and fills
+its pipeline, `ResultFlush.execute` is the round trip and touches nothing but the ResultFlush, and
+`complete` (or `requeue`, when it failed) brings the outcome back; prepare, complete and requeue
+belong to the loop's thread.
 """
 
 from __future__ import annotations
@@ -55,14 +56,14 @@ class PipelineRider(Protocol):
 
 
 @dataclass(slots=True)
-class Flush:
-    """One round trip: the results taken out of the emitter's queue, and the riders' commands."""
+class ResultFlush:
+    """One round trip: the results taken out of the ResultQueue, and the riders' commands."""
 
     entries: list[tuple[str, dict[str, str]]]  # (result key, fields) in write order
     keys: dict[str, bool]  # touched result streams, insertion-ordered -> whether their last entry is here
     finished_entry_ids: list  # request-stream entries to XACK + XDEL, after the entries
     deleted_keys: list[str]  # result streams of cancelled requests
-    riders: list  # PipelineRider, answered by ResultEmitter.complete
+    riders: list  # PipelineRider, answered by ResultQueue.complete
     pipe: Any = None  # the filled pipeline (redis-py), sent by execute
     num_own: int = 0  # commands of the results; the riders' follow
     rider_counts: list[int] = field(default_factory=list)  # commands per rider, in order
@@ -72,7 +73,7 @@ class Flush:
     prepared_at: float = 0.0  # time.monotonic() of prepare
 
     def execute(self) -> None:
-        """The round trip (any thread: it touches only this Flush). Raises what redis-py raises."""
+        """The round trip (any thread: it touches only this ResultFlush). Raises what redis-py raises."""
         t0 = time.perf_counter()
         # A command Redis refuses (say, WRONGTYPE on a result key) is reported, not retried: the
         # pipeline ran, and sending it again would fail the same way.
@@ -84,7 +85,7 @@ class Flush:
         return _sid(entry_id) in {_sid(e) for e in self.finished_entry_ids}
 
 
-class ResultEmitter:
+class ResultQueue:
     """Queues result entries and request acknowledgements; `flush` is one round trip."""
 
     def __init__(self, client, request_stream: str, group: str = CONSUMER_GROUP,
@@ -162,8 +163,8 @@ class ResultEmitter:
         flush = self.send(riders)
         return 0 if flush is None else len(flush.entries)
 
-    def send(self, riders: list[PipelineRider] = ()) -> Flush | None:
-        """`flush`, returning the Flush that went out (its riders answered), or None when there was
+    def send(self, riders: list[PipelineRider] = ()) -> ResultFlush | None:
+        """`flush`, returning the ResultFlush that went out (its riders answered), or None when there was
         nothing to send."""
         flush = self.prepare(riders)
         if flush is None:
@@ -176,9 +177,9 @@ class ResultEmitter:
         self.complete(flush)
         return flush
 
-    def prepare(self, riders: list[PipelineRider] = ()) -> Flush | None:
+    def prepare(self, riders: list[PipelineRider] = ()) -> ResultFlush | None:
         """Take the queue out into a filled pipeline (no I/O); None when there is nothing to send."""
-        flush = Flush(self._entries, self._keys, self._finished_entry_ids, self._deleted_keys, list(riders))
+        flush = ResultFlush(self._entries, self._keys, self._finished_entry_ids, self._deleted_keys, list(riders))
         pipe = self.client.pipeline(transaction=False)
         for key, fields in flush.entries:
             pipe.xadd(key, fields)
@@ -201,7 +202,7 @@ class ResultEmitter:
         self._entries, self._keys, self._finished_entry_ids, self._deleted_keys = [], {}, [], []
         return flush
 
-    def complete(self, flush: Flush) -> int:
+    def complete(self, flush: ResultFlush) -> int:
         """A flush that went through: count it, keep refused writes in `last_errors`, answer the
         riders; returns the number of result entries sent."""
         sent = len(flush.entries)
@@ -216,7 +217,7 @@ class ResultEmitter:
             start += n
         return sent
 
-    def _note_refreshed(self, flush: Flush) -> None:
+    def _note_refreshed(self, flush: ResultFlush) -> None:
         """The TTLs the flush refreshed (a stream whose last entry went out is forgotten), and
         now and then the streams not written for a TTL (a request another verifier took over)."""
         refreshed = self._refreshed
@@ -232,7 +233,7 @@ class ResultEmitter:
             cutoff = flush.prepared_at - self.ttl_seconds
             self._refreshed = {k: t for k, t in refreshed.items() if t > cutoff}
 
-    def requeue(self, flush: Flush) -> None:
+    def requeue(self, flush: ResultFlush) -> None:
         """A flush that failed: its results go back in front of those queued since, in order."""
         self._entries = flush.entries + self._entries
         self._keys = {**flush.keys, **{k: last or flush.keys.get(k, False) for k, last in self._keys.items()}}

@@ -1,7 +1,6 @@
 """RemoteGrammarBackend: the GrammarBackend contract over the grammar service (services/grammar).
 
-One long-lived Steps stream per backend (sync gRPC: a request queue feeds the stream, a reader
-thread drains the responses so a step can wait with a deadline). open() and close() are buffered
+One long-lived Steps stream per backend (specd/clients/step_stream.py). open() and close() are buffered
 and ride along with the next step message, so an engine step costs exactly one round trip:
 close, open (with replay tokens), commit, masks, in that order, in one GrammarStepRequest.
 
@@ -21,97 +20,26 @@ caller may reopen them with open(seq_id, spec, replay_token_ids=...).
 from __future__ import annotations
 
 import logging
-import queue
-import threading
 import time
 
 import grpc
 import torch
 
+from specd.clients.channel import open_channel
+from specd.clients.errors import GrammarRejectedError, GrammarServiceError, GrammarUnavailableError
+from specd.clients.step_stream import GrpcStepStream
 from specd.grammar.backend import GrammarSpec, GrammarStep, MaskResult
 from specd.grammar.errors import GrammarCompileError, GrammarNotOpenError  # compiler.py's, without xgrammar
-from specd.transport.grpc_client import CHANNEL_OPTIONS, REJECTED_CODES
 from specd.transport.tensor_codec import TensorCodecError, tensor_from_pb
 from specd.v1 import grammar_pb2, grammar_pb2_grpc
 
 _RETRY_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
-log = logging.getLogger("specd.grammar.remote")
-
-
-class GrammarServiceError(RuntimeError):
-    """The grammar service failed a call; the matchers of `lost_seq_ids` are gone (module doc)."""
-
-    def __init__(self, address: str, message: str, code: grpc.StatusCode | None = None) -> None:
-        super().__init__(f"grammar service {address}: {message}")
-        self.address = address
-        self.code = code
-        self.lost_seq_ids: list[int] = []
-
-
-class GrammarUnavailableError(GrammarServiceError):
-    """The service is unreachable, missed the deadline, or its stream broke."""
-
-
-class GrammarRejectedError(GrammarServiceError):
-    """The service refused a step (unknown sequence, a commit the grammar rejects, a grammar that
-    does not compile at open): a bug or a bad grammar on this side, not a transient failure."""
-
-
-def _error_from_rpc(address: str, err: grpc.RpcError) -> GrammarServiceError:
-    code, details = err.code(), err.details()
-    cls = GrammarRejectedError if code in REJECTED_CODES else GrammarUnavailableError
-    return cls(address, f"{code.name}: {details}", code)
+log = logging.getLogger("specd.clients.grammar")
 
 
 def spec_to_pb(spec: GrammarSpec, model: str = "") -> grammar_pb2.GrammarSpec:
     return grammar_pb2.GrammarSpec(kind=spec.kind, source=spec.source, model=model)
-
-
-class _StepStream:
-    """One Steps call: the request queue, the reader thread and the step id counter."""
-
-    def __init__(self, stub: grammar_pb2_grpc.GrammarStub, address: str) -> None:
-        self.address = address
-        self._requests: queue.SimpleQueue = queue.SimpleQueue()  # None half-closes the stream
-        self._responses: queue.SimpleQueue = queue.SimpleQueue()  # responses or an error
-        # wait_for_ready: a service still starting is waited for (the step deadline still applies).
-        self._call = stub.Steps(iter(self._requests.get, None), wait_for_ready=True)
-        self._reader = threading.Thread(target=self._read, name=f"grammar-{address}", daemon=True)
-        self._reader.start()
-        self.next_step_id = 0
-
-    def _read(self) -> None:
-        try:
-            for response in self._call:
-                self._responses.put(response)
-            self._responses.put(GrammarUnavailableError(self.address, "the service ended the stream"))
-        except grpc.RpcError as err:
-            self._responses.put(_error_from_rpc(self.address, err))
-
-    def exchange(self, message: grammar_pb2.GrammarStepRequest, deadline_s: float
-                 ) -> grammar_pb2.GrammarStepResponse:
-        """Send one step and wait for its answer; raises GrammarServiceError (the stream is dead)."""
-        step_id = message.step_id = self.next_step_id
-        self.next_step_id += 1
-        self._requests.put(message)
-        try:
-            item = self._responses.get(timeout=deadline_s)
-        except queue.Empty:
-            item = GrammarUnavailableError(self.address, f"no answer to step {step_id} within {deadline_s:g} s",
-                                           grpc.StatusCode.DEADLINE_EXCEEDED)
-        if not isinstance(item, GrammarServiceError) and item.step_id != step_id:
-            item = GrammarServiceError(self.address, f"answered step {item.step_id}, expected {step_id}")
-        if isinstance(item, GrammarServiceError):
-            self._call.cancel()
-            raise item
-        return item
-
-    def shutdown(self, timeout_s: float = 1.0) -> None:
-        """Half-close: the service drops this stream's matchers."""
-        self._requests.put(None)
-        self._reader.join(timeout_s)
-        self._call.cancel()
 
 
 class RemoteGrammarBackend:
@@ -141,7 +69,8 @@ class RemoteGrammarBackend:
         self.credentials = credentials  # TLS for the replica channels; None: plaintext
         self._channels: dict[str, grpc.Channel] = {}
         self._current = 0  # index into addresses of the replica in use
-        self._stream: _StepStream | None = None  # started by the first step, again after a failure
+        self._stream: GrpcStepStream | None = None  # started by the first step, again after a failure
+        self._next_step_id = 0  # of the stream
         # seq id -> (grammar, accepted tokens sent so far): what rebuilds a lost matcher.
         self._history: dict[int, tuple[GrammarSpec, list[int]]] = {}
         self._pending_open: set[int] = set()  # opened since the last step
@@ -189,9 +118,7 @@ class RemoteGrammarBackend:
         delay = self.retry_backoff_s
         while True:
             try:
-                if self._stream is None:
-                    self._stream = _StepStream(self._stub(), self.address)
-                response = self._stream.exchange(message, self.deadline_s)
+                response = self._exchange(message)
                 results = self._results(response, step)
                 break
             except GrammarRejectedError as err:
@@ -262,10 +189,22 @@ class RemoteGrammarBackend:
     def _stub(self) -> grammar_pb2_grpc.GrammarStub:
         channel = self._channels.get(self.address)
         if channel is None:
-            channel = self._channels[self.address] = (
-                grpc.secure_channel(self.address, self.credentials, options=CHANNEL_OPTIONS) if self.credentials
-                else grpc.insecure_channel(self.address, options=CHANNEL_OPTIONS))
+            channel = self._channels[self.address] = open_channel(self.address, self.credentials)
         return grammar_pb2_grpc.GrammarStub(channel)
+
+    def _exchange(self, message: grammar_pb2.GrammarStepRequest) -> grammar_pb2.GrammarStepResponse:
+        """Send one step on the stream (a fresh one after a failure) and wait for its answer;
+        raises GrammarServiceError (the stream is dead)."""
+        if self._stream is None:
+            # wait_for_ready: a service still starting is waited for (the step deadline still applies).
+            steps = self._stub().Steps
+            self._stream = GrpcStepStream(lambda requests: steps(requests, wait_for_ready=True),
+                                          self.address, GrammarServiceError)
+            self._next_step_id = 0
+        step_id = message.step_id = self._next_step_id
+        self._next_step_id += 1
+        self._stream.send(message)
+        return self._stream.receive(step_id, time.monotonic() + self.deadline_s)[0]
 
     def _add_opens(self, message: grammar_pb2.GrammarStepRequest, seq_ids) -> None:
         for seq_id in seq_ids:

@@ -13,7 +13,7 @@ import logging
 import threading
 from collections.abc import Callable
 
-log = logging.getLogger("specd.proposers.discovery")
+log = logging.getLogger("specd.clients.discovery")
 
 
 class DrafterDiscovery:

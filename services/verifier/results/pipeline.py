@@ -2,11 +2,11 @@
 
 For every request with tokens committed since the last emit, one delta (with its pos); for
 finished requests the final entry, then XACK + XDEL of their stream entries: one pipelined Redis
-round trip per step (services/verifier/emitter.py), carrying the cancellation poll
+round trip per step (services/verifier/results/flush.py), carrying the cancellation poll
 (services/verifier/cancel.py), the heartbeat when due (services/verifier/claims.py) and, while
 busy, the request read (admission.py ReadRider). While the engine has work left the round trip
-runs on the writer thread, overlapping the next step (services/verifier/writer.py); the loop waits
-for it, and applies what its riders learned, when it hands over the next. A request's first token
+runs on the writer thread, overlapping the next step (services/verifier/results/writer.py); the
+loop waits for it, and applies what its riders learned, when it hands over the next. A request's first token
 does not wait for the step's end: it leaves on a flush of its own as soon as its prefill sampled
 it (emit_first_tokens).
 """
@@ -14,25 +14,43 @@ it (emit_first_tokens).
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 import redis
 
-from services.verifier.admission import ReadRider
+from services.verifier.admission import Admission, ReadRider
 from services.verifier.cancel import CancelPoll
-from services.verifier.claims import HeartbeatRider
-from services.verifier.emitter import Flush
+from services.verifier.claims import Claims, HeartbeatRider
+from services.verifier.results.flush import ResultFlush, ResultQueue
 from services.verifier.metrics import StepRecord, add_spec_difference
-from services.verifier.worker_types import CLIENT_CLOSED, ActiveRequest, sid
+from services.verifier.worker_types import CLIENT_CLOSED, ActiveRequest, RedisHealth, WorkerConfig, sid
+from services.verifier.results.writer import ResultWriter
 from specd.engine.sequence import Sequence
+from specd.messages import SpecStats
 
 log = logging.getLogger("specd.verifier")
 
 
-class Emission:
-    """The emit verb of VerifierWorker (services/verifier/worker.py), which it is mixed into: it
-    uses the worker's engine, config, claims, emitter, writer, metrics, `active`, `_request_ids`
-    and `_record`, and reads through the worker's admission (read_rider, admit_ridden)."""
+class ResultPipeline:
+    """The emit verb of VerifierWorker (services/verifier/worker.py): writes the worker's `active`
+    requests' results through `result_queue` and `writer`, drops the requests its riders' answers end
+    (shared with the admission, whose request read it carries), and counts what it answered.
+    `record` is the step under way (emit_first_tokens adds to it)."""
+
+    def __init__(self, engine, config: WorkerConfig, claims: Claims, result_queue: ResultQueue, writer: ResultWriter,
+                 admission: Admission, redis_health: RedisHealth, active: dict[int, ActiveRequest],
+                 request_ids: set[str], metrics, clock) -> None:
+        self.engine, self.config, self.claims = engine, config, claims
+        self.result_queue, self.writer = result_queue, writer
+        self.admission, self.redis_health, self.metrics, self.clock = admission, redis_health, metrics, clock
+        self.active, self._request_ids = active, request_ids
+        self.record: StepRecord | None = None
+        self.num_finished = 0
+        self.num_cancelled = 0  # requests the client gave up on
+        self.num_lost = 0  # requests another verifier reclaimed from us (we had stalled)
+        self.finished_spec = SpecStats()  # totals over finished requests
+        self.lock = threading.Lock()  # guards finished_spec for snapshot readers
 
     def emit(self, finished: list[Sequence], record: StepRecord) -> None:
         """Queue the step's deltas and finals and send them in one round trip: in the background
@@ -45,12 +63,12 @@ class Emission:
         t0 = time.perf_counter()
         for ar in self.active.values():  # before answers drop any: the step ran for all of them
             add_spec_difference(record.spec, ar.seq.stats, ar.spec_seen)
-        self._collect(self.writer.wait, record)
+        self.collect(self.writer.wait, record)
         for ar in self.active.values():
             seq = ar.seq
             n = len(seq.output_token_ids)
             if n > ar.num_emitted and not seq.is_finished:
-                self.emitter.delta(ar.request_id, ar.num_emitted, seq.output_token_ids[ar.num_emitted:n],
+                self.result_queue.delta(ar.request_id, ar.num_emitted, seq.output_token_ids[ar.num_emitted:n],
                                    seq.stats)
                 ar.num_emitted = n
         for seq in finished:
@@ -60,12 +78,11 @@ class Emission:
                 record.num_finished += 1
         riders = self._riders()
         if self.config.async_emit and self.engine.has_unfinished():
-            read = self.read_rider()  # the next admit's read, on this round trip (admission.py)
-            started = self.writer.start(riders + [read] if read is not None else riders,
-                                        hold=self.config.flush_after_launch)  # released at the launch
-            self._read_riding = started and read is not None  # answered by the next emit's wait
+            read = self.admission.read_rider()  # the next admit's read, on this round trip
+            started = self.writer.start(riders + [read] if read is not None else riders)
+            self.admission.read_riding = started and read is not None  # answered by the next emit's wait
         else:
-            self._collect(lambda: self.writer.flush(riders), record)
+            self.collect(lambda: self.writer.flush(riders), record)
         record.emit_seconds = time.perf_counter() - t0
 
     def emit_first_tokens(self, seqs: list[Sequence]) -> None:
@@ -74,13 +91,14 @@ class Emission:
         request's first token waits for its prefill only, not for a whole step more. The flush in
         flight (the last step's) is waited for first and its riders applied, as at a step's end:
         the engine is between its admit and its batch, where cancelling or adding requests is safe."""
-        self._collect(self.writer.wait, self._record or StepRecord())
+        self.collect(self.writer.wait, self.record or StepRecord())
         queued = False
         for seq in seqs:
             ar = self.active.get(seq.seq_id)
             n = len(seq.output_token_ids)
             if ar is not None and not seq.is_finished and n > ar.num_emitted:
-                self.emitter.delta(ar.request_id, ar.num_emitted, seq.output_token_ids[ar.num_emitted:n], seq.stats)
+                self.result_queue.delta(ar.request_id, ar.num_emitted, seq.output_token_ids[ar.num_emitted:n],
+                                        seq.stats)
                 ar.num_emitted = n
                 queued = True
         if queued:
@@ -97,22 +115,23 @@ class Emission:
         riders.append(CancelPoll([ar.request_id for ar in self.active.values()], self.config.cancel_prefix))
         return riders
 
-    def _collect(self, send, record: StepRecord) -> None:
+    def collect(self, send, record: StepRecord) -> None:
         """Run or wait for a flush (`send`), then apply what its riders learned, on this thread
         (the engine's): Redis unreachable is handled here, the queue was kept for the next flush."""
         t0 = time.perf_counter()
-        riding, self._read_riding = self._read_riding, False  # the flush in flight, if any, is taken now
+        admission = self.admission
+        riding, admission.read_riding = admission.read_riding, False  # the flush in flight, if any, is taken now
         try:
-            flush: Flush | None = send()
+            flush: ResultFlush | None = send()
         except (redis.ConnectionError, redis.TimeoutError) as e:
-            self._reread_own = self._reread_own or riding  # its read may have taken entries: find them
-            self._on_redis_error("emit", e, idle=not self.engine.has_unfinished())
+            admission.reread_own = admission.reread_own or riding  # its read may have taken entries: find them
+            self.redis_health.failed("emit", e, idle=not self.engine.has_unfinished())
             return
         finally:
             record.emit_wait_seconds += time.perf_counter() - t0
         if flush is None:
             return
-        self._redis_failures = 0
+        self.redis_health.ok()
         record.flush_seconds += flush.seconds
         # The heartbeat first: an entry another verifier took over is dropped, never acknowledged
         # as cancelled (XACK does not check the consumer).
@@ -123,10 +142,10 @@ class Emission:
             elif isinstance(rider, CancelPoll) and rider.cancelled:
                 self._cancel(rider.cancelled)
             elif isinstance(rider, ReadRider):
-                record.num_admitted += self.admit_ridden(rider)
-        for e in self.emitter.last_errors:
+                record.num_admitted += admission.admit_ridden(rider)
+        for e in self.result_queue.last_errors:
             log.error("redis refused a result write: %s", e)
-        self.emitter.last_errors = []
+        self.result_queue.last_errors = []
 
     def _drop_lost(self, entry_ids: list) -> None:
         """Entries another verifier reclaimed while we stalled: theirs now, stop running them."""
@@ -149,8 +168,8 @@ class Emission:
             self.engine.abort(ar.seq, reason="cancelled")
             del self.active[seq_id]
             self._request_ids.discard(ar.request_id)
-            self.emitter.finish_entry(ar.entry_id)
-            self.emitter.discard(ar.request_id)
+            self.result_queue.finish_entry(ar.entry_id)
+            self.result_queue.discard(ar.request_id)
             self.num_cancelled += 1
             self.metrics.observe_error(CLIENT_CLOSED)
             log.info("cancelled by the client", extra={"request_id": ar.request_id,
@@ -158,13 +177,13 @@ class Emission:
 
     def _finish(self, ar: ActiveRequest) -> None:
         seq = ar.seq
-        self.emitter.final(ar.request_id, ar.num_emitted, seq.output_token_ids[ar.num_emitted:],
+        self.result_queue.final(ar.request_id, ar.num_emitted, seq.output_token_ids[ar.num_emitted:],
                            seq.finish_reason, seq.stats, len(seq.prompt_token_ids))
-        self.emitter.finish_entry(ar.entry_id)
+        self.result_queue.finish_entry(ar.entry_id)
         ar.num_emitted = len(seq.output_token_ids)
         self._request_ids.discard(ar.request_id)
         self.num_finished += 1
-        with self._lock:
+        with self.lock:
             self.finished_spec.merge(seq.stats)
         self.metrics.observe_finished(seq.finish_reason)
         log.info("finished", extra={

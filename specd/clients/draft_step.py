@@ -2,10 +2,9 @@
 
 The step's hidden rows travel as one [N, H*] tensor (`hidden_states`, each sequence naming its
 `num_hidden_rows`) where the drafter says it reads that form (Info.takes_step_hidden_states) and
-the rows are alike; else one tensor a sequence (`new_hidden_states`). Why one: building, encoding
-and decoding a tensor a sequence took 3.5-6.1 ms at batch 128 of 8B EAGLE-3 rows (one a sequence)
-on the 2-core CI machine, one tensor 1.7-3.7 ms (bench/draft_wire.py), and both ends of a step
-wait for it.
+the rows are alike; else one tensor a sequence (`new_hidden_states`). One tensor because building,
+encoding and decoding one a sequence costs about twice as much at large batches
+(bench/draft_wire.py), and both ends of a step wait for it.
 """
 
 from __future__ import annotations
@@ -13,10 +12,15 @@ from __future__ import annotations
 import torch
 
 from specd.proposers.base import DraftRequest
-from specd.proposers.drafter_stream import sampling_params_to_pb
 from specd.sampling_params import SamplingParams
 from specd.transport.tensor_codec import tensor_meta_to_pb, tensor_to_pb
-from specd.v1 import drafter_pb2
+from specd.v1 import common_pb2, drafter_pb2
+
+
+def sampling_params_to_pb(params: SamplingParams) -> common_pb2.SamplingParameters:
+    return common_pb2.SamplingParameters(
+        temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, min_p=params.min_p,
+        repetition_penalty=params.repetition_penalty, seed=params.seed)
 
 
 def joined_rows(rows: list[torch.Tensor]) -> torch.Tensor:
