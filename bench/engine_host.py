@@ -32,7 +32,9 @@ import torch  # noqa: E402
 
 from bench.step import arch_config, random_model  # noqa: E402
 from specd.engine.engine import SpecEngine  # noqa: E402
-from specd.engine.staging import STAGE_VERIFY_ENV  # noqa: E402
+from specd import settings  # noqa: E402
+
+STAGE_VERIFY_ENV = settings.STAGE_VERIFY.name
 from specd.messages import PytorchEngineConfig  # noqa: E402
 from specd.models.cuda_graphs import StaticForward  # noqa: E402
 from specd.models.llama_runner import LlamaRunner  # noqa: E402

@@ -193,16 +193,16 @@ ASYNC_EMIT = register(
 _COMPOSE = ("docker-compose.yml", "docker-compose.gpu.yml")
 _KUSTOMIZE = ("deploy/base/kustomization.yaml",)
 for _name, _values, _help, _readers in (
-    ("SPECD_MODELS", "a volume or host folder", "mounted at /models (default: the models volume)", _COMPOSE),
+    ("SPECD_MODELS", "a volume or host folder", "mounted at /models (default: the models volume)", ("docker-compose.yml",)),
     ("SPECD_MODEL", "a checkpoint path", "the target checkpoint", _COMPOSE + _KUSTOMIZE + ("scripts/demo.sh",)),
     ("SPECD_DRAFT_MODEL", "a checkpoint path", "the draft checkpoint", _COMPOSE + _KUSTOMIZE + ("scripts/demo.sh",)),
     ("SPECD_SPECULATIVE_ALGORITHM", "a method", "--speculative-algorithm of the verifier and drafter", _COMPOSE + _KUSTOMIZE),
     ("SPECD_NUM_DRAFT_TOKENS", "an integer", "--speculative-num-draft-tokens", _COMPOSE + _KUSTOMIZE),
     ("SPECD_MAX_BATCH_SIZE", "an integer", "the verifier's --max-batch-size", _COMPOSE + _KUSTOMIZE),
     ("SPECD_REDIS_URL", "a redis:// URL", "an external Redis instead of the bundled one", _COMPOSE),
-    ("SPECD_BIND_ADDRESS", "an address", "where compose publishes the gateway", _COMPOSE),
-    ("SPECD_HTTP_PORT", "a port", "the gateway's published HTTP port", _COMPOSE),
-    ("SPECD_GRPC_PORT", "a port", "the gateway's published gRPC port", _COMPOSE),
+    ("SPECD_BIND_ADDRESS", "an address", "where compose publishes the gateway", ("docker-compose.yml",)),
+    ("SPECD_HTTP_PORT", "a port", "the gateway's published HTTP port", ("docker-compose.yml",)),
+    ("SPECD_GRPC_PORT", "a port", "the gateway's published gRPC port", ("docker-compose.yml",)),
     ("SPECD_IMAGE", "an image tag", "the image compose runs", _COMPOSE),
     ("SPECD_LOG_LEVEL", "a logging level", "the services' --log-level", _KUSTOMIZE),
     ("SPECD_DEVICE", "cpu | cuda", "the verifier's and drafter's --device", _KUSTOMIZE),

@@ -6,6 +6,7 @@ import argparse
 import os
 import sys
 
+from specd import settings
 from services.common.tls import TLSConfig, add_tls_arguments  # no grpc import: cheap
 from specd.messages import SPECULATIVE_METHODS  # dataclasses only: cheap to import
 
@@ -41,7 +42,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="re-resolve --drafter names this often, adding drafters that appear and dropping "
                         "those that leave DNS (0: resolve once, at start)")
     p.add_argument("--async-emit", action=argparse.BooleanOptionalAction,
-                   default=os.environ.get("SPECD_ASYNC_EMIT", "1") != "0",
+                   default=settings.ASYNC_EMIT.get(),
                    help="write each step's results on a writer thread, overlapping the next step "
                         "(--no-async-emit: the loop waits for every round trip; env SPECD_ASYNC_EMIT=0)")
     p.add_argument("--log-level", default="INFO")

@@ -83,7 +83,7 @@ class VerifierWorker:
         self._last_logged = (0, 0)  # (steps, errors) at the last summary line
         if config.async_emit and config.early_first_token:
             engine.on_admitted = self.results.emit_first_tokens
-        window = TraceWindow.from_env()  # SPECD_TRACE_STEPS: a profiler trace of some steps (diagnosis)
+        window = TraceWindow.from_settings()  # SPECD_TRACE_STEPS: a profiler trace of some steps (diagnosis)
         self.tracer = StepTracer(window, getattr(engine.runner, "device", None)) if window is not None else None
 
     # the worker's figures (admin API, logs, tests)

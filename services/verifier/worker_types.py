@@ -5,10 +5,10 @@ from services/verifier/worker.py, which is the loop)."""
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from dataclasses import dataclass, field
 
+from specd import settings
 from services.verifier.claims import ClaimConfig
 from specd.engine.sequence import Sequence
 from specd.messages import ConfigError, SpecStats
@@ -24,8 +24,6 @@ INTERNAL_ERROR = 500
 NOT_IMPLEMENTED = 501
 DEADLINE_EXCEEDED = 504
 
-RIDE_READS_ENV = "SPECD_VERIFIER_RIDE_READS"  # "0": the busy loop reads the request stream on its own round trip
-EARLY_FIRST_TOKEN_ENV = "SPECD_VERIFIER_EARLY_FIRST_TOKEN"
 
 
 @dataclass
@@ -47,11 +45,11 @@ class WorkerConfig:
     # While the engine is busy, the read for free batch slots rides that result round trip instead
     # of a round trip of its own on the step's critical path (admission.py, ReadRider); its entries
     # are admitted when the flush is collected, a step later. SPECD_VERIFIER_RIDE_READS=0: off.
-    ride_reads: bool = field(default_factory=lambda: os.environ.get(RIDE_READS_ENV, "1") != "0")
+    ride_reads: bool = field(default_factory=settings.VERIFIER_RIDE_READS.get)
     # With async_emit, the first tokens of the requests a step prefills leave on a flush of their
     # own before the step drafts and verifies (worker.emit_first_tokens): time to first token is
     # the prefill's, not the prefill's and a step's. SPECD_VERIFIER_EARLY_FIRST_TOKEN=0: off (A/B).
-    early_first_token: bool = field(default_factory=lambda: os.environ.get(EARLY_FIRST_TOKEN_ENV, "1") != "0")
+    early_first_token: bool = field(default_factory=settings.VERIFIER_EARLY_FIRST_TOKEN.get)
 
     def __post_init__(self) -> None:
         if not self.consumer:

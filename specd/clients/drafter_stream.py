@@ -14,7 +14,6 @@ owner (RemoteProposer) starts a new one.
 from __future__ import annotations
 
 import logging
-import os
 import socket
 import time
 
@@ -22,6 +21,7 @@ import grpc
 import torch
 from google.protobuf.message import DecodeError
 
+from specd import settings
 from specd.clients.channel import open_channel
 from specd.clients.errors import DrafterError, DrafterUnavailableError
 from specd.clients.step_stream import GrpcStepStream
@@ -31,7 +31,6 @@ from specd.transport.tensor_codec import tensor_bytes, tensor_to_pb
 from specd.v1 import drafter_pb2, drafter_pb2_grpc
 
 logger = logging.getLogger(__name__)
-FAST_PATH_ENV = "SPECD_DRAFTER_FAST_PATH"  # "0": the steps stay on the gRPC stream (A/B, or a firewall)
 
 # How long send() waits for gRPC's sender thread to take a step (seconds). A wait that times out
 # is harmless: the step still goes.
@@ -78,7 +77,7 @@ class DrafterStream:
 
     def _connect_fast(self, timeout_s: float) -> socket.socket | None:
         port = self.info.fast_step_port
-        if not port or os.environ.get(FAST_PATH_ENV, "1") == "0":
+        if not port or not settings.DRAFTER_FAST_PATH.get():
             return None
         host = self.address.rpartition(":")[0].strip("[]")
         try:

@@ -26,17 +26,16 @@ drafts conditioned on a wrong token, which would mostly be rejected, from being 
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from specd import settings
 from specd.engine.sequence import Sequence
 from specd.models.append_plan import AppendPlan
 from specd.proposers.base import DraftProposal, DraftRequest, Proposer
 
-CARRY_ENV = "SPECD_DRAFT_CARRY"  # drafts asked past k per request; "0": none carried
 FREE_DRAFT_METHODS = ("ngram", "replay")  # lookups: drafts past k cost the drafter nothing
 
 
@@ -46,12 +45,12 @@ CARRY_STEPS = 2  # steps' worth of drafts carried past k by default: a carried s
 
 
 def default_carry(proposer: Proposer | None, num_speculative_tokens: int) -> int:
-    """CARRY_ENV when set; else CARRY_STEPS * (k + 1) (per step: a guess at the bonus token and
+    """SPECD_DRAFT_CARRY when set; else CARRY_STEPS * (k + 1) (per step: a guess at the bonus token and
     that step's k drafts) where the proposer answers asynchronously (over the network) and its
     extra drafts are free, 0 elsewhere (a model drafter would pay a forward per extra draft)."""
-    value = os.environ.get(CARRY_ENV)
+    value = settings.DRAFT_CARRY.get()
     if value is not None:
-        return int(value)
+        return value
     remote = proposer is not None and hasattr(proposer, "propose_async")
     free = remote and getattr(proposer, "method", "") in FREE_DRAFT_METHODS
     return CARRY_STEPS * (num_speculative_tokens + 1) if free else 0

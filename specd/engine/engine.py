@@ -10,13 +10,13 @@ from __future__ import annotations
 import copy
 import itertools
 import logging
-import os
 import time
 from collections import deque
 from collections.abc import Callable
 
 import torch
 
+from specd import settings
 from specd.engine.admission import take_admissions
 from specd.engine.constraints import ConstraintTracker
 from specd.engine.device_clock import DeviceClock
@@ -35,7 +35,6 @@ from specd.proposers.base import DraftProposal, Proposer
 from specd.rejection import rejection_sample
 from specd.sampling_params import SamplingParams
 
-DRAFT_AHEAD_ENV = "SPECD_DRAFT_AHEAD"  # "0": drafts are asked for inside each step
 log = logging.getLogger("specd.engine")
 
 
@@ -72,7 +71,7 @@ class SpecEngine:
         self._hidden_kind = proposer.hidden_kind if proposer is not None else "none"
         self.constraints = ConstraintTracker(grammar_backend, max_model_len)
         if draft_ahead is None:
-            draft_ahead = os.environ.get(DRAFT_AHEAD_ENV, "1") != "0"
+            draft_ahead = settings.DRAFT_AHEAD.get()
         if draft_carry is None:
             draft_carry = default_carry(proposer, self.num_speculative_tokens)
         self._batch_sampling = BatchSamplingTensors()

@@ -9,25 +9,15 @@ runner undoes a stage on any other call, and drafts that come back shorter refil
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 
+from specd import settings
 from specd.engine.sequence import Sequence
 from specd.models.base import SequenceChunk
 
-# "1" (the default): the verify batch staged at a step's end while its drafts are out; "0": never.
-# On the GPU a staged step launches its forward sooner after the step starts, more so at large
-# batches (BENCHMARKS.md, "staging").
-STAGE_VERIFY_ENV = "SPECD_STAGE_VERIFY"
-STAGE_VERIFY_MODES = ("0", "1")
-
-
-def resolve_stage_mode() -> str:
-    """SPECD_STAGE_VERIFY, validated ("1" when unset or empty)."""
-    mode = os.environ.get(STAGE_VERIFY_ENV) or "1"
-    if mode not in STAGE_VERIFY_MODES:
-        raise ValueError(f"{STAGE_VERIFY_ENV}: expected one of {', '.join(STAGE_VERIFY_MODES)}, got {mode!r}")
-    return mode
+# SPECD_STAGE_VERIFY (on by default): the verify batch staged at a step's end while its drafts are
+# out. On the GPU a staged step launches its forward sooner after the step starts, more so at large
+# batches (BENCHMARKS.md, "Staged verify batch (CPU)").
 
 
 class VerifyStaging:
@@ -35,9 +25,8 @@ class VerifyStaging:
     one off the static path, or SPECD_STAGE_VERIFY=0: never)."""
 
     def __init__(self, runner) -> None:
-        mode = resolve_stage_mode()
         self._runner = runner
-        self._stage = getattr(runner, "stage", None) if mode != "0" else None
+        self._stage = getattr(runner, "stage", None) if settings.STAGE_VERIFY.get() else None
         self._staged = False
 
     def stage_next(self, running: list[Sequence], num_drafts: Callable[[Sequence], int], *,

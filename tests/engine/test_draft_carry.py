@@ -11,7 +11,10 @@ import pytest
 import torch
 
 from specd.engine.builder import build_engine
-from specd.engine.drafting import CARRY_ENV, Drafting, default_carry
+from specd import settings
+from specd.engine.drafting import Drafting, default_carry
+
+CARRY_ENV = settings.DRAFT_CARRY.name
 from specd.engine.sequence import Sequence
 from specd.messages import SpeculativeConfig
 from specd.proposers.base import DraftProposal

@@ -19,7 +19,9 @@ import torch
 
 from specd.engine.builder import build_engine
 from specd.engine.engine import SpecEngine
-from specd.engine.staging import STAGE_VERIFY_ENV
+from specd import settings
+
+STAGE_VERIFY_ENV = settings.STAGE_VERIFY.name
 from specd.messages import PytorchEngineConfig, SpeculativeConfig
 from specd.models.base import SequenceChunk
 from specd.models.llama_runner import LlamaRunner
@@ -122,7 +124,7 @@ def test_staging_is_on_by_default_and_0_turns_it_off(target):
 
 @pytest.mark.parametrize("value", ["off", "true", "2", "late"])
 def test_an_unknown_staging_mode_is_refused_with_the_variable_named(target, value):
-    with pytest.raises(ValueError, match=f"SPECD_STAGE_VERIFY: expected one of 0, 1, got '{value}'"):
+    with pytest.raises(ValueError, match=f"SPECD_STAGE_VERIFY='{value}': expected 0 or 1"):
         static_engine(target, stage=value, wrapper=FullDrafts, carry=0)
 
 

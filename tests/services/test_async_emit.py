@@ -13,7 +13,9 @@ import pytest
 import redis
 
 from services.verifier.results.flush import ResultQueue
-from services.verifier.worker_types import EARLY_FIRST_TOKEN_ENV
+from specd import settings
+
+EARLY_FIRST_TOKEN_ENV = settings.VERIFIER_EARLY_FIRST_TOKEN.name
 from services.verifier.results.writer import ResultWriter
 from specd.sampling_params import SamplingParams
 from specd.transport.redis_streams import CONSUMER_GROUP, QueuedRequest, ResultEntry, cancel_key, result_key

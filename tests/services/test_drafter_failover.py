@@ -17,7 +17,9 @@ from services.drafter.server import load_drafter, start_server
 from services.drafter.servicer import DrafterServicer
 from specd.engine.builder import build_engine
 from specd.engine.engine import SpecEngine
-from specd.engine.staging import STAGE_VERIFY_ENV
+from specd import settings
+
+STAGE_VERIFY_ENV = settings.STAGE_VERIFY.name
 from specd.messages import PytorchEngineConfig, SpeculativeConfig
 from specd.models.llama_runner import LlamaRunner
 from specd.proposers.base import DraftProposal

@@ -13,7 +13,10 @@ import torch
 from services.drafter.server import load_drafter, start_server
 from services.drafter.servicer import DrafterServicer
 from specd.messages import SpeculativeConfig
-from specd.clients.drafter_stream import FAST_PATH_ENV, DrafterStream
+from specd import settings
+from specd.clients.drafter_stream import DrafterStream
+
+FAST_PATH_ENV = settings.DRAFTER_FAST_PATH.name
 from specd.clients.errors import DrafterRejectedError, DrafterUnavailableError
 from specd.transport import step_frames
 from specd.transport.tensor_codec import tensor_meta_to_pb

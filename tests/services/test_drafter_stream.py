@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import time
 
-from specd.clients.drafter_stream import FAST_PATH_ENV, DrafterStream
+from specd import settings
+from specd.clients.drafter_stream import DrafterStream
+
+FAST_PATH_ENV = settings.DRAFTER_FAST_PATH.name
 from specd.v1 import drafter_pb2
 
 
