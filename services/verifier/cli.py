@@ -6,8 +6,8 @@ import argparse
 import os
 import sys
 
-from specd import settings
 from services.common.tls import TLSConfig, add_tls_arguments  # no grpc import: cheap
+from specd import settings
 from specd.messages import SPECULATIVE_METHODS  # dataclasses only: cheap to import
 
 

@@ -8,8 +8,8 @@ import logging
 import threading
 from dataclasses import dataclass, field
 
-from specd import settings
 from services.verifier.claims import ClaimConfig
+from specd import settings
 from specd.engine.sequence import Sequence
 from specd.messages import ConfigError, SpecStats
 from specd.transport.redis_streams import (CANCEL_PREFIX, CONSUMER_GROUP, DEFAULT_REQUEST_STREAM, RESULT_PREFIX,
