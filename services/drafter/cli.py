@@ -7,6 +7,7 @@ import re
 
 from services.common.tls import TLSConfig, add_tls_arguments  # no grpc import: cheap
 from specd import settings
+from specd.host_threads import add_threads_argument
 
 METHODS = ("eagle3", "deepseek_mtp", "qwen3_5_mtp", "draft_model", "ngram", "replay")  # replay: bench only
 
@@ -55,6 +56,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="serve the per-step round trip over framed sockets too, on this port (0: any free "
                         "port, advertised to verifiers in Info; -1: gRPC only). Not under TLS.")
     p.add_argument("--log-level", default="INFO")
+    add_threads_argument(p)
     add_tls_arguments(p, client=False)
     p.set_defaults(func=_run)
     return p
@@ -64,10 +66,12 @@ def _run(args: argparse.Namespace) -> int:
     import logging
 
     from services.drafter.server import serve_drafter
+    from specd.host_threads import size_threads
     from specd.messages import SpeculativeConfig
 
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    size_threads("drafter", args.device, args.threads)
     spec = SpeculativeConfig(method=args.speculative_algorithm,
                              num_speculative_tokens=min(args.max_num_draft_tokens, 32),
                              model=args.speculative_draft_model or "",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from services.common.tls import TLSConfig, add_tls_arguments
+from specd.host_threads import add_threads_argument
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -38,6 +39,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--shutdown-grace", type=float, default=10.0,
                    help="seconds requests in flight may take to finish after SIGTERM")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    add_threads_argument(p)
     add_tls_arguments(p)
     p.set_defaults(func=_run)
     return p
@@ -49,8 +51,10 @@ def _run(args: argparse.Namespace) -> int:
     from services.common.api_keys import keys_from_env, parse_keys
     from services.gateway.core import GatewayConfig
     from services.gateway.server import run
+    from specd.host_threads import size_threads
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    size_threads("gateway", "cpu", args.threads)
     config = GatewayConfig(model=args.model, served_model_name=args.served_model_name, redis_url=args.redis_url,
                            request_stream=args.request_stream, max_queue_depth=args.max_queue_depth,
                            request_timeout=args.request_timeout, enable_metrics=args.enable_metrics,

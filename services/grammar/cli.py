@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from services.common.tls import TLSConfig, add_tls_arguments  # no grpc import: cheap
+from specd.host_threads import add_threads_argument
 
 
 def _positive(value: str) -> int:
@@ -29,6 +30,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--max-workers", type=_positive, default=32,
                    help="gRPC threads; each open verifier stream holds one")
     p.add_argument("--log-level", default="info")
+    add_threads_argument(p)
     add_tls_arguments(p, client=False)
     p.set_defaults(func=_run)
     return p
@@ -38,9 +40,11 @@ def _run(args: argparse.Namespace) -> int:
     import logging
 
     from services.grammar.server import serve_grammar
+    from specd.host_threads import size_threads
 
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    size_threads("grammar", "cpu", args.threads)
     serve_grammar(args.model, host=args.host, port=args.port, cache_entries=args.cache_entries,
                   max_workers=args.max_workers, tls=TLSConfig.from_args(args))
     return 0

@@ -8,6 +8,7 @@ import sys
 
 from services.common.tls import TLSConfig, add_tls_arguments  # no grpc import: cheap
 from specd import settings
+from specd.host_threads import add_threads_argument
 from specd.messages import SPECULATIVE_METHODS  # dataclasses only: cheap to import
 
 
@@ -46,6 +47,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="write each step's results on a writer thread, overlapping the next step "
                         "(--no-async-emit: the loop waits for every round trip; env SPECD_ASYNC_EMIT=0)")
     p.add_argument("--log-level", default="INFO")
+    add_threads_argument(p)
     p.add_argument("--log-interval", type=float, default=10.0, help="seconds between summary lines (0: off)")
     add_tls_arguments(p, server=False)  # it connects to drafters and the grammar service
     p.set_defaults(func=run)
@@ -60,8 +62,10 @@ def run(args: argparse.Namespace) -> int:
     import redis
 
     from services.verifier.server import VerifierConfig, configure_logging, default_consumer_name, serve
+    from specd.host_threads import size_threads
 
     configure_logging(args.log_level)
+    size_threads("verifier", args.device, args.threads)
     config = VerifierConfig(
         model=args.model, redis_url=args.redis_url, request_stream=args.request_stream,
         consumer=args.consumer or default_consumer_name(),
