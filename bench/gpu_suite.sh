@@ -76,8 +76,8 @@ fi
 cat "$OUT/preflight.log"
 
 # This VM's host speed (seconds): the engine's Python per step with the forward stubbed, on the
-# CPU, the figure to read the e2e phases against (bench/engine_host.py; BENCHMARKS.md has this
-# machine's).
+# CPU, the figure to read the e2e phases against (bench/engine_host.py; BENCHMARKS.md, "Staged verify
+# batch (CPU)", has the development machine's).
 "$PY" bench/engine_host.py --batches 1,64,128 --steps 100 > "$OUT/engine_host.md" 2>&1 \
   || echo "gpu_suite: bench/engine_host.py failed (see $OUT/engine_host.md); going on" >&2
 

@@ -39,7 +39,8 @@ MAX_ROWS = 32
 MIN_BLOCK_K = 64
 # Bytes of each weight row a program pulls into L2 before its PDL wait, past the first tile it
 # loads anyway, while the kernel before it (a norm, the attention merge) leaves HBM idle: on the
-# H200's 8B step 512 gained 1-2.7%, 2048 and more lost (BENCHMARKS.md, "The GPU fast path").
+# H200's 8B step 512 gained 1-2.7%, 2048 and more lost; sized per product it was slower
+# (BENCHMARKS.md, "Tried and removed").
 PREWAIT_BYTES = 512
 
 try:
@@ -51,7 +52,7 @@ except Exception:  # ImportError, or a broken install: the F.linear path serves
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 # Block shapes measured inside the 8B verify graph on an H200 (batch 1, q 4: M bucket 16; each
-# product's added time per layer, BENCHMARKS.md, "The GPU fast path"): the autotuner times a product
+# product's added time per layer; BENCHMARKS.md, "Tried and removed", has pinned ones): the autotuner times a product
 # alone from a cold L2, which ranks these shapes differently from the graph and, timing noise
 # deciding, picked o_proj shapes 1-4 us a layer slower in some processes. Keyed by (M bucket,
 # N, K, SwiGLU, splits); used on compute capability 9.0; other shapes and devices autotune.

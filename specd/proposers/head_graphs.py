@@ -2,8 +2,8 @@
 
 Why: a head is one decoder layer, ~40 kernels a forward, each a launch of 10-40 us of host time on
 the GPU machines, plus BatchKV's host work; its weights take ~0.1-0.3 ms to read at 8B. Through the
-services an 8B EAGLE-3 drafter took 5.95 ms of its own per round trip at batch 1, k = 3 (H100,
-BENCHMARKS.md run 69), where its device work is ~1 ms: the step was its launches.
+services an 8B EAGLE-3 drafter run eagerly took ~6 ms of its own per round trip at batch 1, k = 3
+(H100), where its device work is ~1 ms: the step was its launches.
 
 `HeadGraphs.forward` maps a batch onto a layout (B, Q, NB): the batch padded to a bucket size B,
 Q new positions a sequence (1 for a draft step; a catch-up's longest, rounded up to a power of two

@@ -26,7 +26,7 @@ MODELS = REPO / "models"
 TARGET = MODELS / "specd-py-target"
 TRAINED_METHODS = {"eagle3": MODELS / "specd-py-eagle3", "deepseek_mtp": MODELS / "specd-py-mtp",
                    "draft_model": MODELS / "specd-py-draft", "ngram": None}
-# o10298: the trained target repeats array items until any budget runs out (BENCHMARKS.md).
+# o10298: the trained target repeats array items until any budget runs out.
 SCHEMA_FILES = ["Github_easy/o10298.json", "Glaiveai2K/analyze_health_data_4ad104b4.json", "Github_easy/o83685.json"]
 STRING_SCHEMA = {"type": "object", "properties": {"code": {"type": "string"}, "lines": {
     "type": "array", "items": {"type": "string"}}}, "required": ["code", "lines"]}
