@@ -131,8 +131,9 @@ def time_steps(proposer: PairHeadProposer, batch: int, steps: int, k: int, promp
 
 @contextmanager
 def gathered_static_attention():
-    """The fixed-shape forwards' attention as before head_kv.StaticBatchKV.attend read the pools in
-    place: every sequence's keys gathered, joined to the new ones, repeated per query head, SDPA."""
+    """The fixed-shape forwards' attention through a gather instead of StaticBatchKV.attend's
+    in-place reads: every sequence's keys gathered, joined to the new ones, repeated per query
+    head, SDPA."""
     saved = StaticBatchKV.attend
     StaticBatchKV.attend = lambda self, q, k, v, scale: masked_attention(q, *self.update(k, v), self.mask, scale)
     try:
@@ -143,7 +144,7 @@ def gathered_static_attention():
 
 @contextmanager
 def cudnn_attention_allowed():
-    """SDPA's default choice inside (cuDNN first on Hopper), as before sdpa_backends.py: the A/B."""
+    """SDPA's default choice inside (cuDNN first on Hopper), which sdpa_backends.py rules out: the A/B."""
     saved = sdpa_backends.VARIABLE_SHAPE_BACKENDS
     sdpa_backends.VARIABLE_SHAPE_BACKENDS = [SDPBackend.CUDNN_ATTENTION, *saved]
     try:
