@@ -46,10 +46,11 @@ except Exception:  # ImportError, or a broken install: the F.linear path serves
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 # Block shapes measured inside the 8B verify graph on an H200 (batch 1, q 4: M bucket 16; each
-# product's added time per layer; BENCHMARKS.md, "Tried and removed", has pinned ones): the autotuner times a product
-# alone from a cold L2, which ranks these shapes differently from the graph and, timing noise
-# deciding, picked o_proj shapes 1-4 us a layer slower in some processes. Keyed by (M bucket,
-# N, K, SwiGLU, splits); used on compute capability 9.0; other shapes and devices autotune.
+# product's added time per layer; BENCHMARKS.md, "Tried and removed", has pinned ones): the
+# autotuner times a product alone from a cold L2, which ranks these shapes differently from the
+# graph and, timing noise deciding, picked o_proj shapes 1-4 us a layer slower in some processes.
+# Keyed by (M bucket, N, K, SwiGLU, splits); used on compute capability 9.0; other shapes and
+# devices autotune.
 TUNED_SM90 = {
     (16, 6144, 4096, False, 1): (64, 128, 4, 4),  # qkv: 15.4 us against the autotuner's 16.4
     (16, 4096, 4096, False, 2): (32, 128, 4, 6),  # o_proj
