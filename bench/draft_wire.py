@@ -1,20 +1,18 @@
 """The drafter wire's host cost for a step's hidden rows (EAGLE-3 at 8B: 3 x 4096 bf16 a token),
-old against new, side by side in one run:
+each encoding against the one before it, side by side in one run:
 
-- codec: the step message built and serialized on the verifier (draft_step_request), parsed and
-  its rows decoded and joined on the drafter, with a tensor a sequence (`new_hidden_states`)
-  against the step's one tensor (`hidden_states` + `num_hidden_rows`);
-- codec, attached: the same step with its one rows tensor beside the message (step_frames.ROWS,
-  Info.takes_attached_rows): the message built without the rows and serialized, parsed, and the
-  rows read in place from the bytes that carried them (tensor_from_buffer): no protobuf copy;
-- frame: a frame of the message's size sent over loopback TCP to a reader process, the header
-  joined to the payload and the payload copied again on reading (the old step_frames) against
-  header and payload written apart and read without the copy (step_frames now). The sender's
-  time is what the verifier's engine thread spends; the reader answers one byte per frame.
+- codec: the step message built and serialized on the verifier, parsed and its rows decoded on the
+  drafter, a tensor a sequence (`new_hidden_states`) against the step's one tensor
+  (`hidden_states` + `num_hidden_rows`);
+- codec, attached: the rows beside the message (step_frames.ROWS, Info.takes_attached_rows), read
+  in place from the bytes that carried them (tensor_from_buffer): no protobuf copy;
+- frame: a message-sized frame over loopback TCP to a reader process, header joined to the payload
+  and copied again on reading, against header and payload written apart and read without the copy
+  (step_frames). The sender's time is what the verifier's engine thread spends.
 
-Why: through the services on a GPU the verifier's "commit" (which sends the next step's
-requests) costs far more with an EAGLE-3 drafter's hidden rows than without drafts at large
-batches, and both ends of a step wait for it. CPU only; medians over --repeats.
+Why: with an EAGLE-3 drafter's hidden rows the verifier's commit (which sends the next step's
+requests) costs far more at large batches than without, and both ends of a step wait for it. CPU
+only; medians over --repeats.
 
     python -m bench.draft_wire [--batches 64,128] [--rows 1,4] [--width 12288] [--repeats 15]
 """

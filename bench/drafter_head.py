@@ -2,19 +2,14 @@
 over an 8B-shaped head with random weights, as the drafter service runs it each round trip: every
 sequence brings the tokens and target rows its last step committed, then gets k drafts.
 
-Why: through the services the eagle3 drafter's own time per round trip is many times what
-reading the head's weights (~1 GB in bf16, ~0.3 ms per draft step on an H100) costs. This times the step and splits it with
-torch.profiler (--profile), so that the drafter's cost can be read without the services around
-it. Each batch runs through the fixed-shape forwards the drafter takes on CUDA (CUDA graphs,
-specd/proposers/head_graphs.py) and through the eager ones (BatchKV); with --gathered also the
-fixed-shape forwards with the attention they had before they read the block pools in place
-(head_kv.StaticBatchKV.attend: the gather's copies were half of a forward at batch 128);
-with --kv-blocks N over head caches of N-position blocks; with --grammar-support also the
-fixed-shape forwards with structured output enabled and no grammar in the batch, as the services'
-drafters run (which once took the grammar path's per-step host argmax);
-and with --cudnn also eager
-with SDPA's own kernel choice, cuDNN first on Hopper (far slower at batch 1: the drafter allows
-no cuDNN attention, specd/models/sdpa_backends.py).
+Why: through the services the eagle3 drafter's own time per round trip is many times what reading
+the head's weights costs (~1 GB in bf16, ~0.3 ms a draft step on an H100). This times the step, and
+splits it with torch.profiler (--profile), without the services around it. Each batch runs through
+the fixed-shape forwards the drafter takes on CUDA (specd/proposers/head_graphs.py) and the eager
+ones (BatchKV); --gathered adds the fixed-shape forwards with a gathered attention instead of the
+in-place block reads, --kv-blocks N head caches of N-position blocks, --grammar-support structured
+output enabled with no grammar in the batch (as the services' drafters run), and --cudnn eager
+with SDPA's own kernel choice (cuDNN first on Hopper; see specd/models/sdpa_backends.py).
 
     python -m bench.drafter_head [--batches 1,64] [--steps 20] [--prompt-len 32] [--shape 8b|small] [--device cuda] [--kv-blocks 16] [--gathered]
         [--grammar-support] [--cudnn]
@@ -136,8 +131,9 @@ def time_steps(proposer: PairHeadProposer, batch: int, steps: int, k: int, promp
 
 @contextmanager
 def gathered_static_attention():
-    """The fixed-shape forwards' attention as before head_kv.StaticBatchKV.attend read the pools in
-    place: every sequence's keys gathered, joined to the new ones, repeated per query head, SDPA."""
+    """The fixed-shape forwards' attention through a gather instead of StaticBatchKV.attend's
+    in-place reads: every sequence's keys gathered, joined to the new ones, repeated per query
+    head, SDPA."""
     saved = StaticBatchKV.attend
     StaticBatchKV.attend = lambda self, q, k, v, scale: masked_attention(q, *self.update(k, v), self.mask, scale)
     try:
@@ -148,7 +144,7 @@ def gathered_static_attention():
 
 @contextmanager
 def cudnn_attention_allowed():
-    """SDPA's default choice inside (cuDNN first on Hopper), as before sdpa_backends.py: the A/B."""
+    """SDPA's default choice inside (cuDNN first on Hopper), which sdpa_backends.py rules out: the A/B."""
     saved = sdpa_backends.VARIABLE_SHAPE_BACKENDS
     sdpa_backends.VARIABLE_SHAPE_BACKENDS = [SDPBackend.CUDNN_ATTENTION, *saved]
     try:

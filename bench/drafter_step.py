@@ -2,8 +2,9 @@
 fast path's frame read and its write): the request parsed, every sequence's new tokens taken and
 its drafts proposed, the answer built and serialized. CPU, no sockets, replay and n-gram drafters.
 
-The verifier waits for this at every step whose drafts it did not carry (BENCHMARKS.md: the drafter's
-own time per round trip on the GPU VMs, 0.8-1.7 ms at batch 64-128), so it is on the critical path.
+The verifier waits for this at every step whose drafts it did not carry (the drafter's
+own time per round trip on the GPU machines, 0.8-1.7 ms at batch 64-128), so it is on the critical
+path. BENCHMARKS.md, "Drafter host time (CPU)", has this bench's figures.
 Each step commits 4 tokens per sequence and asks k + carry = 11 drafts, as the e2e bench's replay
 stacks do at k = 3.
 

@@ -17,7 +17,7 @@ def waves_for(batch: int, min_requests: int) -> int:
     """How many back-to-back waves of `batch` requests make a round of at least min_requests.
 
     Why: the replay drafter draws its corruption once per prompt, so one request's ~45 steps stray
-    from the expected acceptance: prompt 0 alone realized 2.82 at 3.00 (batch 1 in runs 48-63).
+    from the expected acceptance: one prompt alone realized 2.82 at 3.00 at batch 1.
     Eight requests (~350 steps) come within ~0.07 of it (a step's tokens have a standard deviation
     of ~1.2 at acceptance 3, k = 3); batches of min_requests or more keep one wave."""
     if batch < 1 or min_requests < 1:

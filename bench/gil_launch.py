@@ -1,21 +1,19 @@
 """A GIL turn at the launch (CPU, real Redis): how long the engine thread waits to take the GIL back
-in a call that gives it up right before its forward (torch's CUDA event record, the launch mark),
-while the result writer's flush is on its way, by where the loop stages its next verify batch.
+in a call that gives it up right before its forward (the launch mark), while the result writer's
+flush is on its way, by where the loop stages its next verify batch.
 
 Why: the device clock starts at the step's first mark, so a wait for the GIL between it and the
 replay call counts as forward time; a flush on the writer thread may hold the GIL then.
 
-Per step, as the verifier's loop runs it at batch B (services/verifier/worker.py, engine.py):
-the launch (a call that gives up the GIL, timed: the wait), the forward (the host idle for F ms,
-the device busy), the commit's host work (C us), the drafts sent ahead to a drafter in another
-process (a socket; it answers after D us), the stage (S us of host work: the fill) and the emit
-(the previous flush waited for, B deltas queued and handed to the writer thread: ResultWriter
-over the embedded Redis), then the wait for the drafts. Orders:
+Per step, as the verifier's loop runs it at batch B: the launch (timed: the wait), the forward (F ms
+of host idle), the commit's host work (C us), the drafts sent ahead to a drafter process (it
+answers after D us), the stage (S us) and the emit (B deltas handed to a ResultWriter over the
+embedded Redis), then the wait for the drafts. Orders:
   step   staged at the step's end, before the emit (SPECD_STAGE_VERIFY=1, the default)
   none   no stage: the fill after the drafts arrive, before the launch (SPECD_STAGE_VERIFY=0)
   sync   staged at the step's end, the flush on the loop's thread (SPECD_ASYNC_EMIT=0)
-Reported per order: the wait in the launch call (median, p90, mean us) and the launch path (from
-the drafts' arrival to the launch call's return, fill included: what the step's critical path pays).
+Reported per order: the launch call's wait (median, p90, mean us) and the launch path (from the
+drafts' arrival to the launch call's return, fill included).
 
     .venv/bin/python -m bench.gil_launch --batch 1 --steps 300
 """

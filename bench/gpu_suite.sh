@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU fast-path suite in one call (issue 5): verify-step bench, then end to end through the
+# The GPU fast-path suite in one call: verify-step bench, then end to end through the
 # services. Usage: [BENCH_WHAT=gemm,profile,step,e2e] bash bench/gpu_suite.sh OUT_DIR [extra
 # `python -m bench` flags, e.g. --step-batches 1]; BENCH_WHAT defaults to all (= step,e2e).
 # Expected on one H200: ~1-2 min step bench,
@@ -76,15 +76,15 @@ fi
 cat "$OUT/preflight.log"
 
 # This VM's host speed (seconds): the engine's Python per step with the forward stubbed, on the
-# CPU, the figure to read the e2e phases against (bench/engine_host.py; BENCHMARKS.md has this
-# machine's).
+# CPU, the figure to read the e2e phases against (bench/engine_host.py; BENCHMARKS.md, "Staged verify
+# batch (CPU)", has the development machine's).
 "$PY" bench/engine_host.py --batches 1,64,128 --steps 100 > "$OUT/engine_host.md" 2>&1 \
   || echo "gpu_suite: bench/engine_host.py failed (see $OUT/engine_host.md); going on" >&2
 
 # Work files (the synthetic 8B checkpoint, ~16 GB) go to local disk, not into the results.
 WORK="${BENCH_WORK_DIR:-/tmp/specd-bench-work}"
 # Output goes to the log file, not through a pipe: a pipe stays open while any leftover child
-# holds it, which is how the last run hung until the call limit. tail follows until bench exits.
+# holds it, and the call would hang until its limit. tail follows until bench exits.
 timeout -k 10 "${BENCH_TIMEOUT_S:-540}" "$PY" -m bench "${BENCH_WHAT:-all}" --out "$OUT" --work-dir "$WORK" "$@" \
   > "$OUT/bench.log" 2>&1 &
 BENCH_PID=$!

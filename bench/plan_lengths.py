@@ -3,7 +3,7 @@ claims against the roomy-cache shortcut, side by side in one run (CPU, no model)
 
 Every step plans k per running sequence over the cache's free blocks. With room for every
 sequence's k + 1 tokens at once (AppendPlan.fits_everyone) the plan takes a shortcut to the same
-ks; without the block size the plan cannot tell, so it claims block by block, as before.
+ks; without the block size the plan cannot tell, so it claims block by block.
 
     .venv/bin/python -m bench.plan_lengths [--batches 1,64,128] [--calls 2000]
 """

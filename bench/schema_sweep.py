@@ -1,21 +1,14 @@
 """The 600-schema sweep: every jsonschemabench schema through the gateway's check and the engine.
 
-For each schema the gateway's own validation (services/gateway Gateway.check_values and
-check_response_format: parse_response_format, then GrammarCompilerCache.from_model_dir(model)
-.validate) decides up front: a GatewayError(400) is a rejection. Every schema it accepts is then
-generated through the in-process engine (draft masking on, k = 3) under each configuration,
-greedy and sampled (temperature 1, a fixed seed per schema), from a chat-template prompt that asks
-for JSON for the schema, and every output is parsed (strict json.loads: raw control characters
-are invalid JSON) and validated with `jsonschema`.
-
-Validation: bench/schema_validation.py (the draft's validator, with format checking).
+For each schema the gateway's own validation (Gateway.check_values and check_response_format)
+decides up front: a GatewayError(400) is a rejection. Every schema it accepts is generated through
+the in-process engine (draft masking on, k = 3) under each configuration, greedy and sampled
+(temperature 1, a fixed seed per schema), and every output is parsed (strict json.loads) and
+validated with `jsonschema` (bench/schema_validation.py, formats checked).
 
 Outcomes: valid; invalid (not JSON, or not valid against the schema); unfinished (finish_reason
-"length": the budget ran out before the grammar terminated, which budget-aware closing,
-specd/grammar/budget.py, is there to prevent: the grammar forces a short completion when the
-tokens left get few); crash (an exception anywhere but a 400). Apart from the outcome, "closed"
-counts the responses that closing shaped (rows forced, or tokens that could not close in time
-taken out, for some of their tokens).
+"length": what budget-aware closing, specd/grammar/budget.py, prevents); crash (an exception
+anywhere but a 400). "closed" counts the responses that closing shaped.
 
     .venv/bin/python bench/schema_sweep.py                    # all six configurations
     .venv/bin/python bench/schema_sweep.py --configs off ngram --limit 50

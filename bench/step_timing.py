@@ -21,9 +21,9 @@ def _sync(device: torch.device) -> None:
 
 
 # On CUDA, warm-up runs at least this long: an idle H200's SM clock sits at ~345 MHz and climbs
-# to ~1980 under load (KINDS.md), and three 4 ms steps did not get it there. In run 8 the column
-# timed first (the default graphs, after the setup's host-only work) came out 4.5% slower than the
-# very same graphs captured again and timed later in the run.
+# to ~1980 under load (KINDS.md), and three 4 ms steps did not get it there: the column timed
+# first (after the setup's host-only work) came out 4.5% slower than the very same graphs
+# captured again and timed later.
 MIN_CUDA_WARMUP_S = 0.5
 
 
@@ -124,9 +124,9 @@ def engine_like_step(runner: LlamaRunner, batch: int, q: int, context: int, *, s
     """Yields step(): the verify step as the engine runs it between two of its syncs: the batch
     staged (staged) or not, then gap_ms of host idle (the drafter round trip; the device idle too),
     then the forward, taking the stage or doing its host work there; rolled back after (the
-    caller syncs). Why: in runs 51-53 the engine's staged forward at batch 1 took 0.3 ms longer
-    on the device than its unstaged one, the same graph, while the step bench's staged column
-    (stage, then at once the forward) was the faster; this puts the gap between them."""
+    caller syncs). Why: the engine's staged forward at batch 1 has taken 0.3 ms longer on the
+    device than its unstaged one, the same graph, while a staged column timed as stage, then at
+    once the forward, was the faster; this puts the gap between them."""
     chunks = _step_chunks(runner, batch, q)
     placeholders = [SequenceChunk(c.seq_id, [0] * len(c.token_ids)) for c in chunks]
     with _cached_sequences(runner, batch, context) as ids:

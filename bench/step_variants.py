@@ -32,7 +32,7 @@ def time_recaptured(runner: LlamaRunner, batch: int, q: int, context: int, warmu
                     captures: int) -> list[float]:
     """The runner's graphs timed `captures` times, dropped and captured again before each but the
     first: one capture's time moved by 1.5% (up to 3.4%) from capture to capture of the very same
-    graphs on the H200 (BENCHMARKS.md, "The GPU fast path"), more than some settings under test."""
+    graphs on the H200 (BENCHMARKS.md, "Verify step (GPU)"), more than some settings under test."""
     out = []
     for i in range(captures):
         if i:

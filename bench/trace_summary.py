@@ -12,8 +12,8 @@ whose mean duration differs most between them, per group present in both.
 
 Why: the device's clock says how long a forward took, not why: a late start shows here as delay or
 host gap, a device held up inside the graph as idle, the same kernels running slower as busy time,
-kernel by kernel, and another graph as another op count (BENCHMARKS.md, run 60: the staged stacks'
-graphs had 360 ops where the others had 263).
+kernel by kernel, and another graph as another op count (graphs captured without the runner's
+kernel settings had 360 ops where the right ones had 263).
 """
 
 from __future__ import annotations

@@ -1,22 +1,19 @@
 """A profiler trace of a window of a service's steps, as it serves (diagnosis only).
 
 Verifier: SPECD_TRACE_STEPS=FIRST:COUNT traces the engine steps FIRST .. FIRST + COUNT - 1 of its
-loop (counted from 0, busy steps only) and writes one Chrome trace, `SPECD_TRACE_DIR/trace.json.gz`
-(default dir: the working directory). Drafter: SPECD_DRAFTER_TRACE_STEPS=FIRST:COUNT, its draft
-steps (every stream's, in the order served), into `SPECD_TRACE_DIR/drafter_trace.json.gz`, with
-the host's ops too (its host work outside the proposer is what such a trace is for). Unset:
-nothing traced.
+loop (from 0, busy steps only) into one Chrome trace, `SPECD_TRACE_DIR/trace.json.gz` (default:
+the working directory). Drafter: SPECD_DRAFTER_TRACE_STEPS=FIRST:COUNT, its draft steps (every
+stream's, in the order served), into `SPECD_TRACE_DIR/drafter_trace.json.gz`. Unset: nothing.
 
-Why: the e2e bench reads a verify forward's own time on the device's clock (device_clock.py), not
-why it takes that long. Whether the device sits idle inside the forward (a late launch), runs the
-same kernels slower, or runs other kernels shows only in a kernel-level trace of the services
-themselves; bench/trace_summary.py reads it.
+Why: the device clock (device_clock.py) says how long a verify forward took, not why; a late
+launch, slower kernels or other kernels show only in a kernel-level trace of the services
+themselves (bench/trace_summary.py reads it).
 
-On CUDA the verifier records only device activity (kernels, copies and the runtime calls that
-launched them, through CUPTI); the drafter records the host's ops as well. CUPTI slows each launch
-(a graph's launch call takes ~0.27 ms of host time while traced), so a traced stack's tokens/s do
-not compare with an untraced one's; its kernels' own times do. On the CPU (the tests' twin) the
-host's ops are the only activity there is.
+On CUDA the verifier records device activity only (kernels, copies and their runtime calls,
+through CUPTI); the drafter records the host's ops too (its host work outside the proposer is what
+its trace is for). CUPTI slows each launch (a graph's launch takes ~0.27 ms of host time while
+traced), so a traced stack's tokens/s do not compare with an untraced one's; its kernels' times
+do. On the CPU the host's ops are the only activity there is.
 """
 
 from __future__ import annotations

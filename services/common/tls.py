@@ -7,7 +7,7 @@ Every service has one identity and one trust root, used both ways:
   turns TLS on for outgoing channels.
 - `client_ca_file` (PEM): its servers then require client certificates signed by this CA.
 
-Nothing set means plaintext, as before (loopback and private networks). The files are read once,
+Nothing set means plaintext (loopback and private networks). The files are read once,
 at startup, so a missing or unreadable file fails the service before it serves anything.
 grpc is imported where credentials are made, so command lines can add the flags cheaply.
 """

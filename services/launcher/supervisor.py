@@ -71,8 +71,8 @@ class StackConfig:
 
 # The drafter's KV-cache share of the free GPU memory when it shares the verifier's GPU. The drafter
 # loads first and would take 80% as it does alone (PytorchEngineConfig.cache_max_entry_count),
-# leaving the verifier's activations too little: run 69's draft_model stack, on one H100, gave its
-# drafter 20 GB and the verifier ran out of memory in a batch-128 prefill. A tenth of an 80 GB card
+# leaving the verifier's activations too little: a draft_model stack on one H100 gave its drafter
+# 20 GB and the verifier ran out of memory in a batch-128 prefill. A tenth of an 80 GB card
 # holds ~500k tokens of a 4-layer draft model, beyond the ~250k tokens the 8B target's own cache
 # holds beside it; a draft cache that fills costs drafts, not requests (draft_model.py).
 SHARED_GPU_DRAFTER_CACHE_FRACTION = 0.1

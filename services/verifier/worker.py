@@ -2,26 +2,20 @@
 and a writer thread that does nothing but the result round trips.
 
     admit  XREADGROUP as many requests as the batch has free slots (BLOCK ~100 ms only when the
-           engine is idle), decode them, hand them to the engine; bad entries, invalid prompts and
-           requests past their deadline are answered with an error result instead
-           (services/verifier/admission.py).
-    step   engine.step(): draft, verify, commit for the whole batch (synchronous torch work).
-    emit   the result pipeline (services/verifier/results/): a request's first token as soon as
-           its prefill sampled it; then for every request with tokens committed since the last
-           emit, one delta (with its pos); for finished requests the final entry; then XACK + XDEL
-           of their stream entries — all in one pipelined Redis round trip per step, which also
-           carries the cancellation poll (services/verifier/cancel.py) and, when due, the
-           heartbeat of the running requests' entries (services/verifier/claims.py). While the
-           engine has work left the round trip runs on the writer thread, overlapping the next
-           step; the loop waits for it when it hands over the next.
+           engine is idle) and hand them to the engine; bad entries, invalid prompts and requests
+           past their deadline get an error result (services/verifier/admission.py).
+    step   engine.step(): draft, verify, commit for the whole batch.
+    emit   one pipelined Redis round trip a step (services/verifier/results/): first tokens as
+           soon as a prefill samples them, a delta per request with new tokens, finals, XACK + XDEL,
+           the cancellation poll (cancel.py) and, when due, the heartbeat (claims.py). While the
+           engine has work left it runs on the writer thread, overlapping the next step.
     log    a periodic summary line; request-level events are logged where they happen.
 
-Redis is touched at most twice per iteration (the read, when the batch has room, and the result
-pipeline), never once per request; every `scan_ms` a verifier with room also looks for entries
-idle past `--reclaim-idle-ms` (their verifier died) and resumes them from their result streams.
-Engine sequence ids map to request ids through `active`. Requests leave the request stream only
-once answered, so XLEN is the queue depth. Redis unreachable is never fatal: the loop backs off
-while idle, keeps computing while busy, and queued results go out when Redis answers again.
+Redis is touched at most twice an iteration, never once per request; every `scan_ms` a verifier
+with room also reclaims entries idle past `--reclaim-idle-ms` (their verifier died) and resumes
+them from their result streams. Requests leave the request stream only once answered, so XLEN is
+the queue depth. Redis unreachable is never fatal: the loop backs off while idle, keeps computing
+while busy, and queued results go out when Redis answers again.
 """
 
 from __future__ import annotations

@@ -1,34 +1,23 @@
 """RemoteProposer: the Proposer protocol over one or more drafter services (services/drafter).
 
-Each drafter gets one long-lived DraftSteps stream (specd/clients/drafter_stream.py). open()
-and close() are buffered and ride along with the next step message. propose() splits the batch by
-drafter with a consistent-hash ring over the live drafters, sends one message to each at once (the
-streams' own threads send them in parallel), waits for all answers up to `deadline_s` and puts the
-drafts back in request order. propose_async() splits the two halves: the engine sends a step's
-requests right after the previous commit and collects the drafts when the step begins, so the
-drafters' round trip overlaps the verifier's own work between steps (one step in flight at a time).
+Each drafter gets one long-lived DraftSteps stream (specd/clients/drafter_stream.py); open() and
+close() ride along with the next step message. propose() splits the batch over the live drafters
+by a consistent-hash ring, sends to each at once and puts the drafts back in request order;
+propose_async() sends a step's requests right after the previous commit and collects the drafts
+when the step begins, so the round trip overlaps the verifier's own work (one step in flight).
 
-Failure is a loss of speed, never of output. A drafter that breaks its stream or misses the step
-deadline is dropped from the ring; its sequences are *parked*: they get no drafts (target-only
-decoding, which emits exactly what speculation would for greedy requests and the target
-distribution for sampled ones) and their draft state is gone, including the tokens of the failed
-step (already taken from the Sequence). A background thread per dead drafter reconnects with
-backoff and puts it back on the ring. Parked sequences resume speculation once any drafter is
-live: `take_resync()` names them and the engine reopens them with their whole history (see
-SpecEngine._resync_drafts). Only a step the drafter refuses as malformed (DrafterRejectedError, a
-bug on this side) still raises.
+Failure costs speed, never output. A drafter that breaks its stream or misses the step deadline
+leaves the ring, and its sequences are parked: no drafts (target-only decoding emits what
+speculation would) and their draft state gone. A thread per dead drafter reconnects with backoff;
+once any drafter is live, `take_resync()` names the parked sequences and the engine reopens them
+with their whole history (SpecEngine._resync_drafts). Only a step the drafter refuses as
+malformed (DrafterRejectedError, a bug on this side) raises.
 
-Membership changes while serving. With `resolve` and `refresh_s`, a DrafterDiscovery thread
-re-resolves the drafter names; an address that appears is connected in the background like a
-reconnecting drafter, and one that leaves DNS is dropped like a dead one (its sequences park and
-resync on the others) and no longer reconnected. A drafter that joins the ring (new or back)
-takes the sequences whose hash now lands on it, at the safe point between steps: the next
-take_resync() parks them on their old drafter (which frees their state there) and names them with
-the other parked ones, so they reopen on the new drafter through the same resync path (for a
-drafter fed hidden states, a re-prefill, as after a failover: paid once per ring change). Only the
-engine thread touches the ring; the discovery and reconnect threads hand over through queues.
-Who serves what is the proposer's DrafterMembership (`members`, specd/clients/membership.py);
-the proposer itself builds steps, sends them and maps the answers back.
+With `resolve` and `refresh_s`, a DrafterDiscovery thread re-resolves the drafter names: an address
+that appears connects like a reconnecting drafter, one that leaves DNS is dropped like a dead one.
+A drafter joining the ring takes the sequences whose hash now lands on it, between steps, through
+the same park-and-resync path. Only the engine thread touches the ring (DrafterMembership,
+specd/clients/membership.py); the discovery and reconnect threads hand over through queues.
 """
 
 from __future__ import annotations

@@ -2,15 +2,14 @@
 
 The host sees a step as verify (its host work, the forward queued early in it) and then the
 commit's device wait, ending when the results reach it. That sum mixes the device's work with the
-host's wake-up after it: the two staged / unstaged variants of BENCHMARKS.md's runs 48-49 spent
-0.27 ms a step more in verify + device wait at batch 1 with the same graphs, and the host clock
-cannot say which. Events recorded at the step's start, right before the forward's first device
-work (the runner calls `launching`: the graph's replay), after the forward is queued and after the
-sampling is, read after the step's one sync: the device's time to the launch (the host's work
-before it, the device idle), to the forward's end and to the step's end; the host's verify +
-device wait less the latter is the wake-up (and the results' copy). The forward's end less the
-launch is the forward's own device time: whether a staged step's graph runs slower, or starts
-later.
+host's wake-up after it: a staged and an unstaged stack have differed by 0.27 ms a step in
+verify + device wait at batch 1 with the same graphs, and the host clock cannot say which.
+
+Events are recorded at the step's start, right before the forward's first device work (the
+runner calls `launching`: the graph's replay), after the forward is queued and after the sampling
+is, and read after the step's one sync: the device's time to the launch, to the forward's end and
+to the step's end. The host's verify + device wait less the latter is the wake-up (and the
+results' copy); the forward's end less the launch is the forward's own device time.
 
 On CUDA the events are CUDA events (each record a few us of host time, no sync); elsewhere the
 "device" is the host itself, and HostEvent stands in, timing the same points on the host's clock.

@@ -1,27 +1,22 @@
 """The draft verb of an engine step, and drafting ahead.
 
 Each step asks the proposer for k_i drafts per sequence in one batched call, handing it the tokens
-(and hidden rows) committed since its last call. With a proposer that answers asynchronously (the
-remote drafters: RemoteProposer.propose_async), the next step's requests leave right after each
-commit instead (`send_ahead`) and the step collects them first thing (`collect`): the drafters
-draft while the verifier writes results and admits, and the round trip leaves the critical path.
+(and hidden rows) committed since its last call. With a proposer that answers asynchronously
+(RemoteProposer.propose_async), the next step's requests leave right after each commit
+(`send_ahead`) and the step collects them first thing (`collect`): the drafters draft while the
+verifier writes results and admits, and the round trip leaves the critical path. What changed in
+between is settled in `draft`: a sequence that left the batch drops its drafts, one given tokens
+anew (an admission, a resync) is asked in the step itself, and drafts are cut to the k that fits.
 
-Lossless as ever: drafts are proposals, whatever their timing. The requests sent ahead carry
-exactly what the next step would send; what changes in between is settled in `draft`: a sequence
-that left the batch (finished, aborted, preempted) drops its drafts, one given tokens anew (an
-admission, a resync) is asked in the step itself, and drafts are cut to the k that fits now
-(admissions may have taken the cache room they assumed).
+Carried drafts (`carry` > 0): each request asks for `carry` drafts past k, a guess at the step's
+bonus token and what follows. When a step accepts all k drafts and its bonus token is that guess,
+the rest continue the context the next step verifies, which takes them without asking the drafter
+(CARRY_STEPS steps' worth by default): worth it where extra drafts cost the drafter nothing
+(n-gram, replay) and a round trip is a network's.
 
-Carried drafts (`carry` > 0): each request asks for `carry` drafts past the step's k, a guess at
-the step's bonus token and the drafts after it. When the step accepts all k drafts and its bonus
-token is that guess, the rest continue the very context the next step verifies: the next step
-takes them and asks the drafter nothing for that sequence (its new tokens wait for the next
-request), so a round trip leaves the critical path once in every such step; drafts carried past
-that step's k carry on the same way (CARRY_STEPS steps' worth by default). Worth it where extra
-drafts cost the drafter nothing (n-gram and replay lookups) and a round trip is a network's.
-Still lossless, sampled requests included: rejection sampling is exact for any proposal drawn
-from the distribution it is given, whatever that was conditioned on; the guess check only keeps
-drafts conditioned on a wrong token, which would mostly be rejected, from being verified.
+All of it stays lossless, sampled requests included: rejection sampling is exact for any proposal
+drawn from the distribution it is given, whatever its timing or conditioning; the guess check only
+keeps drafts conditioned on a wrong token from being verified.
 """
 
 from __future__ import annotations

@@ -67,6 +67,6 @@ class Sequence:
         tokens, self.undrafted_token_ids = self.undrafted_token_ids, []
         pieces, self.undrafted_hidden = self.undrafted_hidden, []
         # One piece (a step's rows, the usual case) goes as it is: a copy of it is a device call a
-        # sequence, 128 a step at batch 128 (BENCHMARKS.md, run 73's trace).
+        # sequence, 128 a step at batch 128.
         hidden = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0) if pieces else None
         return tokens, hidden

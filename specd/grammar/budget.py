@@ -1,31 +1,21 @@
 """Budget-aware closing of one sequence's mask rows: when few tokens are left, end the output in time.
 
-Terms. `left`: the tokens a sequence may still emit at a row, its stop token included (row j of a
-step has the step's budget minus j). The *closing suffix* of a grammar state: closing.py's greedy
-walk from it to termination, stop token included. slack = left - len(suffix). Rows with left <=
-horizon are shaped (rows further from the end are never touched, and cost nothing):
-  - forced: slack <= margin. The row is one-hot at the suffix's first token, so the output follows
-    the suffix to the end: the grammar terminates, the stop token is emitted within the budget
-    and the response is complete, with finish_reason "stop" rather than "length".
-  - restricted: margin < slack <= reserve. Allowed tokens after which the grammar could no longer
-    terminate within left - 1 tokens are taken out, so no single token pushes the suffix past the
-    budget.
-    Such jumps are real: a `,` that starts a new array item of required fields lengthens the
-    suffix by tens of tokens. Which tokens are checked: every allowed one when the row allows at
-    most max_checks; otherwise (inside a string, where thousands are allowed) those that may
-    leave it or open structure (ClosingPreference.risky), each checked when there are at most
-    max_checks of them and all taken out (but the suffix's first) when there are more. A check
-    accepts the token on a fork and walks from there; tokens after which the mask and the forced
-    text are the same share one walk (`",` and `x",` inside a string). The margin covers the small
-    jumps of unchecked tokens: UTF-8 lead bytes that need continuation bytes, escapes, a `.` or
-    `e` inside a number (2-4 tokens).
-  - free: more slack, or no closing suffix within horizon tokens (nothing fits then: the output
-    ends with "length").
+`left` is what a sequence may still emit at a row, stop token included (row j of a step has the
+step's budget minus j); a grammar state's closing suffix is closing.py's greedy walk from it to
+termination; slack = left - len(suffix). Rows with left <= horizon are shaped, others never touched:
+  - forced (slack <= margin): one-hot at the suffix's first token, so the grammar terminates and
+    the stop token comes within the budget (finish_reason "stop", not "length").
+  - restricted (margin < slack <= reserve): tokens after which the grammar could no longer
+    terminate within left - 1 tokens are taken out (a `,` opening an array item of required fields
+    lengthens the suffix by tens of tokens). Every allowed token is checked when there are at most
+    max_checks; otherwise only the risky ones (ClosingPreference.risky), all of them taken out but
+    the suffix's first when there are more. Tokens with the same mask and forced text share a walk.
+    The margin covers unchecked tokens' small jumps (UTF-8 lead bytes, escapes, a number's `.`).
+  - free: more slack, or no suffix within horizon tokens (the output ends with "length").
 
-Every row is a function of the token prefix and `left` alone, never of how many drafts a step
-has: greedy speculative output equals non-speculative output token for token. The suffix found
-for a state is cached as a path (ClosingPath); the states along it need no new walk, and commits
-that follow it keep it.
+Every row is a function of the token prefix and `left` alone, never of a step's draft count, so
+greedy speculative output equals non-speculative output token for token. A state's suffix is
+cached as a ClosingPath, reused along it and by commits that follow it.
 """
 
 from __future__ import annotations

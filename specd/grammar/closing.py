@@ -1,30 +1,22 @@
 """The closing walk: a short completion that takes a grammar from its state to termination.
 
-A constrained request that runs out of max_tokens before its grammar terminates would end with
-truncated output (finish_reason "length", unparseable JSON). Instead, once the tokens left are
-barely enough, the sequence is forced through a *closing suffix*: a short token sequence that takes
-the grammar from its current state to termination (the stop token included), so the response ends
-complete and valid, with finish_reason "stop". budget.py decides when; this module finds suffixes.
+A constrained request that runs out of max_tokens before its grammar terminates would end truncated
+(finish_reason "length", unparseable JSON). Instead, once the tokens left are barely enough, the
+sequence is forced through a closing suffix that reaches termination (stop token included), so the
+response ends complete, with "stop". budget.py decides when; this module finds suffixes.
 
-The closing suffix is found by a greedy walk on a fork of the matcher. At each state it takes
-  - when the grammar forces a literal text next (a property name, a separator, the rest of an
-    enum value: xgrammar's jump-forward string), the longest token spelling a prefix of it;
-  - otherwise the allowed token that the fixed ClosingPreference ranks first, unless accepting it
-    leaves the mask as it was (a loop: the `1` of regex `[0-9]+#`, a `null` inside a uri): then
-    the next one in the preference that changes the mask (among the first MAX_TRIALS); and when
-    none does, one that changes it two tokens on (the `.` of `@[\\w.-]+\\.[\\w.-]+`: _progress).
-Consecutive picks merge into one token when the vocabulary has it (` ` and `1` make ` 1`). Each
-pick depends on the grammar state alone (no history, no randomness), so the suffix from the state
-reached by following a suffix's first tokens is the rest of that suffix: once closing is engaged
-the output is deterministic, and speculative decoding masks exactly as target-only decoding does.
+The suffix is a greedy walk on a fork of the matcher. At each state it takes the longest token
+spelling a prefix of the literal text the grammar forces next (xgrammar's jump-forward string);
+otherwise the allowed token ClosingPreference ranks first, unless it leaves the mask as it was (a
+loop: the `1` of `[0-9]+#`), then the next that changes the mask (among MAX_TRIALS), else one that
+changes it two tokens on (_progress). Consecutive picks merge where the vocabulary has the merged
+token. Each pick depends on the grammar state alone, so once closing is engaged the output is
+deterministic and speculative decoding masks exactly as target-only decoding does.
 
-The preference, most preferred first (ranked once per tokenizer):
-  (a) a stop token (the grammar may end here);
-  (b) tokens made only of the closing characters `"`, `}`, `]` (_closing_key orders them, inside
-      a string and outside: `"]}` closes a string, an array and an object);
-  (c) values that end at once: `""`, `[]`, `{}`, `null`, `true`, `false`;
-  (d) everything else: shortest text first, whitespace-only tokens last (a regex or EBNF may loop
-      on whitespace for ever), ties by _CHAR_ORDER, then by token id.
+The preference, ranked once per tokenizer: (a) a stop token; (b) tokens made only of `"`, `}`, `]`
+(_closing_key orders them); (c) values that end at once (`""`, `[]`, `{}`, `null`, `true`,
+`false`); (d) everything else, shortest text first, whitespace-only last (a grammar may loop on
+whitespace for ever), ties by _CHAR_ORDER, then token id.
 """
 
 from __future__ import annotations

@@ -1,23 +1,18 @@
 """One constrained sequence's grammar state: the real matcher and the masks along drafts.
 
-Terms: the real matcher has accepted exactly the sequence's committed (verified) output tokens.
-Drafts never advance it for good: mask_along accepts them tentatively and rolls them back, and a
-drafter that picks draft tokens one at a time works on a DraftGrammar, a fork of the real matcher.
+The real matcher has accepted exactly the sequence's committed output tokens. Drafts never advance
+it for good: mask_along accepts them tentatively and rolls them back, and a drafter that picks
+draft tokens one at a time works on a DraftGrammar, a fork of the real matcher.
 
 Bitmask rows use xgrammar's layout: [ceil(vocab / 32)] int32, bit (i % 32) of word i // 32 set when
-token i is allowed. Once the matcher has accepted a stop token (it is terminated) xgrammar has no
-next mask; we return a row allowing only the stop tokens, so a row is never all-zero (an all -inf
-logits row would turn softmax into NaN).
+token i is allowed. A terminated matcher's row allows only the stop tokens, so a row is never
+all-zero (an all -inf logits row would turn softmax into NaN).
 
-A grammar may come with allowed rows (allowed_rows.py), one ANDed into every mask and checked on
-every accepted token: the tokens xgrammar admits but no valid output holds (raw control characters
-in JSON, UTF-8-encoded UTF-16 surrogates). Which row applies depends on the token before the mask's
-position (the last committed token, or the last draft along the drafts), so every matcher keeps
-the last token it accepted.
-
-Given the tokens a sequence may still emit, mask_along also shapes the rows near the end of that
-budget (budget-aware closing, budget.py): the output is made to terminate within the budget, so a
-constrained response ends complete and valid (finish_reason "stop") instead of being truncated.
+A grammar may come with allowed rows (allowed_rows.py), ANDed into every mask and checked on every
+accepted token: tokens xgrammar admits but no valid output holds. Which row applies depends on the
+token before the mask's position, so every matcher keeps the last token it accepted. Given the
+tokens a sequence may still emit, mask_along also shapes the rows near the end of that budget
+(budget.py), so a constrained response ends complete (finish_reason "stop"), not truncated.
 """
 
 from __future__ import annotations

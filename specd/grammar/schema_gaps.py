@@ -1,24 +1,20 @@
 """JSON-schema features xgrammar 0.2.9 compiles without a word but enforces wrongly.
 
-xgrammar warns on stderr when it approximates some keywords (compiler.py refuses those schemas);
-the features here it gets wrong silently: a response that follows its grammar may still break the
-schema. Each was found by the 600-schema sweep or by probing xgrammar with a minimal schema
-(tests/grammar/test_schema_gaps.py shows xgrammar's wrong output for every one). find_schema_gaps
-names them so that the compiler refuses such a schema up front (HTTP 400) instead.
+xgrammar warns when it approximates some keywords (compiler.py refuses those schemas); the
+features here it gets wrong silently, so a response that follows its grammar may still break the
+schema. find_schema_gaps names them so that the compiler refuses such a schema up front (HTTP 400);
+tests/grammar/test_schema_gaps.py shows xgrammar's wrong output for each:
 
-- keywords it ignores: dependencies / dependentRequired / dependentSchemas, if / then / else, not,
+- ignored keywords: dependencies / dependentRequired / dependentSchemas, if / then / else, not,
   contains, uniqueItems;
-- anyOf / oneOf / allOf next to other assertions (type, properties, required, ...): it compiles the
-  combinator alone and drops the siblings;
-- $ref next to other assertions, where those apply (2019-09 and later, and schemas naming no
-  draft; drafts 4-7 ignore $ref's siblings themselves);
-- enum / const next to type: it emits the enum values, whatever their type;
-- pattern, minLength, minimum, minItems, ... without a type: it allows any JSON value;
+- anyOf / oneOf / allOf, or $ref where its siblings apply (2019-09 and later, or no draft named),
+  next to other assertions: the siblings are dropped;
+- enum / const next to type: the enum values are emitted whatever their type;
+- pattern, minLength, minimum, minItems, ... without a type: any JSON value is allowed;
 - format next to pattern: the pattern is dropped;
 - a required property that `properties` does not declare: the requirement is dropped;
-- a regex (pattern, patternProperties) with an optional group, `(...)?` or `{0,n}`, holding a
-  variable repetition (`*`, `+`, `{m,n}`): its automaton lets the string end inside the group
-  (`^y(z*a)?$` accepts "yz").
+- a regex with an optional group (`(...)?`, `{0,n}`) holding a variable repetition: the string may
+  end inside the group (`^y(z*a)?$` accepts "yz").
 """
 
 from __future__ import annotations

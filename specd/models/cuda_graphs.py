@@ -1,30 +1,25 @@
 """The verify / decode step through static buffers, replayed as CUDA graphs on CUDA.
 
-A verify step appends k+1 tokens per sequence (decode: 1) to caches of varying length. The eager
-path builds varlen metadata whose shapes depend on the batch; a CUDA graph needs the opposite.
-`StaticForward` maps such a batch onto a fixed layout (static_attention.py): the batch padded to a
-bucket size B (1, 2, 4, ..., max_batch_size), Q rows per sequence (the batch's longest chunk),
-block tables padded to a bucketed width NB. One packed int64 buffer holds every input (token ids,
-positions, slots, cached lengths, block tables, and the rows of the real tokens that the outputs
-gather) and is filled by ONE host-to-device copy per step. Under a CUDA graph that copy is the
-graph's first node, from a pinned host buffer: a step's fill is then numpy writes and nothing else,
-and the replay is the step's one CUDA call before its kernels (each call costs 10-40 us of host time
-on the H200 machine). An event recorded right after the copy node guards the buffer: a fill waits
-for it only when the host runs a whole step ahead of the device.
+A verify step appends k+1 tokens per sequence (decode: 1) to caches of varying length; a CUDA graph
+needs fixed shapes. `StaticForward` maps a batch onto a fixed layout (static_attention.py): the
+batch padded to a bucket size B (1, 2, 4, ..., max_batch_size), Q rows per sequence (the longest
+chunk), block tables padded to a bucketed width NB. One packed int64 buffer holds every input and is
+filled by ONE host-to-device copy a step, the graph's first node, from a pinned host buffer: a
+step's fill is numpy writes, and the replay is the step's one CUDA call before its kernels (each
+call costs 10-40 us of host time on the H200 machine). An event recorded after the copy node
+guards the buffer when the host runs a whole step ahead of the device.
 
-For each (B, Q, NB, aux layers) key, the first batch that needs it captures a graph (CUDA) or,
-on CPU and with graphs off, simply runs the same body eagerly: the CPU twin executes the very code
-that is captured, so tests on CPU prove the static path's logits equal the eager path's.
+For each (B, Q, NB, aux layers) key the first batch that needs it captures a graph (CUDA) or, on
+CPU and with graphs off, runs the same body eagerly, so CPU tests prove the static path's logits
+equal the eager path's. `fused` runs the body through specd's Triton kernels (fused_forward.py);
+the PyTorch body (LlamaForCausalLM.forward) is its twin. Padding rows and slots write to the KV
+cache's scratch block.
 
-`fused` runs the whole body through specd's Triton kernels (fused_forward.py); the PyTorch body
-(LlamaForCausalLM.forward) is its twin.
-
-Padding rows and padding slots write to the KV cache's scratch block, never to a real sequence.
-A batch whose longest chunk is longer than `max_query_len` (a prefill) has its Q rounded up to a
-power of two, and runs static while the bucket's rows B * Q stay within `max_prefill_rows`: the
-eager path costs ~40 ms of Python and launches per forward at 8B (BENCHMARKS.md), whatever the
-prompt's length, which at batch 1 weighed on every request's first token. Longer prefills, batches
-above the largest bucket and contexts above `max_context` take the eager path (`applies` says which).
+A prefill (chunk longer than `max_query_len`) has Q rounded up to a power of two and runs static
+while B * Q stays within `max_prefill_rows`: the eager path costs ~40 ms of Python and launches a
+forward at 8B whatever the prompt's length (BENCHMARKS.md, "Verify step (GPU)"), which at batch 1
+weighs on every first token. Longer prefills, batches above the largest bucket and contexts above
+`max_context` take the eager path (`applies` says which).
 """
 
 from __future__ import annotations

@@ -1,24 +1,19 @@
 """The static (CUDA-graph) step's model forward through specd's Triton kernels.
 
-Per decoder layer: RMSNorm (fused with the previous layer's residual add) and the fused QKV GEMM,
-split-KV paged attention with RoPE and the paged-cache write of the new tokens folded into its first
-kernel (two kernels, kernels/paged_decode_attention.py; the flash-attn path, flash_attn_with_kvcache
-when installed and the blocks suit it, and the prefill's SDPA run RoPE + the cache write as a kernel
-of its own, kernels/rope_cache.py), o_proj, residual add +
-RMSNorm and the fused gate/up GEMM with silu * up in its epilogue, down_proj; the GEMMs take
-the skinny kernel at few rows (linear.py; above them cuBLAS, and silu * up is a kernel of its own).
-o_proj and down_proj, whose outputs only feed the next RMSNorm's residual add, take the skinny
-kernel split-K where skinny_gemm.split_k_for says so: fp32 partials that the norm sums.
-Eight launches a layer where the PyTorch path takes about thirty, and no gathered K/V copies
-(kernels/*.py say why each exists). On Hopper the kernels launch with PDL (kernels/pdl.py): each
-may start during its predecessor's tail, a GEMM streaming its first weight tile (and prefetching
-the next lines of its weight rows into L2) meanwhile.
+Per decoder layer: RMSNorm (fused with the previous layer's residual add) and the fused QKV GEMM;
+split-KV paged attention with RoPE and the new tokens' cache write folded in
+(kernels/paged_decode_attention.py; the flash-attn path and the prefill's SDPA run
+kernels/rope_cache.py first); o_proj; residual add + RMSNorm and the gate/up GEMM with silu * up in
+its epilogue; down_proj. The GEMMs take the skinny kernel at few rows (linear.py), o_proj and
+down_proj split-K where skinny_gemm.split_k_for says so (fp32 partials the next norm sums). Eight
+launches a layer where the PyTorch path takes about thirty, and no gathered K/V copies. On Hopper
+the kernels launch with PDL (kernels/pdl.py).
 
-It computes what LlamaForCausalLM.forward computes (the same modules' weights; the deferred
-residual add changes no value: the residual entering layer i is materialised by layer i's first
-norm, which is also what the aux features capture). `applies` says when: CUDA (or Triton's
-interpreter, for the CPU tests), fp16/bf16, no q/k norms, no tensor parallelism, a power-of-two
-head_dim. Otherwise StaticForward runs the PyTorch body (the twin the tests compare with).
+It computes what LlamaForCausalLM.forward computes (the deferred residual add changes no value:
+layer i's first norm materialises the residual entering it, which is also what the aux features
+capture). `applies` says when: CUDA (or Triton's interpreter, for the CPU tests), fp16/bf16, no
+q/k norms, no tensor parallelism, a power-of-two head_dim; otherwise StaticForward runs the PyTorch
+body (the twin the tests compare with).
 """
 
 from __future__ import annotations

@@ -1,29 +1,23 @@
 """A Triton GEMM for few rows: y = x @ W^T with x [M, K], M <= 32, W [N, K] (nn.Linear layout).
 
-Why: a verify step at small batch multiplies a handful of rows (batch * (k + 1)) by every weight
-matrix once. The work is reading W (16 GB at 8B shapes, 3.35 ms at 4.8 TB/s); the arithmetic is
-nothing. So the kernel is a weight stream: each program owns BLOCK_N output columns (BLOCK_N rows
-of W), walks K in BLOCK_K tiles with several tiles in flight (num_stages), and multiplies them
-with the few x rows on the tensor cores (tl.dot needs 16 rows: x is padded by masking, never
-copied). Every output element is one program's sequential sum over its K range, so the result does
-not depend on the launch shape or on the other rows (deterministic, and the same for a row
-whatever else is in the batch).
+Why: a small-batch verify step multiplies a handful of rows by every weight matrix once; the work
+is reading W (16 GB at 8B, 3.35 ms at 4.8 TB/s). So the kernel is a weight stream: each program
+owns BLOCK_N output columns, walks K in BLOCK_K tiles with several in flight (num_stages) and
+multiplies them with the few x rows on the tensor cores (x padded to 16 rows by masking). Each
+output element is one program's sequential sum, so the result depends neither on the launch shape
+nor on the batch's other rows.
 
 Split-K (`skinny_gemm_partials`): at N = 4096 (o_proj, down_proj) N / BLOCK_N programs leave SMs
-idle; splitting K into S ranges gives S times the programs, each storing an fp32 partial [S, M, N]
-(H200, M = 4, S = 2: o 12.7 -> 10.65 us, down 34.1 -> 30.87 us, bench/gemm_sweep.py). The sum is
-left to the consumer (kernels/norm_act.rms_norm adds the S partials in fixed order, then rounds
-to the model dtype as an unsplit product would be), and S is a fixed rule of the shape
-(`split_k_for`), not an autotuned choice and not a function of M: so the result is still
-deterministic and a row's result still does not depend on the batch.
+idle, so K is split into S ranges, each program storing an fp32 partial [S, M, N] (H200, M = 4,
+S = 2: o 10.65 us against 12.7, down 30.87 against 34.1). The consumer sums them in fixed order
+(kernels/norm_act.rms_norm) and rounds as an unsplit product would; S is a fixed rule of the shape
+(`split_k_for`), not of M, so the result stays deterministic.
 
-`skinny_linear` dispatches: CUDA, bf16/fp16, M <= MAX_ROWS, Triton importable, K a multiple of the
-smallest BLOCK_K -> the kernel; anything else -> F.linear (cuBLAS on CUDA, the CPU twin). The
-kernel is wrapped as a torch custom op, so CUDA-graph capture (and torch.compile) treat it as one
-opaque call. Block shapes are autotuned per (M bucket, N, K, S) on first use, i.e. during the
-static path's warm-up, before any capture, except the 8B shapes at few rows on Hopper, whose shapes
-were measured inside the verify graph (TUNED_SM90). Tests run the kernel through Triton's interpreter on
-CPU (TRITON_INTERPRET=1) against float64.
+`skinny_linear` dispatches: CUDA, bf16/fp16, M <= MAX_ROWS, Triton, K a multiple of the smallest
+BLOCK_K -> the kernel (a torch custom op, one opaque call to graph capture and torch.compile); else
+F.linear. Block shapes are autotuned per (M bucket, N, K, S) in the static path's warm-up, except
+the 8B shapes at few rows on Hopper (TUNED_SM90). Tests run the kernel through Triton's
+interpreter on CPU against float64.
 """
 
 from __future__ import annotations
@@ -39,7 +33,8 @@ MAX_ROWS = 32
 MIN_BLOCK_K = 64
 # Bytes of each weight row a program pulls into L2 before its PDL wait, past the first tile it
 # loads anyway, while the kernel before it (a norm, the attention merge) leaves HBM idle: on the
-# H200's 8B step 512 gained 1-2.7%, 2048 and more lost (BENCHMARKS.md, "The GPU fast path").
+# H200's 8B step 512 gained 1-2.7%, 2048 and more lost; sized per product it was slower
+# (BENCHMARKS.md, "Tried and removed").
 PREWAIT_BYTES = 512
 
 try:
@@ -51,10 +46,11 @@ except Exception:  # ImportError, or a broken install: the F.linear path serves
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 # Block shapes measured inside the 8B verify graph on an H200 (batch 1, q 4: M bucket 16; each
-# product's added time per layer, BENCHMARKS.md, "The GPU fast path"): the autotuner times a product
-# alone from a cold L2, which ranks these shapes differently from the graph and, timing noise
-# deciding, picked o_proj shapes 1-4 us a layer slower in some processes. Keyed by (M bucket,
-# N, K, SwiGLU, splits); used on compute capability 9.0; other shapes and devices autotune.
+# product's added time per layer; BENCHMARKS.md, "Tried and removed", has pinned ones): the
+# autotuner times a product alone from a cold L2, which ranks these shapes differently from the
+# graph and, timing noise deciding, picked o_proj shapes 1-4 us a layer slower in some processes.
+# Keyed by (M bucket, N, K, SwiGLU, splits); used on compute capability 9.0; other shapes and
+# devices autotune.
 TUNED_SM90 = {
     (16, 6144, 4096, False, 1): (64, 128, 4, 4),  # qkv: 15.4 us against the autotuner's 16.4
     (16, 4096, 4096, False, 2): (32, 128, 4, 6),  # o_proj

@@ -1,30 +1,20 @@
 """Graph-safe paged attention over a fixed batch layout (the CUDA-graph verify / decode step).
 
-The layout: `batch` slots of exactly `query_len` (Q) rows each. Slot b holds a sequence whose
-cache held `ctx_lens[b]` tokens before this forward; its row i is the token at absolute position
-`ctx_lens[b] + i` and attends keys `0 .. ctx_lens[b] + i` (sliding window: only keys
-`> ctx_lens[b] + i - w`). A sequence with fewer than Q new tokens fills its first rows; its
-remaining rows, and whole padding slots (ctx 0, block table all scratch), write their K/V to the
-cache's scratch block and their outputs are discarded. Because every slot appends exactly Q rows,
-no shape depends on the batch's contents: block tables are padded to a fixed width (with the
-scratch block), keys are gathered over that whole width and masked by `ctx_lens`. Nothing reads a
-host value, so one capture replays for any batch of that (batch, Q, width) bucket.
-
-A padding row may attend keys past its sequence's end: stale or scratch K/V, always finite, and
-its output is thrown away. Real rows never see them (their keys end at ctx + i < ctx + q_len).
+`batch` slots of exactly `query_len` (Q) rows: slot b's cache held `ctx_lens[b]` tokens before this
+forward, and its row i (position `ctx_lens[b] + i`) attends keys `0 .. ctx_lens[b] + i` (with a
+sliding window w, only keys `> ctx_lens[b] + i - w`). A sequence with fewer than Q new tokens fills
+its first rows; the rest, and whole padding slots (ctx 0, block table all scratch), write their K/V
+to the cache's scratch block and their outputs are discarded (a padding row may attend stale or
+scratch keys, always finite; real rows never see them). No shape depends on the batch's contents
+and nothing reads a host value, so one capture replays for any batch of its (batch, Q, width).
 
 Two implementations share that contract: flash-attn's `flash_attn_with_kvcache` (CUDA, fp16/bf16,
-flash-attn installed, block size a multiple of 256), and a PyTorch twin that runs everywhere, the
-CPU tests included: gather K/V through the block table, then one `scaled_dot_product_attention`.
-
-How the twin keeps SDPA off its math kernel on CUDA: SDPA's fused kernels refuse a mask together
-with `enable_gqa` (transformers' sdpa integration falls back for the same reason), and a boolean
-mask is converted to a float one inside every call. So (1) grouped-query heads are folded into
-the query rows instead: the G = Hq / Hkv query heads that share KV head h become G * Q rows of one
-head h, so SDPA sees plain multi-head attention over the Hkv KV heads, with no K/V copied per
-query head; (2) the mask is additive, in the query dtype ([B, 1, G * Q, S], 0 or the dtype's
-minimum), built once per forward and shared by every layer. That is the memory-efficient kernel's
-input contract (float bias broadcast over heads).
+block size a multiple of 256), and a PyTorch twin that runs everywhere: K/V gathered through the
+block table, then one `scaled_dot_product_attention`. SDPA's fused kernels refuse a mask with
+`enable_gqa`, and convert a boolean mask in every call, so the twin folds the G = Hq / Hkv query
+heads sharing a KV head into G * Q rows of that head (no K/V copied per query head) and uses one
+additive mask in the query dtype ([B, 1, G * Q, S]) built once per forward for every layer: the
+memory-efficient kernel's input contract, which keeps SDPA off its math kernel on CUDA.
 """
 
 from __future__ import annotations

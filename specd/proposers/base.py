@@ -41,7 +41,7 @@ def hidden_rows_to_host(requests: list[DraftRequest], dtype: torch.dtype | None 
 
     Why: a copy per request waits for the device each time, and the engine sends a step's
     requests right after a commit: 128 waits a step at batch 128, for EAGLE-3 rows of 3 x 4096
-    a token (BENCHMARKS.md, runs 71-73).
+    a token.
     """
     given = [r.new_hidden_states for r in requests if r.new_hidden_states is not None]
     if not given or any(t.ndim != 2 for t in given) or len({(t.shape[1], t.device, t.dtype) for t in given}) != 1:

@@ -1,23 +1,20 @@
 """A draft head's forwards (EAGLE-3, MTP) through fixed shapes, replayed as CUDA graphs on CUDA.
 
 Why: a head is one decoder layer, ~40 kernels a forward, each a launch of 10-40 us of host time on
-the GPU machines, plus BatchKV's host work; its weights take ~0.1-0.3 ms to read at 8B. Through the
-services an 8B EAGLE-3 drafter took 5.95 ms of its own per round trip at batch 1, k = 3 (H100,
-BENCHMARKS.md run 69), where its device work is ~1 ms: the step was its launches.
+the GPU machines, plus BatchKV's host work, against ~0.1-0.3 ms to read its weights at 8B: run
+eagerly, an 8B EAGLE-3 drafter took ~6 ms of its own per round trip at batch 1, k = 3 (H100), where
+its device work is ~1 ms.
 
-`HeadGraphs.forward` maps a batch onto a layout (B, Q, NB): the batch padded to a bucket size B,
-Q new positions a sequence (1 for a draft step; a catch-up's longest, rounded up to a power of two
-up to MAX_STATIC_QUERY), block tables padded to a bucketed width NB (graph_layout.py's buckets, as
-the target's graphs use). Per layout, one packed int64 buffer holds the integer inputs (token ids
-[B, Q], block tables [B, NB], cached lengths [B], new lengths [B], and the rows the real hidden
-rows go to) and takes one host-to-device copy a forward; the hidden rows are copied in on the
-device. Positions are the cached lengths plus 0..Q-1 (a pair's position is its KV position).
-The output is the head's hidden state at each sequence's last new position, [B, H].
+`HeadGraphs.forward` maps a batch onto a layout (B, Q, NB): the batch padded to a bucket size B, Q
+new positions a sequence (1 for a draft step; a catch-up's longest, rounded up to a power of two up
+to MAX_STATIC_QUERY), block tables padded to a bucketed width NB (graph_layout.py). One packed int64
+buffer a layout holds the integer inputs and takes one host-to-device copy a forward; the hidden
+rows are copied in on the device. The output is the head's hidden state at each sequence's last new
+position, [B, H].
 
-On CPU, and where a capture failed, the same body runs eagerly through the same buffers: the CPU
-twin runs the code that is captured, and tests compare its drafts with the eager path's.
-The KV pools are part of a graph: when HeadKVCache reallocates them (its generation moves), the
-graphs are dropped and captured again.
+On CPU, and where a capture failed, the same body runs eagerly through the same buffers, so tests
+compare the captured code's drafts with the eager path's. When HeadKVCache reallocates its pools
+(its generation moves), the graphs are dropped and captured again.
 """
 
 from __future__ import annotations

@@ -10,10 +10,9 @@ copy. `BatchKV` is one forward's view of a batch: every sequence's past gathered
 block tables in one index_select per tensor, padded to the longest, the new entries copied in
 with one index_copy_ per tensor, and the mask that keeps sequences apart.
 
-Why not a tensor per sequence (as before): the batch was then copied together one sequence at a
-time and each cache grown by a concatenation, every draft step: ~1,200 small copies a propose at
-batch 64 (bench/drafter_head.py's profile, run 68), most of an 8B EAGLE-3 drafter's host time
-once cuDNN's plans were gone.
+Why not a tensor per sequence: the batch would be copied together one sequence at a time and
+each cache grown by a concatenation, every draft step: ~1,200 small copies a propose at batch 64
+(bench/drafter_head.py's profile), most of an 8B EAGLE-3 drafter's host time.
 """
 
 from __future__ import annotations
@@ -27,7 +26,7 @@ import torch.nn.functional as F
 from specd.models.kernels import paged_decode_attention
 from specd.models.static_attention import StaticAttentionMetadata, static_paged_attention
 
-BLOCK = 64  # positions a block, by default: the verifier's; its paged kernel reads 64-key tiles (run 78: within 4% of 16)
+BLOCK = 64  # positions a block, by default: the verifier's; its paged kernel reads 64-key tiles (within 4% of 16)
 SCRATCH_BLOCK = 0  # no sequence's: padding rows of a fixed-shape batch write here (StaticBatchKV)
 
 
@@ -257,7 +256,7 @@ class StaticBatchKV:
         Why not `update`'s gather: it copies every sequence's keys out of the pools, then again
         into the [past | new] tensor, then once per query head (repeat_interleave) for SDPA: at
         batch 128 an 8B EAGLE-3 head's forward spent ~0.6 of its ~1.3 ms of device time on them
-        and the attention, with 30-150-token contexts (H100, BENCHMARKS.md run 76), and they grow
+        and the attention, with 30-150-token contexts (H100), and they grow
         with the context. On CUDA
         in bf16 / fp16 the verifier's Triton paged kernel reads the pools in place; elsewhere its
         PyTorch twin gathers once, grouped heads folded into the rows."""

@@ -39,9 +39,10 @@ class NgramIndex:
     token after it: find_ngram_continuation's answer by a few dictionary lookups.
 
     Why: find_ngram_continuation scans the whole history on every call, O(L * n) in numpy calls
-    whose fixed cost dominates: ~0.1 ms a sequence, so 10-16 ms a step at batch 128 (the H200 e2e
-    runs, BENCHMARKS.md), which made n-gram speculation slower than none there. Here a new token
-    costs max_n - min_n + 1 dictionary writes and a lookup at most max_n - min_n + 1 reads.
+    whose fixed cost dominates: ~0.1 ms a sequence, so 10-16 ms a step at batch 128 (H200), which
+    made n-gram speculation slower than none there (BENCHMARKS.md, "Drafter host time (CPU)", has
+    the scan against the index). Here a new token costs max_n - min_n + 1 dictionary writes and a
+    lookup at most max_n - min_n + 1 reads.
 
     An n-gram occupying [i, i + n) is entered once the token at i + n exists (a continuation to
     copy), keyed by its tokens, valued i + n; a later occurrence overwrites it (the most recent

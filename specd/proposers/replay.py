@@ -1,20 +1,16 @@
 """Replay drafter (bench only): the target's own greedy continuation, corrupted at a set rate.
 
-Not a real proposer: it needs the answer in advance. The benchmark runs the target greedily once
-(speculation off), writes each prompt's continuation to a references file, and this proposer
-then drafts those very tokens, so every draft is accepted unless it was corrupted on purpose.
-Each position is corrupted independently with probability `corrupt_rate` (drawn once per reference,
-when a sequence finds it, from a generator seeded by (seed, prompt), so reruns draft the same
-tokens, and a step's drafts are a slice: the bench's drafter costs next to nothing, which keeps
-its time out of the overhead being measured), which makes the acceptance known:
-with k drafts per step, the expected acceptance length is sum_{j=0..k} (1 - r)^j
-(`expected_acceptance_length`; `corrupt_rate_for` inverts it). The gap between the measured
+Not a real proposer: it needs the answer in advance. The benchmark runs the target greedily once,
+writes each prompt's continuation to a references file, and this proposer drafts those tokens,
+each position corrupted independently with probability `corrupt_rate` (drawn once per reference
+from a generator seeded by (seed, prompt), so reruns draft the same tokens; a step's drafts are a
+slice, so the drafter's own cost stays out of the overhead measured). The acceptance is then
+known: with k drafts a step, the expected acceptance length is sum_{j=0..k} (1 - r)^j
+(`expected_acceptance_length`; `corrupt_rate_for` inverts it), and the gap between the measured
 speedup and that ideal is the system's overhead.
 
-Greedy requests only (a sampled target does not follow the greedy continuation). A sequence whose
-history leaves its reference (no reference for the prompt, or the target took another token)
-keeps drafting k tokens (repeats of its last token) so the step keeps its shape; `num_diverged`
-counts such sequences and the bench reports the measured acceptance next to the expected one.
+Greedy requests only. A sequence whose history leaves its reference keeps drafting k tokens
+(repeats of its last token) so the step keeps its shape; `num_diverged` counts them.
 
 References file: JSON lines, one object per prompt: {"prompt": [ids], "output": [ids]}.
 """

@@ -103,7 +103,8 @@ class ResultEntry:
     @classmethod
     def from_fields(cls, fields: dict[bytes | str, bytes | str], *, delta_stats: bool = True) -> "ResultEntry":
         """delta_stats=False leaves a delta's spec_stats unread (None): the gateway's reader, which
-        uses the final's only, skips half of a delta's decoding (BENCHMARKS.md, hiredis section)."""
+        uses the final's only, skips half of a delta's decoding (BENCHMARKS.md, "Result writes and
+        reads (CPU)")."""
         f = {_s(k): _s(v) for k, v in fields.items()}
         entry = cls(kind=f["kind"], pos=int(f.get("pos", 0)), tokens=json.loads(f.get("tokens", "[]")))
         if entry.kind == "delta" and delta_stats and "spec_stats" in f:

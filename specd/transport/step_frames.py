@@ -3,10 +3,11 @@
 Why not gRPC for this one hop: a drafter round trip on gRPC's Python stream passes ~6 threads
 (the verifier's sender, channel and reader threads, the drafter's poller and handler, each needing
 its process's GIL) that slept through the device's step, and on the H200 VM that cost 0.65-1.40 ms
-a step (BENCHMARKS.md, runs 41-44). On a socket the engine thread writes the request itself and
-reads the answer itself: the drafter's one serving thread wakes, nothing else does. gRPC stays the
-control plane (Info, health, reflection), the path under TLS and the fallback; the messages are the
-same protos (proto/specd/v1/drafter.proto, `fast_step_port`).
+a step (BENCHMARKS.md, "End to end through the services (GPU)", has the transit either way). On
+a socket the engine thread writes the request itself and reads the answer itself: the drafter's
+one serving thread wakes, nothing else does. gRPC stays the control plane (Info, health,
+reflection), the path under TLS and the fallback; the messages are the same protos
+(proto/specd/v1/drafter.proto, `fast_step_port`).
 
 A frame is kind (u8) and payload length (u32, big-endian), then the payload: MESSAGE carries a
 serialized DraftStepRequest / DraftStepResponse, ERROR a u32 gRPC status code and a UTF-8 message

@@ -93,8 +93,8 @@ def test_step_row_marks_unmeasured_columns():
 
 
 def test_a_column_out_of_memory_costs_that_column_only():
-    """Run 50 (an 80 GB H100): transformers' cache at batch 128 ran the device out of memory and
-    the whole step bench died with it, its finished rows unwritten. Now that column reads OOM."""
+    """On an 80 GB H100 transformers' cache at batch 128 runs the device out of memory; that column
+    reads OOM and the bench's other rows are still written."""
     import torch
 
     import bench.step as step

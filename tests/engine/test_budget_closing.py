@@ -26,7 +26,7 @@ MODELS = REPO / "models"
 TARGET = MODELS / "specd-py-target"
 TRAINED_METHODS = {"eagle3": MODELS / "specd-py-eagle3", "deepseek_mtp": MODELS / "specd-py-mtp",
                    "draft_model": MODELS / "specd-py-draft", "ngram": None}
-# o10298: the trained target repeats array items until any budget runs out (BENCHMARKS.md).
+# o10298: the trained target repeats array items until any budget runs out.
 SCHEMA_FILES = ["Github_easy/o10298.json", "Glaiveai2K/analyze_health_data_4ad104b4.json", "Github_easy/o83685.json"]
 STRING_SCHEMA = {"type": "object", "properties": {"code": {"type": "string"}, "lines": {
     "type": "array", "items": {"type": "string"}}}, "required": ["code", "lines"]}
@@ -118,9 +118,9 @@ def test_closing_is_lossless_under_speculation_tiny(tiny_models, method):
 
 def test_the_random_qwen_target_closes_inside_a_pattern_that_needs_two_tokens_to_progress(tiny_models):
     """Github_easy/o83161 on the tiny random Qwen3.5 target: every closing walk goes through
-    "hasEmail" (`^mailto:...@[\\w.-]+\\.[\\w.-]+?$`), where it used to find no suffix (closing.py,
-    _progress): nothing was closed, and the full sweep's responses ran out of tokens (as this one
-    did, finish_reason "length"). Closed now, greedy, and the same under qwen3_5_mtp speculation."""
+    "hasEmail" (`^mailto:...@[\\w.-]+\\.[\\w.-]+?$`), where a walk looking one token ahead
+    finds no suffix (closing.py, _progress), and the response runs out of tokens (finish_reason
+    "length"). It closes, greedy, and the same under qwen3_5_mtp speculation."""
     target = tiny_models["target-qwen3_5-mtp"]
     schema = json.loads((BENCH / "Github_easy/o83161.json").read_text())
     spec = parse_response_format({"type": "json_schema", "json_schema": {"name": "t", "schema": schema, "strict": True}})

@@ -1,7 +1,7 @@
 """min_new_tokens against a grammar that is already complete: the grammar wins, nothing crashes.
 
 Stop suppression (min_new_tokens) masks EOS; a terminated grammar allows only EOS. Together they
-used to leave an all -inf row (NaN probabilities)."""
+could leave an all -inf row (NaN probabilities)."""
 
 from __future__ import annotations
 

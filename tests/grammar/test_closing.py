@@ -165,8 +165,9 @@ def qwen_cache(tiny_models):
                                     '{"fn": "x", "hasEmail": "mailto:a@b', '{"fn": "x", "hasEmail": "mailto:a@b.'])
 def test_walk_leaves_a_class_that_holds_its_own_terminator(qwen_cache, load_schema, prefix):
     """Github_easy/o83161's `@[\\w.-]+\\.[\\w.-]+?`: after `@` the mask stays the same until a `.` and
-    one more character have come, so no single token changes it, and the walk used to repeat its
-    first pick (`Z`) for ever: no suffix, no closing, the sweep's responses ran out of tokens."""
+    one more character have come, so no single token changes it, and a walk looking one token
+    ahead would repeat its first pick (`Z`) for ever: no suffix, no closing, the response runs out
+    of tokens."""
     schema = load_schema("Github_easy/o83161.json")
     grammar = qwen_cache.sequence_grammar(GrammarSpec("json_schema", json.dumps(schema)))
     info = qwen_cache.tokenizer_info

@@ -1,4 +1,4 @@
-"""Issue 4's sweep: every jsonschemabench schema is refused up front with a 400 by the gateway's own
+"""The schema sweep: every jsonschemabench schema is refused up front with a 400 by the gateway's own
 check, or every response for it, under every speculative method and without speculation, greedy
 and sampled, parses and validates against it with `jsonschema` (bench/schema_sweep.py does the
 work; BENCHMARKS.md, "Structured output: the 600-schema sweep", has the figures and the command).
@@ -7,7 +7,7 @@ The gateway's verdict covers all 600 schemas. Generation is split to bound the C
 2-core CPU one configuration takes ~2-4 minutes per 100 requests (the per-step cost of the 8-layer
 target at small batch sizes dominates), so the test generates for every SCHEMA_STRIDE-th schema
 (greedy and sampled, every SAMPLED_STRIDE-th of those sampled; 20 schemas by default, ~7 minutes) under all six configurations; the
-full sweep is `bench/schema_sweep.py` with no stride (BENCHMARKS.md), and SPECD_SWEEP_STRIDE=1
+full sweep is `bench/schema_sweep.py` with no stride, and SPECD_SWEEP_STRIDE=1
 runs it here.
 Every response must also finish (finish_reason "stop"): the trained 10 M model falls into greedy
 repetition loops inside unbounded strings and arrays that no budget ends by itself, and

@@ -48,7 +48,7 @@ def test_the_eagle3_drafter_attends_without_cudnn(monkeypatch):
     # the prompts' catch-up and every draft step after the first: 1 + 2 + 2 x (1 + 2) calls
     assert len(seen) == 9 and not any(seen)
     seen.clear()
-    with cudnn_attention_allowed():  # the bench's A/B side: SDPA's own choice, as before
+    with cudnn_attention_allowed():  # the bench's A/B side: SDPA's own choice
         time_steps(proposer, batch=1, steps=1, k=2)
     assert seen and all(seen)
     assert torch.backends.cuda.cudnn_sdp_enabled()

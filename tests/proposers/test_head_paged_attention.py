@@ -72,7 +72,7 @@ def test_twin_attends_as_batch_kv_float32(block_size):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the device runs the kernel itself (below); the GPU "
-                    "image's Triton interpreter fails on the kernel's key loop (run 77)")
+                    "image's Triton interpreter fails on the kernel's key loop")
 def test_paged_kernel_attends_as_batch_kv_interpreted():
     out = run_interpreted("print(*report('cpu', torch.float16, 16)); print(*report('cpu', torch.float16, 64))",
                           prelude=CASE)

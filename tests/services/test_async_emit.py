@@ -235,7 +235,7 @@ def test_the_first_token_is_written_before_the_first_draft(redis_url, client, ta
     """With the writer (async_emit), the first token (the prefill's) goes out on a flush of its own
     before the step drafts and verifies (worker.emit_first_tokens): the request's first draft call
     already finds it in Redis. Without the writer, or with SPECD_VERIFIER_EARLY_FIRST_TOKEN=0, it
-    leaves with the step's results, as before. The output is the target's own either way."""
+    leaves with the step's results. The output is the target's own either way."""
     if not early:
         monkeypatch.setenv(EARLY_FIRST_TOKEN_ENV, "0")
     early = early and async_emit

@@ -104,7 +104,7 @@ def test_stop_returns_the_read_connection_to_the_pool(redis_url):
 
 def test_a_redis_that_refuses_client_commands_still_serves_every_request(redis_url, client):
     """An ACL (as some managed Redis services have) may deny CLIENT ID / UNBLOCK: the reader then
-    joins new streams on the next read, as before, instead of failing every read."""
+    joins new streams on the next read instead of failing every read."""
     client.acl_setuser("no-client-cmds", enabled=True, passwords=["+pw"], keys=["*"], channels=["*"],
                        commands=["+@all", "-client"])
     limited_url = redis_url.replace("redis://", "redis://no-client-cmds:pw@")

@@ -1,31 +1,20 @@
 """The result queue: a step's deltas, finals and errors leave in one pipelined Redis round trip.
 
-The worker queues entries while it walks the batch (no I/O), then `flush` sends them all: the
-XADDs to the result streams, the EXPIREs that keep their TTL (below), and last the XACK + XDEL of
-the finished requests' entries, so a request leaves the queue (XLEN) only after its final entry is
-written.
+The worker queues entries while it walks the batch (no I/O); `flush` sends the XADDs, the EXPIREs
+that keep their TTL, and last the XACK + XDEL of the finished requests' entries, so a request
+leaves the queue only after its final entry is written. Riders (the running requests' heartbeat,
+the cancellation poll) queue their commands after the results and read their own replies, so a
+step still costs one round trip.
 
-TTL: a stream's first write, its last (final or error) and any write a tenth of the TTL or more
-after the stream's last EXPIRE carry one, so a stream lives at least 0.9 TTL past any write and a
-full TTL past its last (specd/transport/redis_streams.py). Not one per stream per step: at batch
-64 those were half the pipeline's commands. A stream that expired during a stall longer than that
-and is written again gets its EXPIRE in the same round trip (its last one is a TTL old), and an
-EXPIRE counts only once its flush went through, so a failed flush sends it again.
+A stream's first write, its last and any write a tenth of the TTL or more after its last EXPIRE
+carry one, so it lives at least 0.9 TTL past any write (specd/transport/redis_streams.py) without
+an EXPIRE per stream per step (at batch 64, half the pipeline). An EXPIRE counts once its flush went
+through. A failed flush keeps its queue and sends it again with the next step's entries (positions
+make deltas idempotent); a rider's commands are not kept, it asks again next step.
 
-A flush that fails (Redis unreachable) keeps its queue and sends it again, in order, with the next
-step's entries: positions make deltas idempotent, so a partly applied pipeline sent twice is
-harmless for readers.
-
-Riders are other per-step commands that travel in the same pipeline (the heartbeat of the
-running requests' entries, the cancellation poll): each queues its commands after the results
-and reads its own replies, so a step still costs one round trip. A rider's commands are not
-kept when the flush fails; it asks again next step.
-
-A flush is three phases so that its round trip can run on another thread
-(services/verifier/results/writer.py): `prepare` takes the queue out into a ResultFlush and fills
-its pipeline, `ResultFlush.execute` is the round trip and touches nothing but the ResultFlush, and
-`complete` (or `requeue`, when it failed) brings the outcome back; prepare, complete and requeue
-belong to the loop's thread.
+A flush is three phases so that its round trip can run on another thread (results/writer.py):
+`prepare` fills a ResultFlush's pipeline, `ResultFlush.execute` is the round trip and touches only
+the ResultFlush, and `complete` (or `requeue`) brings the outcome back on the loop's thread.
 """
 
 from __future__ import annotations
@@ -147,7 +136,7 @@ class ResultQueue:
 
     def _add(self, request_id: str, fields: dict[bytes, bytes], last: bool) -> None:
         # Fields as bytes: redis-py packs bytes as they are, where each str or int argument costs
-        # an encode call on the writer thread (9.4 -> 6.1 us an XADD; BENCHMARKS.md).
+        # an encode call on the writer thread (an XADD 6.1 us against 9.4 with str fields).
         key = result_key(request_id, self.result_prefix)
         self._entries.append((key, fields))
         self._keys[key] = last or self._keys.get(key, False)

@@ -1,29 +1,22 @@
 """Split-KV paged attention for the static (CUDA-graph) layout, in Triton (flash-decoding).
 
 The layout is static_attention.py's: B slots of Q rows, slot b's row i at position ctx[b] + i
-attending keys 0..ctx[b] + i (and, with a sliding window w, only keys > ctx[b] + i - w), keys read
-straight from the paged cache through the block table: no gather, no mask tensor, no copies.
+attending keys 0..ctx[b] + i (with a sliding window w, only keys > ctx[b] + i - w), read straight
+from the paged cache through the block table: no gather, no mask tensor, no copies.
 
 Why split-KV: at small batch there are only B * Hkv (batch 1: 8) (sequence, KV head) pairs, far
-fewer than the GPU's 132 multiprocessors, and each pair's keys are read serially. So the keys of
-a pair are cut into SPLITS chunks, one program each (grid [B, Hkv, SPLITS]); every program returns
-its chunk's softmax partials (running max m, sum l, unnormalised output acc), and a second kernel
-merges the chunks (exact: the log-sum-exp combination). GQA: the G = Hq / Hkv query heads that share
-a KV head and the Q rows of a slot form one [G * Q, D] tile, so each K/V tile is read once for all
-of them and the score tile is a tensor-core product.
+fewer than the GPU's 132 SMs. So a pair's keys are cut into SPLITS chunks, one program each (grid
+[B, Hkv, SPLITS]), each returning softmax partials (max m, sum l, unnormalised acc), and a second
+kernel merges them exactly (log-sum-exp), split by split in order, elementwise, so the sum's order
+never depends on the kernel. The G = Hq / Hkv query heads of a KV head and a slot's Q rows form one
+[G * Q, D] tile: each K/V tile is read once for all and the scores are a tensor-core product.
 
-RoPE folded in (rope_paged_decode_attention, what the verify step runs): RoPE and the paged-cache
-write of the new tokens (kernels/rope_cache.py) inside the partials kernel, one launch less a layer
-on the step's latency-bound chain. Each program rotates its q tile itself from the raw qkv output,
-and the program whose key chunk holds a new token's position rotates that token's k and writes it
-with v into the token's slot before its key loop reads the cache (the chunks partition the keys,
-so each token is written once per KV head, by the only program that reads it). Same arithmetic and
-rounding as rope_cache: the same bits. paged_decode_attention takes q already rotated and cached
-(the draft heads, head_kv.py). The merge sums the splits one by one in split order, elementwise
-(a tl.sum's order would depend on the register layout, i.e. on the kernel).
-
-The PyTorch twin (static_attention.static_paged_attention's gather + SDPA) is the reference the
-tests compare against, on CPU through Triton's interpreter.
+rope_paged_decode_attention (what the verify step runs) also does RoPE and the new tokens' cache
+write (kernels/rope_cache.py's arithmetic, the same bits): one launch less a layer. Each program
+rotates its q tile, and the program whose key chunk holds a new token's position writes that
+token's k and v before its key loop (the chunks partition the keys, so each is written once).
+paged_decode_attention takes q rotated and cached (the draft heads, head_kv.py). The PyTorch twin
+(static_attention.static_paged_attention) is the tests' reference, on CPU through the interpreter.
 """
 
 from __future__ import annotations

@@ -1,34 +1,24 @@
 """Programmatic dependent launch (PDL) for the verify step's Triton kernels (Hopper and later).
 
-Why: a verify step at small batch is a chain of ~300 short kernels, each reading its weights once
-(a few to a few hundred microseconds). Between two dependent kernels the GPU idles while the
-second launches and ramps up, about a microsecond and a half even inside a CUDA graph: ~0.5 ms of
-a ~4.9 ms 8B step (BENCHMARKS.md, issue 5). With PDL a kernel is launched with the
-programmatic-serialization attribute, so it may start while its predecessor still runs. It then
-must wait (griddepcontrol.wait) before it reads anything an earlier kernel wrote or writes
-anything; what it reads from memory no kernel writes (the weights) it may read before the wait,
-which lets a GEMM start streaming its weights during its predecessor's tail. Each kernel also
-signals (griddepcontrol.launch_dependents) when its successor may be scheduled: single-wave
-kernels (norms, RoPE, attention) right after their wait, the skinny GEMM only after its K loop.
-Why the GEMM waits: its grid runs in several waves, and a successor scheduled early parks its
-programs on the SMs (registers, shared memory) while they wait, starving the GEMM's later waves.
-The first H200 run released right after the wait everywhere: the step took 5.69 ms against 4.90
-without PDL (BENCHMARKS.md).
+Why: a small-batch verify step is a chain of ~300 short kernels, and between two dependent kernels
+the GPU idles ~1.5 us while the second launches, even inside a CUDA graph: ~0.5 ms of a ~4.9 ms 8B
+step. With PDL a kernel may start while its predecessor still runs: it may read weights (memory no
+kernel writes) at once, and waits (griddepcontrol.wait) before it reads an activation or stores.
+Each kernel signals (griddepcontrol.launch_dependents) when its successor may be scheduled:
+single-wave kernels (norms, RoPE, attention) right after their wait, the skinny GEMM only after its
+K loop, because a successor scheduled early parks its programs on the SMs and starves the GEMM's
+later waves (released right after the wait everywhere, the H200 step took 5.69 ms against 4.90
+without PDL).
 
-The contract every kernel here keeps, so that PDL never changes a result:
-  - it calls `gdc_wait` before its first read of an activation and before its first store, in
-    every program, unconditionally (a kernel that skipped the wait could finish before its
-    predecessor, and the kernel after it, which waits only for its own predecessor, would then
-    read unfinished data);
-  - before the wait it only reads weights (memory no kernel writes).
-A kernel launched without the attribute waits for its predecessor as usual, and a wait with no
-programmatic predecessor returns at once, so PDL and non-PDL launches mix freely (torch's own
-kernels and cuBLAS sit between ours at the step's start and end).
+The contract every kernel here keeps, so that PDL never changes a result: `gdc_wait` before its
+first activation read and first store, in every program, unconditionally (a kernel that skipped it
+could finish before its predecessor, and its successor would read unfinished data); before the
+wait, weight reads only. PDL and non-PDL launches mix freely (torch's kernels and cuBLAS sit
+between ours at the step's start and end).
 
-The setting is process-wide and scoped like the GEMM backend (linear.py): a runner holds it
-around its forward; a CUDA graph keeps what was active at capture. `SPECD_PDL=0` turns it off;
-on CPU, in Triton's interpreter, before Hopper or where the installed Triton lacks it, the
-kernels run without it (the same code minus the two instructions).
+The setting is process-wide and scoped like the GEMM backend (linear.py): a runner holds it around
+its forward; a CUDA graph keeps what was active at capture. `SPECD_PDL=0` turns it off; on CPU, in
+Triton's interpreter, before Hopper or where the installed Triton lacks it, the kernels run without.
 """
 
 from __future__ import annotations
