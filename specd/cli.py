@@ -19,7 +19,7 @@ def _make_tiny_models(args: argparse.Namespace) -> int:
 def _install_default_models(args: argparse.Namespace) -> int:
     from specd.default_models import install_default_models
 
-    copied = install_default_models(args.dir)
+    copied = install_default_models(args.dir, args.source)
     print(f"copied {len(copied)} entries into {args.dir}" if copied else
           f"{args.dir} already holds the default models")
     return 0
@@ -90,6 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
     install = sub.add_parser("install-default-models",
                              help="copy the trained default models (models/ of specd) into DIR")
     install.add_argument("dir", type=Path)
+    install.add_argument("--source", type=Path, default=None,
+                         help="where the family is (default: SPECD_DEFAULT_MODELS, else models/ beside the "
+                              "package, else /opt/specd/models)")
     install.set_defaults(func=_install_default_models)
 
     gen = sub.add_parser("generate", help="run prompts through the in-process pipeline")

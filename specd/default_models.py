@@ -16,18 +16,21 @@ from specd import settings
 CANDIDATES = (Path(__file__).resolve().parents[1] / "models", Path("/opt/specd/models"))
 
 
-def default_models_dir() -> Path:
-    configured = settings.DEFAULT_MODELS.get()
+def default_models_dir(configured: str | Path | None = None) -> Path:
+    """configured (the --source flag), else SPECD_DEFAULT_MODELS, else the candidates; the first
+    folder that holds the family's target."""
+    configured = configured or settings.DEFAULT_MODELS.get()
     for path in ([Path(configured)] if configured else []) + list(CANDIDATES):
         if (path / "specd-py-target" / "config.json").is_file():
             return path
     where = configured or ", ".join(str(p) for p in CANDIDATES)
-    raise FileNotFoundError(f"no trained default models found (looked in {where}); set {settings.DEFAULT_MODELS.name}")
+    raise FileNotFoundError(f"no trained default models found (looked in {where}); pass --source or set "
+                            f"{settings.DEFAULT_MODELS.name}")
 
 
-def install_default_models(dest: str | Path) -> list[Path]:
+def install_default_models(dest: str | Path, source: str | Path | None = None) -> list[Path]:
     """Copy every checkpoint of the default family missing from dest; returns those copied."""
-    src, dest = default_models_dir(), Path(dest)
+    src, dest = default_models_dir(source), Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
     copied = []
     for entry in sorted(src.iterdir()):

@@ -112,7 +112,7 @@ API_KEYS = register(
 DEFAULT_MODELS = register(
     "SPECD_DEFAULT_MODELS", "configuration", "", "a folder",
     "where the trained default family is (else models/ beside the package, then /opt/specd/models)",
-    ("specd/default_models.py",))
+    ("specd/default_models.py",), flag="install-default-models --source")
 DRAFTER_FAST_STEP_PORT = register(
     "SPECD_DRAFTER_FAST_STEP_PORT", "configuration", 0, "a port; 0 any free one; -1 off",
     "the drafter's plain-TCP port for the per-step round trip", ("services/drafter/cli.py",),

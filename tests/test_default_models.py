@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
-from specd.cli import main
 from specd import settings
+from specd.cli import main
 from specd.default_models import default_models_dir, install_default_models
 
 ENV_VAR = settings.DEFAULT_MODELS.name
@@ -39,3 +40,13 @@ def test_a_missing_family_is_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.setattr("specd.default_models.CANDIDATES", ())
     with pytest.raises(FileNotFoundError, match=ENV_VAR):
         default_models_dir()
+
+
+def test_the_source_flag_comes_before_the_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv(ENV_VAR, str(tmp_path / "nowhere"))
+    shipped = Path(__file__).resolve().parents[1] / "models"
+    assert main(["install-default-models", str(tmp_path / "dest"), "--source", str(shipped)]) == 0
+    assert (tmp_path / "dest" / NAMES["target"] / "config.json").is_file()
+    monkeypatch.setattr("specd.default_models.CANDIDATES", ())
+    with pytest.raises(FileNotFoundError, match="pass --source"):
+        default_models_dir(tmp_path / "empty")
