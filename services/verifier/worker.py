@@ -28,16 +28,16 @@ import redis
 
 from services.verifier.admission import Admission
 from services.verifier.claims import Claims
-from services.verifier.results.pipeline import ResultPipeline
-from services.verifier.results.flush import ResultQueue
 from services.verifier.metrics import StepRecord, VerifierMetrics
-from specd.step_trace import StepTracer, TraceWindow
+from services.verifier.results.flush import ResultQueue
+from services.verifier.results.pipeline import ResultPipeline
+from services.verifier.results.writer import ResultWriter
 from services.verifier.worker_types import (DEADLINE_EXCEEDED, INTERNAL_ERROR, ActiveRequest, ErrorAnswers, RedisHealth,
                                             WorkerConfig, WorkerSnapshot)
-from services.verifier.results.writer import ResultWriter
 from specd.engine.engine import SpecEngine
 from specd.engine.sequence import Sequence
 from specd.messages import SpecStats
+from specd.step_trace import StepTracer, TraceWindow
 
 log = logging.getLogger("specd.verifier")
 
@@ -55,7 +55,7 @@ class VerifierWorker:
         self.metrics = metrics or VerifierMetrics()
         self.clock = clock
         self.result_queue = ResultQueue(client, config.request_stream, config.group, config.result_prefix,
-                                     config.result_ttl_seconds)
+                                        config.result_ttl_seconds)
         self.writer = ResultWriter(self.result_queue)
         self.claims = Claims(client, config.request_stream, config.group, config.consumer, config.claims,
                              config.result_prefix)
@@ -67,7 +67,7 @@ class VerifierWorker:
         self.admission = Admission(engine, client, config, self.claims, self.result_queue, self.writer, self.reject,
                                    self.redis_health, self.active, request_ids, self.metrics, clock)
         self.results = ResultPipeline(engine, config, self.claims, self.result_queue, self.writer, self.admission,
-                                self.redis_health, self.active, request_ids, self.metrics, clock)
+                                      self.redis_health, self.active, request_ids, self.metrics, clock)
         self._request_ids = request_ids
         self.other_seconds = 0.0
         self.exit_when_drained = False
