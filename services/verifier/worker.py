@@ -237,7 +237,7 @@ class VerifierWorker:
                 del self.active[seq_id]
                 self._request_ids.discard(ar.request_id)
                 self.reject(ar.entry_id, ar.request_id, DEADLINE_EXCEEDED,
-                             f"deadline exceeded after {ar.seq.num_output_tokens} tokens", ar.num_emitted)
+                            f"deadline exceeded after {ar.seq.num_output_tokens} tokens", ar.num_emitted)
 
     # ---- log --------------------------------------------------------------------------------
     def log(self, record: StepRecord) -> None:

@@ -42,8 +42,8 @@ from specd.v1 import drafter_pb2
 log = logging.getLogger("specd.clients.drafter")
 
 HIDDEN_KIND_FROM_PB: dict[int, HiddenKind] = {drafter_pb2.HIDDEN_KIND_NONE: "none",
-                                               drafter_pb2.HIDDEN_KIND_FINAL: "final",
-                                               drafter_pb2.HIDDEN_KIND_AUX: "aux"}
+                                              drafter_pb2.HIDDEN_KIND_FINAL: "final",
+                                              drafter_pb2.HIDDEN_KIND_AUX: "aux"}
 
 
 @dataclass(frozen=True)

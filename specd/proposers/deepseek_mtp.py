@@ -25,7 +25,7 @@ from transformers import AutoConfig, PretrainedConfig
 
 from specd.models.weights import iter_tensors
 from specd.proposers.pair_head import (BatchKV, PairHeadProposer, TransformersCache,
-                                        load_module_tensors, read_first_tensor)
+                                       load_module_tensors, read_first_tensor)
 
 CHAIN_AFTER_NORM = False  # feed g (vLLM, the paper), not shared_head.norm(g) (SGLang)
 _OWN_NAMES = ("embed_tokens.weight", "enorm.weight", "hnorm.weight", "eh_proj.weight",

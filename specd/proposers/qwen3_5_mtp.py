@@ -20,7 +20,7 @@ from transformers import AutoConfig, PreTrainedConfig
 
 from specd.models.weights import iter_tensors
 from specd.proposers.pair_head import (BatchKV, PairHeadProposer, TransformersCache,
-                                        load_module_tensors, read_first_tensor)
+                                       load_module_tensors, read_first_tensor)
 
 MTP_PREFIX = "mtp."
 EMBED_NAMES = ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight")

@@ -69,7 +69,7 @@ class ResultPipeline:
             n = len(seq.output_token_ids)
             if n > ar.num_emitted and not seq.is_finished:
                 self.result_queue.delta(ar.request_id, ar.num_emitted, seq.output_token_ids[ar.num_emitted:n],
-                                   seq.stats)
+                                        seq.stats)
                 ar.num_emitted = n
         for seq in finished:
             ar = self.active.pop(seq.seq_id, None)
@@ -173,12 +173,12 @@ class ResultPipeline:
             self.num_cancelled += 1
             self.metrics.observe_error(CLIENT_CLOSED)
             log.info("cancelled by the client", extra={"request_id": ar.request_id,
-                                                      "output_tokens": ar.seq.num_output_tokens})
+                                                       "output_tokens": ar.seq.num_output_tokens})
 
     def _finish(self, ar: ActiveRequest) -> None:
         seq = ar.seq
         self.result_queue.final(ar.request_id, ar.num_emitted, seq.output_token_ids[ar.num_emitted:],
-                           seq.finish_reason, seq.stats, len(seq.prompt_token_ids))
+                                seq.finish_reason, seq.stats, len(seq.prompt_token_ids))
         self.result_queue.finish_entry(ar.entry_id)
         ar.num_emitted = len(seq.output_token_ids)
         self._request_ids.discard(ar.request_id)
