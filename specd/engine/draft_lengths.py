@@ -47,7 +47,7 @@ def choose_draft_lengths(cumulative: Sequence[Sequence[float]], caps: Sequence[i
         take = j < d
         cum = np.cumsum(g[take])
         tokens = batch + np.arange(1, cum.size + 1, dtype=np.float64)
-        # Each plan at depth d must reach it: at least the deepest first draft of depth d - 1.
+        # A plan at depth d must reach it: it takes at least up to the first draft at depth d - 1.
         first_deep = int(np.argmax(j[take] == d - 1))
         rates = (batch + cum) / step_cost(tokens, d)
         rates[:first_deep] = -np.inf
