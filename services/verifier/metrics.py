@@ -57,7 +57,7 @@ class StepRecord:
     total_seconds: float = 0.0  # the whole iteration: admit + step + emit
     spec: SpecStats = field(default_factory=SpecStats)  # speculation within this step
     # The draft lengths the engine chose in this step: draft_lengths[k] sequences drafted k
-    # (draft_policy.py); undrafted: 1 when every sequence had k = 0 (nothing paid).
+    # (draft_policy.py); undrafted: 1 when every sequence had k = 0 (nothing paid, or no budget left).
     draft_lengths: list[int] = field(default_factory=list)
     undrafted: int = 0
 
@@ -152,7 +152,7 @@ class VerifierMetrics:
                                      "adaptive drafting's choice, or the maximum when it is off)",
                                      ["k"], registry=r)
         self.undrafted_steps = Counter("specd:spec_decode_undrafted_steps", "Steps in which no sequence "
-                                       "drafted (adaptive drafting found that nothing paid)", registry=r)
+                                       "drafted (adaptive drafting found that nothing paid, or no budget was left)", registry=r)
         self.prefills = Counter("specd:prefill_forwards", "Admission forwards (each prefills the "
                                 "requests admitted together), by path: static (CUDA graphs) or eager",
                                 ["path"], registry=r)

@@ -83,7 +83,7 @@ class EngineStats:
     timings: StepTimings = field(default_factory=StepTimings)
     # Draft lengths chosen (draft_policy.py), steps with a proposer only: draft_length_counts[k]
     # counts sequence-steps whose verify budget was k drafts; num_undrafted_steps counts steps in
-    # which every sequence had k = 0 (plain decoding: nothing paid).
+    # which every sequence had k = 0 (plain decoding: nothing paid, or no budget left).
     draft_length_counts: list[int] = field(default_factory=list)
     num_undrafted_steps: int = 0
 
