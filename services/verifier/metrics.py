@@ -152,7 +152,8 @@ class VerifierMetrics:
                                      "adaptive drafting's choice, or the maximum when it is off)",
                                      ["k"], registry=r)
         self.undrafted_steps = Counter("specd:spec_decode_undrafted_steps", "Steps in which no sequence "
-                                       "drafted (adaptive drafting found that nothing paid, or no budget was left)", registry=r)
+                                       "drafted (adaptive drafting found that nothing paid, or no budget "
+                                       "was left)", registry=r)
         self.prefills = Counter("specd:prefill_forwards", "Admission forwards (each prefills the "
                                 "requests admitted together), by path: static (CUDA graphs) or eager",
                                 ["path"], registry=r)
