@@ -144,7 +144,8 @@ def main(argv: list[str] | None = None) -> int:
                          "(replay-sync) runs the method with drafting ahead off (SPECD_DRAFT_AHEAD=0), a -nocarry "
                          "suffix without carried drafts (SPECD_DRAFT_CARRY=0), a -carry4 suffix carrying 4 (one "
                          "step's worth at k = 3, SPECD_DRAFT_CARRY=4), an -ownread suffix (off-ownread too) with "
-                         "the busy verifier's request read on its own round trip (SPECD_VERIFIER_RIDE_READS=0)")
+                         "the busy verifier's request read on its own round trip (SPECD_VERIFIER_RIDE_READS=0), "
+                         "a -fixed suffix (eagle3-fixed) with adaptive draft lengths off (k drafts every step)")
     ap.add_argument("--max-tokens", type=int, default=None, help="per request (default 128; small 12)")
     ap.add_argument("--replay-acceptance", type=float, default=3.0,
                     help="replay drafter's expected acceptance length (tokens per step)")

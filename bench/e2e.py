@@ -153,7 +153,8 @@ def run_method(method: str, target: Path, draft: Path | None, batches: list[int]
     from services.launcher.supervisor import Stack, StackConfig
     from specd.transport.ports import free_port
 
-    label, (method, variant_env) = method, base_method(method)
+    # "-fixed": adaptive draft lengths off (--no-speculative-adaptive), k drafts every step.
+    label, (method, variant_env) = method, base_method(method.replace("-fixed", ""))
     spec = None if method == "off" else method
     extra_env = dict(extra_env or {}, **variant_env)
     trace_dir = None
@@ -164,7 +165,8 @@ def run_method(method: str, target: Path, draft: Path | None, batches: list[int]
     config = StackConfig(model=str(target), server_name="127.0.0.1", server_port=free_port(),
                          grpc_port=free_port(), speculative_algorithm=spec,
                          speculative_draft_model=str(draft) if draft else None,
-                         speculative_num_draft_tokens=k, max_batch_size=max(batches), device=device,
+                         speculative_num_draft_tokens=k, speculative_adaptive="-fixed" not in label,
+                         max_batch_size=max(batches), device=device,
                          drafter_device=drafter_device, log_level=log_level, extra_env=dict(extra_env or {}), enable_metrics=True,
                          verifier_metrics_port=metrics_port)
     stack = Stack(config)

@@ -34,7 +34,8 @@ def _generate(args: argparse.Namespace) -> int:
     if args.speculative_algorithm:
         spec = SpeculativeConfig(method=args.speculative_algorithm,
                                  num_speculative_tokens=args.speculative_num_draft_tokens,
-                                 model=args.speculative_draft_model or "")
+                                 model=args.speculative_draft_model or "",
+                                 adaptive=args.speculative_adaptive)
     pipe = pipeline(args.model, backend_config=PytorchEngineConfig(max_batch_size=args.max_batch_size),
                     speculative_config=spec)
     gen = GenerationConfig(max_new_tokens=args.max_new_tokens, do_sample=args.temperature > 0,
@@ -101,7 +102,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--speculative-algorithm",
                      choices=["eagle3", "deepseek_mtp", "qwen3_5_mtp", "draft_model", "ngram"])
     gen.add_argument("--speculative-draft-model")
-    gen.add_argument("--speculative-num-draft-tokens", type=int, default=3)
+    gen.add_argument("--speculative-num-draft-tokens", type=int, default=3,
+                     help="the most drafts per sequence and step")
+    gen.add_argument("--speculative-adaptive", action=argparse.BooleanOptionalAction, default=True,
+                     help="pick each sequence's draft length per step where it pays (--no-...: the maximum)")
     gen.add_argument("--max-batch-size", type=int, default=32)
     gen.add_argument("--max-new-tokens", type=int, default=32)
     gen.add_argument("--temperature", type=float, default=0.0)

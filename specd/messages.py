@@ -89,6 +89,10 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4  # ngram: longest suffix to match
     replay_references: str = ""  # replay (bench only): JSON-lines file of prompt -> greedy output
     replay_corrupt_rate: float = 0.0  # replay: probability that a draft is corrupted
+    # Each step picks k per sequence in [0, num_speculative_tokens] from its acceptance so far and
+    # the measured step costs, k = 0 where drafting does not pay (specd/engine/draft_policy.py);
+    # False: num_speculative_tokens every step (not an lmdeploy field).
+    adaptive: bool = True
 
     def __post_init__(self) -> None:
         _require(self.method in SPECULATIVE_METHODS, "method",
@@ -97,6 +101,7 @@ class SpeculativeConfig:
                  "num_speculative_tokens", f"must be an integer in [0, 32], got {self.num_speculative_tokens!r}")
         _require(self.method not in ("eagle3", "draft_model") or bool(self.model), "model",
                  f"method {self.method!r} needs a draft model path")
+        _require(isinstance(self.adaptive, bool), "adaptive", f"must be a bool, got {self.adaptive!r}")
         _require(0.0 <= self.replay_corrupt_rate <= 1.0, "replay_corrupt_rate",
                  f"must be in [0, 1], got {self.replay_corrupt_rate}")
         _require(1 <= self.prompt_lookup_min <= self.prompt_lookup_max, "prompt_lookup_min",
@@ -162,14 +167,17 @@ class SpecStats:
 
     num_drafts: verify steps that checked at least one draft token; num_draft_tokens: drafts
     proposed; num_accepted_tokens: drafts kept; accepted_per_position[i]: steps whose i-th draft
-    was accepted. Acceptance length (accepted + 1 per step, bonus/recovered token counted) is
-    derived, as is acceptance rate (accepted / drafted).
+    was accepted; num_zero_draft_steps: verify steps that checked no draft (k = 0 chosen where
+    drafting did not pay, or the drafter proposed none). Acceptance length (accepted + 1 per step,
+    bonus/recovered token counted) is derived, as are acceptance rate (accepted / drafted) and
+    mean draft length (drafts per verify step, k = 0 steps included).
     """
 
     num_drafts: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
+    num_zero_draft_steps: int = 0
 
     @property
     def acceptance_rate(self) -> float:
@@ -179,8 +187,14 @@ class SpecStats:
     def mean_acceptance_length(self) -> float:
         return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
 
+    @property
+    def mean_draft_length(self) -> float:
+        steps = self.num_drafts + self.num_zero_draft_steps
+        return self.num_draft_tokens / steps if steps else 0.0
+
     def record_step(self, num_drafted: int, num_accepted: int) -> None:
         if num_drafted == 0:
+            self.num_zero_draft_steps += 1
             return
         self.num_drafts += 1
         self.num_draft_tokens += num_drafted
@@ -194,6 +208,7 @@ class SpecStats:
         self.num_drafts += other.num_drafts
         self.num_draft_tokens += other.num_draft_tokens
         self.num_accepted_tokens += other.num_accepted_tokens
+        self.num_zero_draft_steps += other.num_zero_draft_steps
         n = max(len(self.accepted_per_position), len(other.accepted_per_position))
         mine = self.accepted_per_position + [0] * (n - len(self.accepted_per_position))
         for i, v in enumerate(other.accepted_per_position):
@@ -208,6 +223,8 @@ class SpecStats:
             "accepted_per_position": list(self.accepted_per_position),
             "acceptance_rate": self.acceptance_rate,
             "mean_acceptance_length": self.mean_acceptance_length,
+            "num_zero_draft_steps": self.num_zero_draft_steps,
+            "mean_draft_length": self.mean_draft_length,
         }
 
 

@@ -57,3 +57,31 @@ def test_spec_stats_definitions():
     assert (s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens) == (2, 6, 2)
     assert s.accepted_per_position == [1, 1, 0]
     assert s.mean_acceptance_length == 2.0 and s.acceptance_rate == pytest.approx(1 / 3)
+    assert s.num_zero_draft_steps == 1 and s.mean_draft_length == pytest.approx(2.0)  # 6 drafts, 3 steps
+
+
+def test_spec_stats_dict_only_adds_keys_and_survives_json():
+    import json
+    from dataclasses import asdict
+
+    from specd.transport.redis_streams import _spec_stats
+
+    s = SpecStats()
+    s.record_step(2, 1)
+    s.record_step(0, 0)
+    d = s.to_dict()
+    assert {"num_drafts", "num_draft_tokens", "num_accepted_tokens", "accepted_per_position",
+            "acceptance_rate", "mean_acceptance_length"} <= set(d)
+    assert d["num_zero_draft_steps"] == 1 and d["mean_draft_length"] == 1.0
+    assert _spec_stats(json.dumps(asdict(s))) == s
+    assert _spec_stats(json.dumps({"num_drafts": 1, "a_newer_field": 3})).num_drafts == 1  # skipped
+    merged = SpecStats()
+    merged.merge(s)
+    assert merged.num_zero_draft_steps == 1
+
+
+def test_speculative_config_adaptive_switch():
+    assert SpeculativeConfig(method="ngram").adaptive
+    assert not SpeculativeConfig(method="ngram", adaptive=False).adaptive
+    with pytest.raises(ConfigError, match="adaptive"):
+        SpeculativeConfig(method="ngram", adaptive="no")

@@ -233,6 +233,8 @@ class SpecStatsInfo(BaseModel):
     accepted_per_position: list[int]
     acceptance_rate: float
     mean_acceptance_length: float
+    num_zero_draft_steps: int = 0  # verify steps that checked no draft (adaptive k = 0 among them)
+    mean_draft_length: float = 0.0  # drafts per verify step, k = 0 steps included
 
     @classmethod
     def of(cls, stats: SpecStats) -> "SpecStatsInfo":

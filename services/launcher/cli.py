@@ -25,7 +25,11 @@ def add_parser(sub) -> None:
                           "redis-server")
     api.add_argument("--speculative-algorithm", choices=METHODS, default=None)
     api.add_argument("--speculative-draft-model", default=None)
-    api.add_argument("--speculative-num-draft-tokens", type=int, default=3)
+    api.add_argument("--speculative-num-draft-tokens", type=int, default=3,
+                     help="the most drafts per sequence and step (adaptive: each step picks 0 to this)")
+    api.add_argument("--speculative-adaptive", action=argparse.BooleanOptionalAction, default=True,
+                     help="pick each sequence's draft length per step where it pays "
+                          "(--no-speculative-adaptive: the maximum every step)")
     api.add_argument("--max-batch-size", type=int, default=128)
     api.add_argument("--session-len", type=int, default=None)
     api.add_argument("--tp", type=int, default=1)
@@ -59,6 +63,7 @@ def _run(args: argparse.Namespace) -> int:
         speculative_algorithm=args.speculative_algorithm,
         speculative_draft_model=args.speculative_draft_model,
         speculative_num_draft_tokens=args.speculative_num_draft_tokens,
+        speculative_adaptive=args.speculative_adaptive,
         max_batch_size=args.max_batch_size, session_len=args.session_len, tp=args.tp,
         enable_metrics=args.enable_metrics, served_model_name=args.served_model_name,
         device=args.device, drafter_device=args.drafter_device, eager_mode=args.eager_mode,

@@ -37,6 +37,7 @@ class StackConfig:
     speculative_algorithm: str | None = None
     speculative_draft_model: str | None = None
     speculative_num_draft_tokens: int = 3
+    speculative_adaptive: bool = True  # the verifier picks k per sequence and step (False: the maximum)
     max_batch_size: int = 128
     session_len: int | None = None
     tp: int = 1
@@ -151,6 +152,8 @@ class Stack:
         if drafter_addr:
             args += ["--drafter", drafter_addr, "--speculative-algorithm", c.speculative_algorithm,
                      "--speculative-num-draft-tokens", str(c.speculative_num_draft_tokens)]
+            if not c.speculative_adaptive:
+                args.append("--no-speculative-adaptive")
         self._spawn("verifier", args + self._client_tls_flags())
         self._wait_grpc_health(f"127.0.0.1:{admin_port}", timeout, PLAINTEXT)  # the admin port has no TLS yet
         args = ["gateway", c.model, "--host", c.server_name, "--port", str(c.server_port),

@@ -24,7 +24,12 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--speculative-algorithm", choices=SPECULATIVE_METHODS, default=None)
     p.add_argument("--speculative-draft-model", default=None,
                    help="draft checkpoint for in-process drafting (without --drafter)")
-    p.add_argument("--speculative-num-draft-tokens", type=int, default=3)
+    p.add_argument("--speculative-num-draft-tokens", type=int, default=3,
+                   help="the most drafts per sequence and step (adaptive: each step picks 0 to this)")
+    p.add_argument("--speculative-adaptive", action=argparse.BooleanOptionalAction, default=True,
+                   help="pick each sequence's draft length per step from its acceptance and the "
+                        "measured step costs, 0 where drafting does not pay (--no-speculative-adaptive: "
+                        "the maximum every step)")
     p.add_argument("--max-batch-size", type=int, default=128)
     p.add_argument("--session-len", type=int, default=None)
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N | auto")
@@ -72,7 +77,8 @@ def run(args: argparse.Namespace) -> int:
         drafters=[a.strip() for a in args.drafter.split(",") if a.strip()],
         grammar=args.grammar,
         speculative_algorithm=args.speculative_algorithm, speculative_draft_model=args.speculative_draft_model,
-        speculative_num_draft_tokens=args.speculative_num_draft_tokens, max_batch_size=args.max_batch_size,
+        speculative_num_draft_tokens=args.speculative_num_draft_tokens,
+        speculative_adaptive=args.speculative_adaptive, max_batch_size=args.max_batch_size,
         session_len=args.session_len, device=args.device, tp=args.tp, admin_host=args.admin_host,
         admin_port=args.admin_port, metrics_port=args.metrics_port, block_size=args.block_size,
         log_interval_s=args.log_interval, reclaim_idle_ms=args.reclaim_idle_ms,

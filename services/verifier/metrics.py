@@ -56,6 +56,10 @@ class StepRecord:
     #                             the writer thread when async: overlapped with the engine step)
     total_seconds: float = 0.0  # the whole iteration: admit + step + emit
     spec: SpecStats = field(default_factory=SpecStats)  # speculation within this step
+    # The draft lengths the engine chose in this step: draft_lengths[k] sequences drafted k
+    # (draft_policy.py); undrafted: 1 when every sequence had k = 0 (nothing paid, or no budget left).
+    draft_lengths: list[int] = field(default_factory=list)
+    undrafted: int = 0
 
     @property
     def other_seconds(self) -> float:
@@ -143,6 +147,13 @@ class VerifierMetrics:
             "call inside it), waited (the engine "
             "blocked collecting it); and the send on the engine thread: to_host (hidden rows to the "
             "host), encode (messages built), write (serialised and handed off)", ["part"], buckets=STEP_BUCKETS, registry=r)
+        self.draft_lengths = Counter("specd:spec_decode_draft_length", "Sequence-steps by the draft "
+                                     "length chosen for them (k, 0 to --speculative-num-draft-tokens: "
+                                     "adaptive drafting's choice, or the maximum when it is off)",
+                                     ["k"], registry=r)
+        self.undrafted_steps = Counter("specd:spec_decode_undrafted_steps", "Steps in which no sequence "
+                                       "drafted (adaptive drafting found that nothing paid, or no budget "
+                                       "was left)", registry=r)
         self.prefills = Counter("specd:prefill_forwards", "Admission forwards (each prefills the "
                                 "requests admitted together), by path: static (CUDA graphs) or eager",
                                 ["path"], registry=r)
@@ -188,6 +199,11 @@ class VerifierMetrics:
         if record.flush_seconds > 0:
             self.flush_seconds.observe(record.flush_seconds)
         self.spec.observe(record.spec)
+        for k, count in enumerate(record.draft_lengths):
+            if count:
+                self.draft_lengths.labels(k=str(k)).inc(count)
+        if record.undrafted:
+            self.undrafted_steps.inc(record.undrafted)
 
     def observe_round_trip(self, num_round_trips: int, last) -> None:
         """The proposer's last round trip (specd/clients/drafter.py DraftRoundTrip), when it is a new one."""

@@ -41,7 +41,8 @@ class VerifierConfig:
     grammar: str = ""  # host:port of the grammar service; empty: matchers run in-process
     speculative_algorithm: str | None = None
     speculative_draft_model: str | None = None  # in-process drafting when no drafter is given
-    speculative_num_draft_tokens: int = 3
+    speculative_num_draft_tokens: int = 3  # the most drafts per sequence and step
+    speculative_adaptive: bool = True  # k per sequence in [0, that] where it pays (draft_policy.py)
     max_batch_size: int = 128
     session_len: int | None = None
     device: str = "cpu"  # cpu | cuda | cuda:N | auto
@@ -91,7 +92,8 @@ class VerifierConfig:
         # With remote drafters the draft model lives there; the name only satisfies validation.
         model = self.speculative_draft_model or (",".join(self.drafters) if self.drafters else "")
         return SpeculativeConfig(method=self.speculative_algorithm,
-                                 num_speculative_tokens=self.speculative_num_draft_tokens, model=model)
+                                 num_speculative_tokens=self.speculative_num_draft_tokens, model=model,
+                                 adaptive=self.speculative_adaptive)
 
 
 class KeyValueFormatter(logging.Formatter):

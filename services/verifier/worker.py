@@ -167,6 +167,7 @@ class VerifierWorker:
         stats = self.engine.stats
         before, tokens0 = stats.timings.copy(), stats.num_output_tokens
         prefills0, eager0 = stats.num_prefills, stats.num_eager_prefills
+        lengths0, undrafted0 = list(stats.draft_length_counts), stats.num_undrafted_steps
         t0 = time.perf_counter()
         self.results.record = record
         if self.tracer is not None:
@@ -198,6 +199,9 @@ class VerifierWorker:
         record.num_prefills = stats.num_prefills - prefills0
         record.num_eager_prefills = stats.num_eager_prefills - eager0
         record.num_new_tokens = self.engine.stats.num_output_tokens - tokens0
+        record.draft_lengths = [c - (lengths0[k] if k < len(lengths0) else 0)
+                                for k, c in enumerate(stats.draft_length_counts)]
+        record.undrafted = stats.num_undrafted_steps - undrafted0
         proposer = self.engine.proposer  # remote drafters: where the round trip went
         if getattr(proposer, "num_round_trips", 0):
             self.metrics.observe_round_trip(proposer.num_round_trips, proposer.last_round_trip)
@@ -255,6 +259,7 @@ class VerifierWorker:
             "running": snap.num_running, "waiting": snap.num_waiting, "finished": snap.num_finished,
             "errors": snap.num_errors, "steps": snap.num_steps, "output_tokens": snap.num_output_tokens,
             "acceptance_rate": round(snap.spec_stats.acceptance_rate, 3),
+            "mean_draft_length": round(self.engine.stats.mean_draft_length, 2),
             "last_step_ms": round(record.total_seconds * 1000, 3),
             "last_emit_ms": round(record.emit_seconds * 1000, 3)})
 

@@ -20,6 +20,7 @@ from specd import settings
 from specd.engine.admission import take_admissions
 from specd.engine.constraints import ConstraintTracker
 from specd.engine.device_clock import DeviceClock
+from specd.engine.draft_policy import DraftLengthPolicy
 from specd.engine.drafting import Drafting, default_carry, plan_draft_lengths
 from specd.engine.first_token import sample_first_tokens
 from specd.engine.request_checks import check_request
@@ -44,11 +45,14 @@ class SpecEngine:
     def __init__(self, runner: TargetRunner, proposer: Proposer | None, num_speculative_tokens: int,
                  *, max_batch_size: int, max_model_len: int, tokenizer=None,
                  max_prefill_tokens: int = 8192, grammar_backend=None, draft_ahead: bool | None = None,
-                 draft_carry: int | None = None) -> None:
+                 draft_carry: int | None = None, adaptive: bool = True,
+                 draft_policy: DraftLengthPolicy | None = None) -> None:
         """draft_ahead: send the next step's draft requests right after each commit where the
         proposer answers asynchronously (drafting.py); None reads SPECD_DRAFT_AHEAD (default on;
         "0" off, for A/B measurements). draft_carry: drafts asked past k per request, carried
-        to the next step where it accepts all (drafting.py); None: drafting.default_carry."""
+        to the next step where it accepts all (drafting.py); None: drafting.default_carry.
+        adaptive / draft_policy: k per sequence and step where it pays, else the most budget and
+        cache allow (draft_policy.py; False: fixed k); a policy built by the caller (tests)."""
         self.runner = runner
         self.proposer = proposer
         self.num_speculative_tokens = num_speculative_tokens if proposer is not None else 0
@@ -84,6 +88,8 @@ class SpecEngine:
             runner.on_launch = self._clock.launching
         self.drafting = Drafting(proposer, lambda seq: self._num_drafts(seq), ahead=draft_ahead,
                                  carry=draft_carry if proposer is not None else 0)
+        self.draft_policy = draft_policy or DraftLengthPolicy(
+            self.num_speculative_tokens, adaptive=adaptive, method=getattr(proposer, "method", None))
         # Called in step() with the sequences its prefill just started (their first token sampled),
         # before their first draft and verify: the verifier sends those first tokens out at once
         # (a request's time to first token is its prefill, not its prefill and a whole step). It
@@ -142,7 +148,7 @@ class SpecEngine:
     # ---- the step -------------------------------------------------------------------------
     def step(self) -> list[Sequence]:
         """One engine step; returns the sequences that finished in it."""
-        t0 = time.perf_counter()
+        t0, before = time.perf_counter(), self.stats.timings.copy()
         prefetched = self.drafting.collect()  # first: nothing else touches the proposer before
         t_collect = time.perf_counter()
         num_running = len(self.running)
@@ -162,16 +168,15 @@ class SpecEngine:
         t_sent = time.perf_counter()
         self.drafting.send_ahead([s for s in self.running if not s.is_finished])
         t_staged = time.perf_counter()
-        self._stage_next_verify()
-        self.stats.timings.add_step(t0, t_collect, t1, t2, t3, t_sent, t_staged, time.perf_counter())
-        self.stats.num_steps += 1
-        return finished
-
-    def _stage_next_verify(self) -> None:
-        """At step()'s end: stage the next verify batch while its drafts are out (staging.py)."""
         self._staging.stage_next(self.running, self._num_drafts, drafts_out=self.drafting.in_flight,
                                  admission_due=bool(self.waiting) and len(self.running) < self.max_batch_size,
                                  want_aux_hidden=self._hidden_kind == "aux")
+        t_end = time.perf_counter()
+        self.stats.timings.add_step(t0, t_collect, t1, t2, t3, t_sent, t_staged, t_end)
+        self.stats.num_steps += 1
+        if batch:  # the step's measured cost at the ks it verified
+            self.draft_policy.observe_timings(self.stats.timings.since(before), t_end - t0)
+        return finished
 
     def admit(self) -> list[Sequence]:
         """Prefill waiting sequences while the batch and the cache have room; sample their first token."""
@@ -224,9 +229,12 @@ class SpecEngine:
 
     def draft(self, batch: list[Sequence], prefetched: dict[int, DraftProposal] | None = None
               ) -> list[DraftProposal]:
-        """k_i draft tokens per sequence (drafting.py): those sent ahead where they still apply,
-        the rest from one batched proposer call."""
-        return self.drafting.draft(batch, prefetched or {})
+        """k_i drafts per sequence (drafting.py: sent ahead where they apply, else asked now)."""
+        proposals = self.drafting.draft(batch, prefetched or {})
+        ks = [self._num_drafts(s) for s in batch] if self.proposer is not None else []  # verify budgets
+        self.stats.record_draft_lengths(ks)
+        self.draft_policy.drafted(len(batch) + sum(p.token_ids.numel() for p in proposals), max(ks, default=0))
+        return proposals
 
     def verify(self, batch: list[Sequence], proposals: list[DraftProposal]):
         """One target forward over [last token, drafts] per sequence, then rejection sampling."""
@@ -285,6 +293,7 @@ class SpecEngine:
         for i, seq in enumerate(batch):
             k, m = int(proposals[i].token_ids.numel()), num_accepted[i]
             seq.stats.record_step(k, m)
+            self.draft_policy.observe_verdict(seq.seq_id, k, m)
             cached_before = seq.num_tokens - 1
             # The cache now holds the last token and all k drafts; keep the last token + m accepted.
             self.runner.truncate(seq.seq_id, cached_before + 1 + m)
@@ -361,12 +370,13 @@ class SpecEngine:
         self.waiting.appendleft(victim)
 
     def _num_drafts(self, seq: Sequence) -> int:
-        """k for this sequence, as planned for the whole batch (drafting.plan_draft_lengths)."""
+        """k for this sequence, planned for the whole batch: what pays (draft_policy.py) of the most
+        budget and cache room allow (drafting.plan_draft_lengths)."""
         ks = self._ks
         if ks is None or seq.seq_id not in ks:
-            ks = self._ks = plan_draft_lengths(
-                [s for s in self.running if not s.is_finished], self.runner.plan_appends(),
-                self.num_speculative_tokens, self.max_model_len)
+            caps = plan_draft_lengths([s for s in self.running if not s.is_finished], self.runner.plan_appends(),
+                                      self.num_speculative_tokens, self.max_model_len)
+            ks = self._ks = self.draft_policy.plan(caps)
         return ks.get(seq.seq_id, 0)
 
     def _append(self, seq: Sequence, tokens: list[int]) -> int:

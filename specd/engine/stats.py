@@ -81,3 +81,24 @@ class EngineStats:
     num_eager_prefills: int = 0  # of them, those outside the runner's static path (CUDA graphs)
     num_prefill_tokens: int = 0
     timings: StepTimings = field(default_factory=StepTimings)
+    # Draft lengths chosen (draft_policy.py), steps with a proposer only: draft_length_counts[k]
+    # counts sequence-steps whose verify budget was k drafts; num_undrafted_steps counts steps in
+    # which every sequence had k = 0 (plain decoding: nothing paid, or no budget left).
+    draft_length_counts: list[int] = field(default_factory=list)
+    num_undrafted_steps: int = 0
+
+    def record_draft_lengths(self, ks: list[int]) -> None:
+        """One step's chosen k per sequence (none: a step without a proposer or a batch)."""
+        if not ks:
+            return
+        for k in ks:
+            if k >= len(self.draft_length_counts):
+                self.draft_length_counts.extend([0] * (k + 1 - len(self.draft_length_counts)))
+            self.draft_length_counts[k] += 1
+        self.num_undrafted_steps += not any(ks)
+
+    @property
+    def mean_draft_length(self) -> float:
+        """Mean chosen k per sequence-step (0.0 before any)."""
+        n = sum(self.draft_length_counts)
+        return sum(k * c for k, c in enumerate(self.draft_length_counts)) / n if n else 0.0

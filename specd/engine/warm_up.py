@@ -6,6 +6,10 @@ cuda_graphs.py), and the first steps initialise cuBLAS, the attention kernels an
 side. A pod that reported ready before paying them stalled its first requests by seconds. The
 request is greedy, ignores EOS and runs two full speculative steps; its totals are then cleared,
 so the engine's statistics count served requests only.
+
+Then the step cost model of adaptive drafting (draft_policy.py) forgets those steps (one-time
+costs are not a step's) and is measured afresh: the request again at the full draft length, then
+without drafts, so the first served steps choose k from this deployment's own timings.
 """
 
 from __future__ import annotations
@@ -28,6 +32,16 @@ def warm_up_engine(engine, prompt_len: int = 16) -> float:
     # The first token comes from the prefill; each step then emits 1..k+1.
     params = SamplingParams(max_new_tokens=1 + 2 * (engine.num_speculative_tokens + 1), ignore_eos=True)
     engine.generate([[0] * prompt_len], [params])
+    policy = engine.draft_policy
+    if policy.adaptive:
+        policy.cost.reset()
+        for k in (engine.num_speculative_tokens, 0):
+            policy.forced_k = k
+            try:
+                engine.generate([[0] * prompt_len], [params])
+            finally:
+                policy.forced_k = None
+    policy.restart_probes()
     engine.stats = EngineStats()
     seconds = time.perf_counter() - t0
     log.info("event=engine_warm_up k=%d seconds=%.3f", engine.num_speculative_tokens, seconds)

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields as dataclass_fields
 from typing import Any
 
 from specd.messages import SpecStats
@@ -108,14 +108,20 @@ class ResultEntry:
         f = {_s(k): _s(v) for k, v in fields.items()}
         entry = cls(kind=f["kind"], pos=int(f.get("pos", 0)), tokens=json.loads(f.get("tokens", "[]")))
         if entry.kind == "delta" and delta_stats and "spec_stats" in f:
-            entry.spec_stats = SpecStats(**json.loads(f["spec_stats"]))
+            entry.spec_stats = _spec_stats(f["spec_stats"])
         if entry.kind == "final":
             entry.finish_reason = f.get("finish_reason") or None
-            entry.spec_stats = SpecStats(**json.loads(f.get("spec_stats", "{}")))
+            entry.spec_stats = _spec_stats(f.get("spec_stats", "{}"))
             entry.prompt_tokens = int(f.get("prompt_tokens", 0))
         elif entry.kind == "error":
             entry.code, entry.message = int(f.get("code", 500)), f.get("message", "")
         return entry
+
+
+def _spec_stats(text: str) -> SpecStats:
+    """SpecStats from its JSON, fields this version does not know skipped (a newer writer's)."""
+    known = {f.name for f in dataclass_fields(SpecStats)}
+    return SpecStats(**{k: v for k, v in json.loads(text).items() if k in known})
 
 
 def _s(v: bytes | str) -> str:

@@ -82,13 +82,14 @@ def test_mixed_batch_drafts_as_apart(tiny_models, method):
     """Constrained and unconstrained greedy sequences in one batch: the draft heads draft the
     unconstrained ones on the device path and the constrained ones through the grammar, apart.
     Each output equals the target's own, and each sequence drafts and accepts exactly as in a
-    batch of its own kind (a draft misrouted by the split would change those counts)."""
+    batch of its own kind (a draft misrouted by the split would change those counts). Fixed k:
+    adaptive lengths are chosen for the whole batch, so they differ with its company."""
     target_name, draft_name = METHODS[method]
     target = tiny_models[target_name]
     specs = [s for g in grammars()[:4] for s in (g, None)]  # constrained, unconstrained, ...
     prompts = [[6 + i, 9, 14 + i] for i in range(len(specs))]
     params = [SamplingParams(max_new_tokens=32) for _ in specs]
-    spec = SpeculativeConfig(method=method, num_speculative_tokens=3,
+    spec = SpeculativeConfig(method=method, num_speculative_tokens=3, adaptive=False,
                              model=str(tiny_models[draft_name]) if draft_name else "")
     want = constrained_engine(target, None).generate(prompts, params, specs)
     got = constrained_engine(target, spec).generate(prompts, params, specs)

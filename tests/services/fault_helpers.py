@@ -16,7 +16,9 @@ from specd.engine.builder import build_engine
 from specd.messages import PytorchEngineConfig, SpeculativeConfig
 
 ENGINE = dict(block_size=8, session_len=256)
-NGRAM = SpeculativeConfig(method="ngram", num_speculative_tokens=3)
+# Fixed k: a resumed request's speculation figures equal a fault-free run's only when its draft
+# lengths are a function of its tokens (adaptive ones follow the batch and measured step times).
+NGRAM = SpeculativeConfig(method="ngram", num_speculative_tokens=3, adaptive=False)
 
 
 def make_worker(redis_url: str, target: Path, stream: str, consumer: str, idle_ms: int = 300,

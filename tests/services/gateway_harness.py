@@ -162,7 +162,10 @@ def reference(model_dir):
 def responder(redis_url, model_dir, tokenizer):
     from specd.engine.builder import build_engine
 
-    engine = build_engine(model_dir, speculative_config=SpeculativeConfig(method="ngram", num_speculative_tokens=3),
+    # Fixed k: the same request answered twice carries the same speculation figures (adaptive
+    # draft lengths follow measured step times).
+    engine = build_engine(model_dir, speculative_config=SpeculativeConfig(method="ngram", num_speculative_tokens=3,
+                                                                          adaptive=False),
                           tokenizer=tokenizer)
     thread = Responder(redis_url, "specd:requests", engine, tokenizer)
     thread.start()

@@ -197,3 +197,14 @@ def test_the_drafters_propose_share_is_observed_and_printed_inside_its_handle_ti
              "round trip handle": 3.0, "round trip propose": 2.5, "round trip waited": 0.5}
     assert "; round trip 1.00 / 2.00 / 3.00 (2.50) / 0.50" in format_row(
         E2ERow("eagle3", 64, 1024, 1.0, 1000.0, 10.0, 1.0, step_ms=split))
+
+
+def test_chosen_draft_lengths_are_counted_by_k():
+    from services.verifier.metrics import StepRecord
+
+    m = VerifierMetrics()
+    m.observe_step(StepRecord(draft_lengths=[2, 0, 0, 5]))
+    m.observe_step(StepRecord(draft_lengths=[3], undrafted=1))
+    assert _value(m, 'specd:spec_decode_draft_length_total{k="0"}') == 5
+    assert _value(m, 'specd:spec_decode_draft_length_total{k="3"}') == 5
+    assert _value(m, "specd:spec_decode_undrafted_steps_total") == 1

@@ -234,7 +234,8 @@ def _stats(s: SpecStats) -> bytes:
     """SpecStats as JSON without dataclasses.asdict's deep copy (once per request per step)."""
     return _JSON.encode({"num_drafts": s.num_drafts, "num_draft_tokens": s.num_draft_tokens,
                          "num_accepted_tokens": s.num_accepted_tokens,
-                         "accepted_per_position": s.accepted_per_position}).encode()
+                         "accepted_per_position": s.accepted_per_position,
+                         "num_zero_draft_steps": s.num_zero_draft_steps}).encode()
 
 
 def _sid(entry_id) -> str:

@@ -1,0 +1,113 @@
+"""What one engine step costs, in seconds, as a function of what the draft-length chooser decides.
+
+step(T, d) = other + verify(T) + draft(d)
+  T: the verify batch's query tokens, sum over sequences of 1 + k_i;
+  d: the draft depth, max k_i (a chain drafter runs d forwards; d = 0 still ingests);
+  verify(T): the verify forward and sampling, to the commit's sync;
+  draft(d): the engine's wait for drafts (what drafting ahead does not hide);
+  other: the rest of the step (admission's host work, commit), prefills excluded.
+
+Measured, not per device: each step's times update an exponential moving average, verify per
+half-octave bucket of T (piecewise-linear between buckets), draft per depth, other as one value;
+a sample above CLIP times its average counts as CLIP times (a CUDA-graph capture or a GC pause is
+not the step's cost). Before any measurement the model has a default shape in units of a
+one-token verify (flat-ish verify, drafting a fraction of it per depth); shapes it has not
+measured are extrapolated from what it has, scaled by the default's slopes.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+CLIP = 4.0  # a sample counts at most this many times its running average
+
+
+class StepCostModel:
+    """Seconds of a step at T query tokens and draft depth d (see the module doc)."""
+
+    def __init__(self, max_depth: int, *, smoothing: float = 0.2, token_slope: float = 1 / 512,
+                 depth_share: float = 0.05) -> None:
+        """smoothing: the EMA's weight of a new sample; token_slope: the default verify cost of
+        one more query token, as a share of a one-token verify (memory-bound forwards are flat
+        for hundreds of tokens); depth_share: the default draft cost of one more depth, as a
+        share of a one-token verify."""
+        if not 0.0 < smoothing <= 1.0:
+            raise ValueError(f"smoothing: must be in (0, 1], got {smoothing}")
+        self.max_depth = max_depth
+        self.smoothing = smoothing
+        self.token_slope = token_slope
+        self.depth_share = depth_share
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget every measurement (after warm-up's one-time costs, for instance)."""
+        self._verify: dict[int, list[float]] = {}  # bucket -> [mean T, mean seconds]
+        self._draft: list[float | None] = [None] * (self.max_depth + 1)  # depth -> mean seconds
+        self._other: float | None = None
+        self.num_observed = 0
+
+    # ---- measurements ---------------------------------------------------------------------
+    def observe(self, num_tokens: int, depth: int, *, verify_s: float, draft_s: float,
+                other_s: float) -> None:
+        """One step's measured seconds at T = num_tokens and draft depth `depth`."""
+        if num_tokens < 1:
+            return
+        bucket = round(2 * math.log2(num_tokens))
+        point = self._verify.get(bucket)
+        if point is None:
+            self._verify[bucket] = [float(num_tokens), verify_s]
+        else:
+            point[0] = self._ema(point[0], float(num_tokens))
+            point[1] = self._ema(point[1], verify_s)
+        depth = min(max(depth, 0), self.max_depth)
+        self._draft[depth] = draft_s if self._draft[depth] is None else self._ema(self._draft[depth], draft_s)
+        self._other = other_s if self._other is None else self._ema(self._other, other_s)
+        self.num_observed += 1
+
+    def _ema(self, mean: float, sample: float) -> float:
+        sample = min(sample, CLIP * mean) if mean > 0 else sample
+        return mean + self.smoothing * (sample - mean)
+
+    # ---- predictions ------------------------------------------------------------------------
+    def step_seconds(self, num_tokens: np.ndarray, depth: int) -> np.ndarray:
+        """Predicted seconds (units of a one-token verify before any measurement) of a step at
+        each T of num_tokens, all at draft depth `depth`."""
+        return (self._other or 0.0) + self.verify_seconds(num_tokens) + self.draft_seconds(depth)
+
+    def verify_seconds(self, num_tokens: np.ndarray) -> np.ndarray:
+        t = np.asarray(num_tokens, dtype=np.float64)
+        points = sorted(self._verify.values())
+        if not points:
+            return 1.0 + self.token_slope * t
+        if len(points) == 1:  # the default shape through the one measured point
+            (t0, v0), = points
+            return v0 * (1.0 + self.token_slope * t) / (1.0 + self.token_slope * t0)
+        xs = np.array([p[0] for p in points])
+        ys = np.array([p[1] for p in points])
+        inside = np.interp(t, xs, ys)
+        # Outside the measured range, the nearest segment's slope (never negative: noise).
+        lo = max(0.0, (ys[1] - ys[0]) / max(xs[1] - xs[0], 1e-9))
+        hi = max(0.0, (ys[-1] - ys[-2]) / max(xs[-1] - xs[-2], 1e-9))
+        out = np.where(t < xs[0], ys[0] - lo * (xs[0] - t), inside)
+        return np.maximum(np.where(t > xs[-1], ys[-1] + hi * (t - xs[-1]), out), 0.0)
+
+    def draft_seconds(self, depth: int) -> float:
+        measured = [(d, s) for d, s in enumerate(self._draft) if s is not None]
+        per_depth = self.depth_share * float(self.verify_seconds(np.array([1.0]))[0])
+        if not measured:
+            return per_depth * depth
+        below = [(d, s) for d, s in measured if d <= depth]
+        above = [(d, s) for d, s in measured if d >= depth]
+        if below and above:
+            (d0, s0), (d1, s1) = below[-1], above[0]
+            return s0 if d1 == d0 else s0 + (s1 - s0) * (depth - d0) / (d1 - d0)
+        if above:  # below every measured depth: the default slope down from the lowest
+            d1, s1 = above[0]
+            return max(0.0, s1 - per_depth * (d1 - depth))
+        d0, s0 = below[-1]  # past every measured depth: the last segment's slope, else the default's
+        if len(measured) >= 2:
+            (da, sa), (db, sb) = measured[-2], measured[-1]
+            per_depth = max(0.0, (sb - sa) / (db - da))
+        return s0 + per_depth * (depth - d0)
