@@ -30,11 +30,13 @@ class DraftLengthPolicy:
 
     def __init__(self, max_depth: int, *, adaptive: bool = True, method: str | None = None,
                  prior: AcceptancePrior | None = None, cost: StepCostModel | None = None,
-                 probe_every: int = PROBE_EVERY, margin: float = 0.0) -> None:
+                 probe_every: int = PROBE_EVERY, margin: float = 0.0, measure_costs: bool = True) -> None:
         """max_depth: num_speculative_tokens, the most any sequence drafts; method: picks the
         acceptance prior (AcceptancePrior.for_method) unless `prior` is given; cost: the step cost
         model (tests inject one; by default measured from this engine's steps); probe_every: 0
-        never probes; margin: drafting must beat k = 0's predicted rate by this share."""
+        never probes; margin: drafting must beat k = 0's predicted rate by this share;
+        measure_costs: False keeps the cost model at its default shape (tensor-parallel ranks: each
+        rank's clock differs, and every rank must choose the same k for their collectives to match)."""
         if probe_every < 0:
             raise ValueError(f"probe_every: must be >= 0, got {probe_every}")
         self.max_depth = max_depth
@@ -43,6 +45,7 @@ class DraftLengthPolicy:
         self.cost = cost if cost is not None else StepCostModel(max_depth)
         self.probe_every = probe_every
         self.margin = margin
+        self.measure_costs = measure_costs
         self.forced_k: int | None = None  # warm-up: every sequence drafts min(forced_k, its cap)
         self._estimates: dict[int, AcceptanceEstimate] = {}
         self._step = 0  # verify steps seen (probes fall on multiples of probe_every)
@@ -82,7 +85,7 @@ class DraftLengthPolicy:
         at the T and depth `drafted` named: verify to the commit's device sync; prefills aside
         (they do not depend on k)."""
         self._step += 1
-        if self.adaptive:
+        if self.adaptive and self.measure_costs:
             verify = step.verify + step.device_wait
             other = max(0.0, seconds - step.draft - verify - step.prefill)
             self.cost.observe(*self._drafted, verify_s=verify, draft_s=step.draft, other_s=other)

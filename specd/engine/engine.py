@@ -89,7 +89,8 @@ class SpecEngine:
         self.drafting = Drafting(proposer, lambda seq: self._num_drafts(seq), ahead=draft_ahead,
                                  carry=draft_carry if proposer is not None else 0)
         self.draft_policy = draft_policy or DraftLengthPolicy(
-            self.num_speculative_tokens, adaptive=adaptive, method=getattr(proposer, "method", None))
+            self.num_speculative_tokens, adaptive=adaptive, method=getattr(proposer, "method", None),
+            measure_costs=getattr(runner, "parallel", None) is None)
         # Called in step() with the sequences its prefill just started (their first token sampled),
         # before their first draft and verify: the verifier sends those first tokens out at once
         # (a request's time to first token is its prefill, not its prefill and a whole step). It

@@ -159,3 +159,16 @@ def test_probes_draft_one_token_at_k_zero():
         policy.observe_timings(StepTimings(), 0.0)
     assert [ks[1] for ks in seen] == [0, 0, 0, 1, 0, 0, 0, 1]
     assert all(ks[2] == 0 for ks in seen)
+
+
+def test_tensor_parallel_ranks_keep_the_default_costs():
+    """Each rank's clock differs; a measured model would let ranks pick different k and break the
+    group's collectives, so a policy that does not measure keeps choosing from the default shape."""
+    measured, frozen = (DraftLengthPolicy(3, method="eagle3", cost=StepCostModel(3), measure_costs=m)
+                        for m in (True, False))
+    caps = {0: 3, 1: 3}
+    for policy in (measured, frozen):
+        policy.plan(caps)
+        policy.drafted(8, 3)
+        policy.observe_timings(StepTimings(draft=0.5, verify=0.001), 0.6)
+    assert frozen.cost.num_observed == 0 and measured.cost.num_observed == 1
