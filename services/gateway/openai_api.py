@@ -22,6 +22,7 @@ from specd.sampling_params import SamplingParams
 from specd.transport.redis_streams import QueuedRequest
 
 from services.gateway.errors import GatewayError
+from services.gateway.guided import GUIDED_FIELDS, constraint_of
 from services.gateway.request_stream import GenerationOutput, RequestStream
 from services.gateway.validation import MAX_STOP_WORDS
 
@@ -59,6 +60,11 @@ class _SamplingFields(BaseModel):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # vLLM's guided decoding (services/gateway/guided.py): served as the response_format they name
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @field_validator("n")
     @classmethod
@@ -122,6 +128,9 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    functions: list[dict[str, Any]] | None = None  # OpenAI's legacy function calling
+    function_call: str | dict[str, Any] | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
 
@@ -132,11 +141,18 @@ class ChatCompletionRequest(_SamplingFields):
             raise ValueError("logprobs are not supported")
         return v
 
-    @field_validator("tools")
+    @field_validator("tools", "functions")
     @classmethod
     def _no_tools(cls, v: list | None) -> list | None:
         if v:
-            raise ValueError("tools are not supported")
+            raise ValueError("tool and function calling are not supported yet")
+        return v
+
+    @field_validator("tool_choice", "function_call")
+    @classmethod
+    def _no_tool_choice(cls, v: str | dict | None) -> str | dict | None:
+        if v not in (None, "none", "auto"):  # "auto" without tools calls none
+            raise ValueError("tool and function calling are not supported yet")
         return v
 
     @property
@@ -199,9 +215,8 @@ def to_sampling_params(req: _SamplingFields, max_tokens: int) -> SamplingParams:
 
 
 def response_format_of(req: _SamplingFields) -> dict | None:
-    """The structured-output constraint, None for plain text."""
-    fmt = req.response_format
-    return None if fmt is None or fmt.get("type") == "text" else fmt
+    """The structured-output constraint (response_format or a guided field), None for plain text."""
+    return constraint_of(req.response_format, {name: getattr(req, name) for name in GUIDED_FIELDS})
 
 
 def to_queued_request(req: _SamplingFields, request_id: str, prompt_token_ids: list[int], max_tokens: int,

@@ -167,5 +167,20 @@ def test_response_format_through_the_openai_client(tiny_models, shared_redis):
             client.chat.completions.create(model=model_name, messages=messages, max_tokens=8,
                                            response_format=bad)
         assert "response_format" in str(err.value)
+        # vLLM's guided fields are the same constraints, not ignored fields
+        guided = client.chat.completions.create(model=model_name, messages=messages, temperature=0, max_tokens=96,
+                                                extra_body={"guided_json": schema})
+        assert guided.choices[0].message.content == text
+        choices = ["yes", 'say "no"\n']
+        picked = client.chat.completions.create(model=model_name, messages=messages, temperature=0, max_tokens=16,
+                                                extra_body={"guided_choice": choices})
+        assert picked.choices[0].message.content in choices
+        for extra, param in (({"guided_json": schema, "response_format": response_format}, "guided_json"),
+                             ({"guided_regex": "a+", "guided_choice": ["a"]}, "guided_regex"),
+                             ({"functions": [{"name": "f", "parameters": {}}]}, "functions"),
+                             ({"tool_choice": "required"}, "tool_choice")):
+            with pytest.raises(openai.BadRequestError) as err:
+                client.chat.completions.create(model=model_name, messages=messages, max_tokens=8, extra_body=extra)
+            assert err.value.body["param"].startswith(param), err.value.body
     finally:
         stack.stop()
