@@ -189,43 +189,39 @@ ASYNC_EMIT = register(
     variants=(("-syncemit", "0"),))
 
 
-# -- deployment: read by docker-compose*.yml, deploy/ and scripts/demo.sh, passed on as flags --------
+# -- read outside the Python code: deployment variables (docker-compose*.yml, deploy/, scripts/demo.sh,
+# passed on to the services as flags) and the tests' and benches' own knobs ------------------------
 _COMPOSE = ("docker-compose.yml", "docker-compose.gpu.yml")
 _KUSTOMIZE = ("deploy/base/kustomization.yaml",)
-for _name, _values, _help, _readers in (
-    ("SPECD_MODELS", "a volume or host folder", "mounted at /models (default: the models volume)", ("docker-compose.yml",)),
-    ("SPECD_MODEL", "a checkpoint path", "the target checkpoint", _COMPOSE + _KUSTOMIZE + ("scripts/demo.sh",)),
-    ("SPECD_DRAFT_MODEL", "a checkpoint path", "the draft checkpoint", _COMPOSE + _KUSTOMIZE + ("scripts/demo.sh",)),
-    ("SPECD_SPECULATIVE_ALGORITHM", "a method", "--speculative-algorithm of the verifier and drafter", _COMPOSE + _KUSTOMIZE),
-    ("SPECD_NUM_DRAFT_TOKENS", "an integer", "--speculative-num-draft-tokens", _COMPOSE + _KUSTOMIZE),
-    ("SPECD_MAX_BATCH_SIZE", "an integer", "the verifier's --max-batch-size", _COMPOSE + _KUSTOMIZE),
-    ("SPECD_REDIS_URL", "a redis:// URL", "an external Redis instead of the bundled one", _COMPOSE),
-    ("SPECD_BIND_ADDRESS", "an address", "where compose publishes the gateway", ("docker-compose.yml",)),
-    ("SPECD_HTTP_PORT", "a port", "the gateway's published HTTP port", ("docker-compose.yml",)),
-    ("SPECD_GRPC_PORT", "a port", "the gateway's published gRPC port", ("docker-compose.yml",)),
-    ("SPECD_IMAGE", "an image tag", "the image compose runs", _COMPOSE),
-    ("SPECD_LOG_LEVEL", "a logging level", "the services' --log-level", _KUSTOMIZE),
-    ("SPECD_DEVICE", "cpu | cuda", "the verifier's and drafter's --device", _KUSTOMIZE),
-    ("SPECD_REQUEST_STREAM", "a stream name", "the Redis request stream (gateway, verifier, autoscaler)", _KUSTOMIZE),
-    ("SPECD_GRAMMAR_ADDRESS", "host:port", "the grammar service the gateway and verifier use", _KUSTOMIZE),
-    ("SPECD_DRAFTER_ADDRESS", "host:port", "the drafter service the verifier uses", _KUSTOMIZE),
-    ("SPECD_PORT", "a port", "the demo's HTTP port", ("scripts/demo.sh",)),
-    ("SPECD_DEMO_EXIT", "1", "the demo stops after its sample request", ("scripts/demo.sh",)),
+for _kind, _name, _values, _help, _readers in (
+    ("configuration", "SPECD_MODELS", "a volume or host folder", "mounted at /models (default: the models volume)", ("docker-compose.yml",)),
+    ("configuration", "SPECD_MODEL", "a checkpoint path", "the target checkpoint", _COMPOSE + _KUSTOMIZE + ("scripts/demo.sh",)),
+    ("configuration", "SPECD_DRAFT_MODEL", "a checkpoint path", "the draft checkpoint", _COMPOSE + _KUSTOMIZE + ("scripts/demo.sh",)),
+    ("configuration", "SPECD_SPECULATIVE_ALGORITHM", "a method", "--speculative-algorithm of the verifier and drafter", _COMPOSE + _KUSTOMIZE),
+    ("configuration", "SPECD_NUM_DRAFT_TOKENS", "an integer", "--speculative-num-draft-tokens", _COMPOSE + _KUSTOMIZE),
+    ("configuration", "SPECD_MAX_BATCH_SIZE", "an integer", "the verifier's --max-batch-size", _COMPOSE + _KUSTOMIZE),
+    ("configuration", "SPECD_REDIS_URL", "a redis:// URL", "an external Redis instead of the bundled one", _COMPOSE),
+    ("configuration", "SPECD_BIND_ADDRESS", "an address", "where compose publishes the gateway", ("docker-compose.yml",)),
+    ("configuration", "SPECD_HTTP_PORT", "a port", "the gateway's published HTTP port", ("docker-compose.yml",)),
+    ("configuration", "SPECD_GRPC_PORT", "a port", "the gateway's published gRPC port", ("docker-compose.yml",)),
+    ("configuration", "SPECD_IMAGE", "an image tag", "the image compose runs", _COMPOSE),
+    ("configuration", "SPECD_LOG_LEVEL", "a logging level", "the services' --log-level", _KUSTOMIZE),
+    ("configuration", "SPECD_DEVICE", "cpu | cuda", "the verifier's and drafter's --device", _KUSTOMIZE),
+    ("configuration", "SPECD_REQUEST_STREAM", "a stream name", "the Redis request stream (gateway, verifier, autoscaler)", _KUSTOMIZE),
+    ("configuration", "SPECD_GRAMMAR_ADDRESS", "host:port", "the grammar service the gateway and verifier use", _KUSTOMIZE),
+    ("configuration", "SPECD_DRAFTER_ADDRESS", "host:port", "the drafter service the verifier uses", _KUSTOMIZE),
+    ("configuration", "SPECD_PORT", "a port", "the demo's HTTP port", ("scripts/demo.sh",)),
+    ("configuration", "SPECD_DEMO_EXIT", "1", "the demo stops after its sample request", ("scripts/demo.sh",)),
+    ("tooling", "SPECD_TINY_MODELS", "a folder", "reuse tiny checkpoints written there", ("tests/conftest.py", "bench/__main__.py")),
+    ("tooling", "SPECD_DOCKER_CACHE", "a folder", "the compose test's scratch folder", ("tests/compose_images.py",)),
+    ("tooling", "SPECD_SERVICES", "service names", "which services the compose test brings up", ("tests/test_compose.py",)),
+    ("tooling", "SPECD_SWEEP_STRIDE", "an integer", "the slow schema sweep's stride", ("tests/grammar/test_full_schema_sweep.py",)),
+    ("tooling", "SPECD_SWEEP_SAMPLED_STRIDE", "an integer", "its stride for sampled runs", ("tests/grammar/test_full_schema_sweep.py",)),
+    ("tooling", "SPECD_SHARED_DIR", "a folder", "where the benches find shared data", ("bench/shared_data.py",)),
+    ("tooling", "SPECD_BENCH_TAG", "a tag", "marks the GPU suite's processes for its teardown", ("bench/gpu_suite.sh",)),
+    ("tooling", "SPECD_WHEEL_DIR", "a folder", "the wheels the GPU suite installs (default .whl)", ("bench/gpu_suite.sh",)),
 ):
-    register(_name, "configuration", "", _values, _help, _readers)
-
-# -- tooling: the tests' and benches' own knobs ---------------------------------------------------
-for _name, _values, _help, _readers in (
-    ("SPECD_TINY_MODELS", "a folder", "reuse tiny checkpoints written there", ("tests/conftest.py", "bench/__main__.py")),
-    ("SPECD_DOCKER_CACHE", "a folder", "the compose test's scratch folder", ("tests/compose_images.py",)),
-    ("SPECD_SERVICES", "service names", "which services the compose test brings up", ("tests/test_compose.py",)),
-    ("SPECD_SWEEP_STRIDE", "an integer", "the slow schema sweep's stride", ("tests/grammar/test_full_schema_sweep.py",)),
-    ("SPECD_SWEEP_SAMPLED_STRIDE", "an integer", "its stride for sampled runs", ("tests/grammar/test_full_schema_sweep.py",)),
-    ("SPECD_SHARED_DIR", "a folder", "where the benches find shared data", ("bench/shared_data.py",)),
-    ("SPECD_BENCH_TAG", "a tag", "marks the GPU suite's processes for its teardown", ("bench/gpu_suite.sh",)),
-    ("SPECD_WHEEL_DIR", "a folder", "the wheels the GPU suite installs (default .whl)", ("bench/gpu_suite.sh",)),
-):
-    register(_name, "tooling", "", _values, _help, _readers)
+    register(_name, _kind, "", _values, _help, _readers)
 
 
 def markdown() -> str:
