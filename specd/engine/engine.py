@@ -23,6 +23,7 @@ from specd.engine.device_clock import DeviceClock
 from specd.engine.draft_policy import DraftLengthPolicy
 from specd.engine.drafting import Drafting, default_carry, plan_draft_lengths
 from specd.engine.first_token import sample_first_tokens
+from specd.engine.overlap import decode_ahead_blocks, HostRows, next_decode_batch, PinnedRing, StepInFlight
 from specd.engine.request_checks import check_request
 from specd.engine.sequence import Sequence, SequenceStatus
 from specd.engine.staging import VerifyStaging
@@ -83,9 +84,19 @@ class SpecEngine:
         # once the cache changed (a commit, admission, preemption, abort).
         self._ks: dict[int, int] | None = None
         self._staging = VerifyStaging(runner)  # the next verify batch, staged while its drafts are out
-        self._clock = DeviceClock(getattr(runner, "device", torch.device("cpu")))  # stats: the device's own time
+        device = getattr(runner, "device", torch.device("cpu"))
+        # Stats: the device's own time of each verify step. Two clocks in turn: with a decode step
+        # in flight the next one is marked before the first is read (overlap.py).
+        self._clocks = (DeviceClock(device), DeviceClock(device))
+        self._clock = self._clocks[0]
+        self._marking: DeviceClock | None = None  # the clock of the verify forward being launched
         if hasattr(runner, "on_launch"):  # the runner marks its forward's first device work
-            runner.on_launch = self._clock.launching
+            runner.on_launch = self._mark_launch
+        # Decode steps queued before the last one's tokens reach the host (overlap.py): without
+        # speculation, on runners that read a chunk's first token from the device.
+        self._overlap = proposer is None and getattr(runner, "takes_first_token_ids", False)
+        self._in_flight: StepInFlight | None = None
+        self._pinned = PinnedRing(device, max_batch_size)
         self.drafting = Drafting(proposer, lambda seq: self._num_drafts(seq), ahead=draft_ahead,
                                  carry=draft_carry if proposer is not None else 0)
         self.draft_policy = draft_policy or DraftLengthPolicy(
@@ -117,6 +128,8 @@ class SpecEngine:
         return seq
 
     def has_unfinished(self) -> bool:
+        """Whether a step has work: a sequence waits or runs. (A decode step may still be in flight
+        with sequences that all stopped: the next step drops it.)"""
         return bool(self.waiting or self.running)
 
     def abort(self, seq: Sequence, reason: str = "abort") -> bool:
@@ -152,10 +165,14 @@ class SpecEngine:
         t0, before = time.perf_counter(), self.stats.timings.copy()
         prefetched = self.drafting.collect()  # first: nothing else touches the proposer before
         t_collect = time.perf_counter()
-        num_running = len(self.running)
-        finished = self.admit()
-        if self.on_admitted is not None and len(self.running) > num_running:
-            self.on_admitted(self.running[num_running:])
+        finished: list[Sequence] = []
+        flight, self._in_flight = self._in_flight, None
+        if flight is not None:
+            batch = next_decode_batch(self.running, flight, self.runner.plan_appends(), self.max_model_len)
+            if batch:
+                return self._overlapped_step(flight, batch, t0, before, t_collect)
+            finished += self._land(flight)  # the synchronous step below starts from landed state
+        finished += self._admit_and_announce()
         t1 = time.perf_counter()
         if not self._staging.holds():  # (a staged batch has every sequence's room reserved)
             self._preempt_if_full()
@@ -163,9 +180,13 @@ class SpecEngine:
         batch = [s for s in self.running if not s.is_finished]
         proposals = self.draft(batch, prefetched)
         t2 = time.perf_counter()
-        verdict = self.verify(batch, proposals)
-        t3 = time.perf_counter()
-        finished += self.commit(batch, proposals, verdict)
+        if self._overlap and batch and not any(decode_ahead_blocks(s) for s in batch):
+            self._in_flight = self._launch(batch, proposals, None)  # lands in the next step
+            t3 = time.perf_counter()
+        else:
+            verdict = self.verify(batch, proposals)
+            t3 = time.perf_counter()
+            finished += self.commit(batch, proposals, verdict)
         t_sent = time.perf_counter()
         self.drafting.send_ahead([s for s in self.running if not s.is_finished])
         t_staged = time.perf_counter()
@@ -177,6 +198,45 @@ class SpecEngine:
         self.stats.num_steps += 1
         if batch:  # the step's measured cost at the ks it verified
             self.draft_policy.observe_timings(self.stats.timings.since(before), t_end - t0)
+        return finished
+
+    def _overlapped_step(self, flight: StepInFlight, batch: list[Sequence], t0: float, before,
+                         t_collect: float) -> list[Sequence]:
+        """Queue the next decode step behind the one in flight, then land that one (its tokens
+        appended while the device runs the next), then admit: new sequences join the step after."""
+        self._in_flight = self._launch(batch, self.draft(batch), flight)
+        t_launched = time.perf_counter()
+        finished = self._land(flight)
+        t_landed = time.perf_counter()
+        finished += self._admit_and_announce()
+        t_end = time.perf_counter()
+        self.stats.timings.add_overlapped_step(t0, t_collect, t_launched, t_landed, t_end)
+        self.stats.num_steps += 1
+        self.draft_policy.observe_timings(self.stats.timings.since(before), t_end - t0)
+        return finished
+
+    def _launch(self, batch: list[Sequence], proposals: list[DraftProposal], flight: StepInFlight | None
+                ) -> StepInFlight:
+        """A decode step queued on the device, its tokens' copy to the host queued behind it."""
+        out, result = self.verify(batch, proposals, carried=flight)
+        tokens = result.output_token_ids[:, 0]  # [B]: decode verifies no drafts
+        return StepInFlight(batch, {s.seq_id: i for i, s in enumerate(batch)}, tokens,
+                            HostRows(tokens, self._pinned.take()), self._clock, proposals)
+
+    def _land(self, flight: StepInFlight) -> list[Sequence]:
+        """Append a decode step's tokens (sequences aborted since it was queued are skipped)."""
+        t0 = time.perf_counter()
+        tokens = flight.landing.wait()
+        self.stats.timings.device_wait += time.perf_counter() - t0
+        self.stats.timings.add_device_clock(flight.clock.read())
+        return self.commit(flight.batch, flight.proposals, None, landed=[[0, t] for t in tokens])
+
+    def _admit_and_announce(self) -> list[Sequence]:
+        """admit, then hand the sequences it started to on_admitted; the ones that stopped at once."""
+        num_running = len(self.running)
+        finished = self.admit()
+        if self.on_admitted is not None and len(self.running) > num_running:
+            self.on_admitted(self.running[num_running:])
         return finished
 
     def admit(self) -> list[Sequence]:
@@ -237,8 +297,10 @@ class SpecEngine:
         self.draft_policy.drafted(len(batch) + sum(p.token_ids.numel() for p in proposals), max(ks, default=0))
         return proposals
 
-    def verify(self, batch: list[Sequence], proposals: list[DraftProposal]):
-        """One target forward over [last token, drafts] per sequence, then rejection sampling."""
+    def verify(self, batch: list[Sequence], proposals: list[DraftProposal], carried: StepInFlight | None = None):
+        """One target forward over [last token, drafts] per sequence, then rejection sampling.
+        carried: a decode step in flight whose tokens are the last tokens of its sequences here
+        (read on the device: overlap.py); the host's last tokens are one step behind for those."""
         if not batch:
             return None
         device = self.runner.device
@@ -249,18 +311,23 @@ class SpecEngine:
         # no device-to-host sync before the forward. The step's only sync is commit's.
         host_drafts = [p.token_ids.tolist() for p in proposals]
         chunks = [SequenceChunk(s.seq_id, [s.last_token_id] + host_drafts[i]) for i, s in enumerate(batch)]
+        first_token_ids, ahead = self._carried_tokens(batch, carried)
         staged = self._staging.taken()
+        self._clock = self._clocks[self._clock is self._clocks[0]]  # the other one (see __init__)
         self._clock.start()
+        self._marking = self._clock
         # The forward first: everything sampling needs is built while the device runs it. Its
         # host-to-device copies are asynchronous (non_blocking, staged by the driver), so they
         # queue behind the forward instead of waiting for it, and they leave the critical path.
+        forward_args = {} if first_token_ids is None else {"first_token_ids": first_token_ids}
         out = self.runner.forward(chunks, want_hidden=self._hidden_kind == "final",
-                                  want_aux_hidden=self._hidden_kind == "aux")
+                                  want_aux_hidden=self._hidden_kind == "aux", **forward_args)
+        self._marking = None
         self.stats.timings.launch += time.perf_counter() - t0
         self._clock.forward_queued(staged)
         draft_ids, draft_probs, num_drafts_t = pad_drafts(proposals, host_drafts, vocab, device)
         st = self._batch_sampling.get(batch, device)
-        positions = torch.tensor([s.num_tokens for s in batch]).to(device, non_blocking=True)
+        positions = torch.tensor([s.num_tokens + a for s, a in zip(batch, ahead)]).to(device, non_blocking=True)
         history = ([s.prompt_token_ids + s.output_token_ids for s in batch]
                    if any(s.params.repetition_penalty != 1.0 for s in batch) else None)
         suppress = None  # rows that may not stop yet (min_new_tokens), built only when some exist
@@ -277,27 +344,36 @@ class SpecEngine:
         self._clock.step_queued()
         return out, result
 
-    def commit(self, batch: list[Sequence], proposals: list[DraftProposal], verdict) -> list[Sequence]:
-        """Keep the accepted prefix in the target cache, append tokens, finish stopped sequences."""
+    def commit(self, batch: list[Sequence], proposals: list[DraftProposal], verdict,
+               landed: list[list[int]] | None = None) -> list[Sequence]:
+        """Keep the accepted prefix in the target cache, append tokens, finish stopped sequences.
+        landed: a decode step's rows [0, token] read already (overlap.py; verdict None then):
+        sequences that finished since it was queued (aborted) are skipped."""
         if not batch:
             return []
-        out, result = verdict
+        out = verdict[0] if verdict is not None else None
         self._ks = None  # the caches change below
-        # The step's one device-to-host transfer: accepted counts and emitted tokens together.
-        t0 = time.perf_counter()
-        host = torch.cat([result.num_accepted[:, None], result.output_token_ids], dim=1).tolist()
-        self.stats.timings.device_wait += time.perf_counter() - t0
-        self.stats.timings.add_device_clock(self._clock.read())
-        num_accepted = [row[0] for row in host]
-        emitted = [row[1:] for row in host]
+        if landed is None:
+            # The step's one device-to-host transfer: accepted counts and emitted tokens together.
+            result = verdict[1]
+            t0 = time.perf_counter()
+            landed = torch.cat([result.num_accepted[:, None], result.output_token_ids], dim=1).tolist()
+            self.stats.timings.device_wait += time.perf_counter() - t0
+            self.stats.timings.add_device_clock(self._clock.read())
+        num_accepted = [row[0] for row in landed]
+        emitted = [row[1:] for row in landed]
         finished = []
         for i, seq in enumerate(batch):
+            if seq.is_finished:
+                continue
             k, m = int(proposals[i].token_ids.numel()), num_accepted[i]
             seq.stats.record_step(k, m)
             self.draft_policy.observe_verdict(seq.seq_id, k, m)
-            cached_before = seq.num_tokens - 1
-            # The cache now holds the last token and all k drafts; keep the last token + m accepted.
-            self.runner.truncate(seq.seq_id, cached_before + 1 + m)
+            if k:
+                # The cache holds the last token and all k drafts; keep the last token + m accepted.
+                # (Without drafts it holds what it keeps, and a decode step queued since has
+                # appended past it: overlap.py.)
+                self.runner.truncate(seq.seq_id, seq.num_tokens + m)
             new_tokens = emitted[i][:m + 1]
             if self.proposer is not None:
                 hidden = self._hidden_rows(out, i, m + 1)
@@ -369,6 +445,25 @@ class SpecEngine:
         victim.status = SequenceStatus.WAITING
         victim.undrafted_token_ids, victim.undrafted_hidden = [], []
         self.waiting.appendleft(victim)
+
+    def _carried_tokens(self, batch: list[Sequence], flight: StepInFlight | None
+                        ) -> tuple[torch.Tensor | None, list[int]]:
+        """The forward's first_token_ids from the step in flight ([B] on the device, -1 where the
+        host has the token: sequences admitted since), and per sequence the tokens it is ahead
+        of the host (1 where carried)."""
+        if flight is None:
+            return None, [0] * len(batch)
+        rows = flight.carried_rows(batch)
+        ahead = [int(r >= 0) for r in rows]
+        if rows == list(range(len(flight.batch))):  # the same batch as the step in flight
+            return flight.token_ids, ahead
+        index = torch.tensor(rows).to(self.runner.device, non_blocking=True)
+        return torch.where(index >= 0, flight.token_ids[index.clamp(min=0)], -1), ahead
+
+    def _mark_launch(self) -> None:
+        """The runner's launch hook: marks the verify forward's launch (a prefill's is not marked)."""
+        if self._marking is not None:
+            self._marking.launching()
 
     def _num_drafts(self, seq: Sequence) -> int:
         """k for this sequence, planned for the whole batch: what pays (draft_policy.py) of the most

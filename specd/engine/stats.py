@@ -49,6 +49,15 @@ class StepTimings:
         self.send_ahead += sent - committed
         self.stage += end - sent
 
+    def add_overlapped_step(self, start: float, collected: float, launched: float, landed: float,
+                            end: float) -> None:
+        """An overlapped decode step (specd/engine/overlap.py): the next forward queued, the one in
+        flight landed (the commit), then admission."""
+        self.draft += collected - start
+        self.verify += launched - collected
+        self.commit += landed - launched
+        self.admit += end - landed
+
     def copy(self) -> "StepTimings":
         return replace(self)
 

@@ -78,7 +78,10 @@ class TargetRunner(Protocol):
 
     Optional: `stage` / `staged` (a verify batch's host work done while its drafts are out:
     specd/engine/staging.py) and `on_launch`, a hook the runner calls right before a forward's
-    first device work (the engine's device clock marks it: specd/engine/device_clock.py)."""
+    first device work (the engine's device clock marks it: specd/engine/device_clock.py), and
+    `takes_first_token_ids` (True: forward accepts first_token_ids, [num_chunks] int64 on the
+    device, chunk i's first token where >= 0 over the host's placeholder; the engine then queues
+    a decode step before the last one's tokens reach the host: specd/engine/overlap.py)."""
 
     info: ModelInfo
     device: torch.device

@@ -69,6 +69,11 @@ class StaticForward:
         self._entries: dict[tuple, StaticEntry] = {}
         self._prefill_prepared: set[tuple[int, ...]] = set()  # aux-layer sets whose prefill layouts exist
         self._pool = None  # one memory pool shared by every graph (they never run concurrently)
+        # Chunk i's first token where >= 0, over the host's placeholder (LlamaRunner.forward's
+        # first_token_ids): every graph reads it after its input copy, so a token sampled on the
+        # device one step earlier feeds this step without a trip through the host.
+        self.first_tokens = torch.full((self.buckets[-1],), -1, dtype=torch.int64, device=self.device)
+        self._first_tokens_set = False  # first_tokens holds a batch's tokens (else all -1)
         self.num_static_forwards = 0  # counters the tests and the bench read
         self.num_captures = 0
         self.num_capture_failures = 0  # layouts left without a graph: it did not fit (_capture_failed)
@@ -171,6 +176,9 @@ class StaticForward:
     def _body(self, entry: StaticEntry, aux_layer_ids: tuple[int, ...]) -> None:
         """The forward over the entry's buffers."""
         input_ids, positions, slots, ctx_lens, tables, _ = entry.views()
+        first = input_ids.view(entry.batch, entry.qlen)[:, 0]  # [B], a view: written in place
+        carried = self.first_tokens[:entry.batch]
+        first.copy_(torch.where(carried >= 0, carried, first))
         meta = StaticAttentionMetadata(ctx_lens=ctx_lens, block_tables=tables, slot_mapping=slots,
                                        query_len=entry.qlen, block_size=self.block_size)
         if self.fused:
@@ -312,12 +320,19 @@ class StaticForward:
         self._write_token_ids(prepared.entry, token_ids)
         self._copy_if_eager(prepared.entry)
 
-    def run(self, prepared: PreparedBatch, want_hidden: bool = True, logit_rows: list[int] | None = None
+    def run(self, prepared: PreparedBatch, want_hidden: bool = True, logit_rows: list[int] | None = None,
+            first_token_ids: torch.Tensor | None = None
             ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """Launch a prepared batch; its outputs as forward returns them. logit_rows: the logits of
         these rows of the batch only (each chunk's last: ForwardOutput.last_logits_only); the
-        graph's lm_head covers every row all the same (a static prefill is 256 rows at most)."""
+        graph's lm_head covers every row all the same (a static prefill is 256 rows at most).
+        first_token_ids: [num_chunks] on the device, chunk i's first token where >= 0."""
         entry = prepared.entry
+        if first_token_ids is not None or self._first_tokens_set:
+            self.first_tokens.fill_(-1)
+            if first_token_ids is not None:
+                self.first_tokens[:first_token_ids.numel()].copy_(first_token_ids)
+            self._first_tokens_set = first_token_ids is not None
         if entry.graphs:
             for graph in entry.graphs:
                 graph.replay()

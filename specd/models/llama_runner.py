@@ -42,6 +42,8 @@ from specd.models.static_entry import PreparedBatch
 class LlamaRunner:
     """TargetRunner for LlamaForCausalLM / Qwen2 / Qwen3 / Mistral checkpoints."""
 
+    takes_first_token_ids = True  # forward reads chunks' first tokens from the device (base.py)
+
     def __init__(self, model_dir: str | Path, engine_config: PytorchEngineConfig | None = None, *,
                  model: LlamaForCausalLM | None = None, config: LlamaArchConfig | None = None,
                  use_static_path: bool | None = None, gemm: str | None = None, kernels: str | None = None, pdl: str | None = None,
@@ -258,11 +260,15 @@ class LlamaRunner:
         return starts
 
     def forward(self, chunks: list[SequenceChunk], *, want_hidden: bool = False,
-                want_aux_hidden: bool = False, last_logits_only: bool = False) -> ForwardOutput:
+                want_aux_hidden: bool = False, last_logits_only: bool = False,
+                first_token_ids: torch.Tensor | None = None) -> ForwardOutput:
         """Append every chunk to its cache in one model call; logits for every new token (or
-        each chunk's last, last_logits_only: the eager path then runs lm_head on those rows only)."""
+        each chunk's last, last_logits_only: the eager path then runs lm_head on those rows only).
+        first_token_ids: [num_chunks] int64 on the device; where >= 0 it is chunk i's first token,
+        whose host value is a placeholder (a token the last step sampled and the host has not
+        read yet: the overlapped decode, specd/engine/overlap.py)."""
         with self._kernel_settings():
-            return self._forward(chunks, want_hidden, want_aux_hidden, last_logits_only)
+            return self._forward(chunks, want_hidden, want_aux_hidden, last_logits_only, first_token_ids)
 
     @contextmanager
     def _kernel_settings(self):
@@ -272,14 +278,15 @@ class LlamaRunner:
             yield
 
     def _forward(self, chunks: list[SequenceChunk], want_hidden: bool, want_aux_hidden: bool,
-                 last_logits_only: bool) -> ForwardOutput:
+                 last_logits_only: bool, first_token_ids: torch.Tensor | None = None) -> ForwardOutput:
         held = self._staged
         if held is not None:
             try:
                 staged = self._take_staged(chunks, want_aux_hidden)
                 if staged is not None:  # staged for this batch: the host work is done
                     self.num_staged_forwards += 1
-                    return self._static_run(staged.prepared, chunks, want_hidden, last_logits_only)
+                    return self._static_run(staged.prepared, chunks, want_hidden, last_logits_only,
+                                            first_token_ids)
             except BaseException:  # leave the caches as they were before the stage
                 self._staged = None
                 for seq_id, start in zip(held.seq_ids, held.starts):
@@ -291,8 +298,8 @@ class LlamaRunner:
         try:
             layout = self.static.layout(query_lens, starts) if self.static is not None else None
             if layout is not None:
-                return self._static_forward(chunks, starts, slots, layout, want_hidden, want_aux_hidden,
-                                            last_logits_only)
+                prepared = self._prepare_static(chunks, starts, slots, layout, want_aux_hidden)
+                return self._static_run(prepared, chunks, want_hidden, last_logits_only, first_token_ids)
             self.num_eager_forwards += 1
             meta = AttentionMetadata.build(
                 query_lens=query_lens,
@@ -302,6 +309,10 @@ class LlamaRunner:
                 block_size=self.block_size, device=self.device)
             input_ids = torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.long,
                                      device=self.device)  # [T]
+            offsets = chunk_offsets(query_lens)
+            if first_token_ids is not None:
+                first_rows = torch.tensor(offsets[:-1], device=self.device)  # [chunks]
+                input_ids[first_rows] = torch.where(first_token_ids >= 0, first_token_ids, input_ids[first_rows])
             positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, query_lens)]
                                   ).to(self.device)  # [T]
             if self.on_launch is not None:
@@ -309,7 +320,6 @@ class LlamaRunner:
             with torch.no_grad():
                 hidden, aux = self.model(input_ids, positions, meta, self.kv_cache,
                                          self.aux_layer_ids if want_aux_hidden else ())
-                offsets = chunk_offsets(query_lens)
                 wanted = hidden.index_select(0, last_rows(offsets, hidden.device)) if last_logits_only else hidden
                 logits = self.model.compute_logits(wanted)  # [T or chunks, vocab] float32
         except BaseException:
@@ -319,13 +329,6 @@ class LlamaRunner:
         return ForwardOutput(logits=logits, offsets=offsets, hidden_states=hidden if want_hidden else None,
                              aux_hidden_states=aux, last_logits_only=last_logits_only)
 
-    def _static_forward(self, chunks: list[SequenceChunk], starts: list[int], slots: list[list[int]],
-                        layout: tuple[int, int, int], want_hidden: bool, want_aux_hidden: bool,
-                        last_logits_only: bool) -> ForwardOutput:
-        """The verify / decode batch through the static buffers (slots already reserved)."""
-        prepared = self._prepare_static(chunks, starts, slots, layout, want_aux_hidden)
-        return self._static_run(prepared, chunks, want_hidden, last_logits_only)
-
     def _prepare_static(self, chunks: list[SequenceChunk], starts: list[int], slots: list[list[int]],
                         layout: tuple[int, int, int], want_aux_hidden: bool) -> PreparedBatch:
         return self.static.prepare(
@@ -334,12 +337,13 @@ class LlamaRunner:
             tuple(self.aux_layer_ids) if want_aux_hidden else (), layout=layout)
 
     def _static_run(self, prepared: PreparedBatch, chunks: list[SequenceChunk], want_hidden: bool,
-                    last_logits_only: bool = False) -> ForwardOutput:
+                    last_logits_only: bool = False, first_token_ids: torch.Tensor | None = None) -> ForwardOutput:
         if self.on_launch is not None:
             self.on_launch()
         offsets = chunk_offsets([len(c.token_ids) for c in chunks])
         logits, hidden, aux = self.static.run(prepared, want_hidden=want_hidden,
-                                              logit_rows=[o - 1 for o in offsets[1:]] if last_logits_only else None)
+                                              logit_rows=[o - 1 for o in offsets[1:]] if last_logits_only else None,
+                                              first_token_ids=first_token_ids)
         return ForwardOutput(logits=logits, offsets=offsets, hidden_states=hidden if want_hidden else None,
                              aux_hidden_states=aux, last_logits_only=last_logits_only)
 

@@ -27,7 +27,7 @@ def config(num_blocks: int = 0) -> PytorchEngineConfig:
     return PytorchEngineConfig(max_batch_size=8, block_size=BLOCK, session_len=256, num_gpu_blocks=num_blocks)
 
 
-@pytest.mark.parametrize("seed", [0, 1, 3])
+@pytest.mark.parametrize("seed", [1, 2, 3])
 @pytest.mark.parametrize("num_blocks", [10, 12])
 def test_small_cache_keeps_the_targets_output(tiny_models, seed, num_blocks):
     target = tiny_models["target-llama"]
