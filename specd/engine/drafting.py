@@ -59,6 +59,9 @@ class _Surplus:
     rest: DraftProposal
 
 
+NO_DRAFTS = DraftProposal(torch.empty(0, dtype=torch.long))  # a step without drafts (read-only)
+
+
 class Drafting:
     """Draft requests of one engine: asked in the step, or sent ahead; drafts carried over from
     one step to the next (see the module doc)."""
@@ -134,7 +137,7 @@ class Drafting:
         from one batched proposer call."""
         carried, self._carried, self._surplus = self._carried, {}, {}
         if self.proposer is None or not batch:
-            return [DraftProposal(torch.empty(0, dtype=torch.long)) for _ in batch]
+            return [NO_DRAFTS] * len(batch)
         proposals: list[DraftProposal | None] = [None] * len(batch)
         fresh: list[int] = []
         for i, seq in enumerate(batch):
