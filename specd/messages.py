@@ -125,6 +125,9 @@ class GenerationConfig:
     min_p: float = 0.0
     temperature: float = 0.8
     repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0  # OpenAI's, over the output: [-2, 2]
+    frequency_penalty: float = 0.0  # OpenAI's, over the output: [-2, 2]
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, [-100, 100]
     ignore_eos: bool = False
     random_seed: int | None = None
     stop_words: list[str] | None = None
@@ -149,6 +152,8 @@ class GenerationConfig:
         _require(self.temperature >= 0.0, "temperature", f"must be >= 0, got {self.temperature}")
         _require(self.repetition_penalty > 0.0, "repetition_penalty",
                  f"must be > 0, got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            _require(-2.0 <= getattr(self, name) <= 2.0, name, f"must be in [-2, 2], got {getattr(self, name)}")
         _require(self.min_new_tokens is None or 0 <= self.min_new_tokens <= self.max_new_tokens,
                  "min_new_tokens", "must be between 0 and max_new_tokens")
         _require(self.random_seed is None or isinstance(self.random_seed, int), "random_seed",

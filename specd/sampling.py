@@ -28,6 +28,8 @@ class SamplingTensors:
     top_p: torch.Tensor  # [B] float32, 1 disables
     min_p: torch.Tensor  # [B] float32, 0 disables
     repetition_penalty: torch.Tensor  # [B] float32, 1 disables
+    presence_penalty: torch.Tensor  # [B] float32, 0 disables
+    frequency_penalty: torch.Tensor  # [B] float32, 0 disables
     seeds: torch.Tensor  # [B] int64
     is_greedy: torch.Tensor  # [B] bool
 
@@ -46,6 +48,8 @@ class SamplingTensors:
             top_p=column([p.top_p for p in params], torch.float32),
             min_p=column([p.min_p for p in params], torch.float32),
             repetition_penalty=column([p.repetition_penalty for p in params], torch.float32),
+            presence_penalty=column([p.presence_penalty for p in params], torch.float32),
+            frequency_penalty=column([p.frequency_penalty for p in params], torch.float32),
             seeds=column([p.seed for p in params], torch.int64),
             is_greedy=column([p.is_greedy for p in params], torch.bool),
         )
@@ -105,6 +109,47 @@ def apply_repetition_penalty(logits: torch.Tensor,
     factor = penalty.to(logits.dtype)[:, None]  # [N, 1]
     scores = torch.where(scores < 0, scores * factor, scores / factor)
     return with_sink.scatter(1, index, scores)[:, :vocab]
+
+
+def apply_presence_frequency_penalties(logits: torch.Tensor, output_token_ids: list[torch.Tensor],
+                                       presence: torch.Tensor, frequency: torch.Tensor) -> torch.Tensor:
+    """OpenAI's penalties: a token's logit less frequency x its count in the row's output so far,
+    less presence once it occurs at all. (The prompt is not counted, as in vLLM and OpenAI.)
+
+    logits: [N, V]. output_token_ids: one 1-D LongTensor per row, the output before that row's
+    position (drafts before it included). presence, frequency: [N]; 0 leaves a row unchanged.
+    Returns a new [N, V] tensor.
+    """
+    assert logits.ndim == 2, f"logits must be [N, V], got {tuple(logits.shape)}"
+    num_rows, vocab = logits.shape
+    assert len(output_token_ids) == num_rows and presence.shape == frequency.shape == (num_rows,)
+    if num_rows == 0:
+        return logits.clone()
+    index = torch.nn.utils.rnn.pad_sequence(
+        [t.to(dtype=torch.int64).reshape(-1) for t in output_token_ids], batch_first=True,
+        padding_value=vocab).to(logits.device)  # [N, L]; padding counts in a sink column
+    counts = torch.zeros(num_rows, vocab + 1, device=logits.device, dtype=logits.dtype)
+    counts = counts.scatter_add_(1, index, torch.ones_like(index, dtype=logits.dtype))[:, :vocab]  # [N, V]
+    penalty = (frequency.to(logits.dtype)[:, None] * counts
+               + presence.to(logits.dtype)[:, None] * (counts > 0).to(logits.dtype))
+    return logits - penalty
+
+
+def apply_logit_bias(logits: torch.Tensor, biases: list[dict[int, float]]) -> torch.Tensor:
+    """Add biases[i][token] to row i's logit of each token named (OpenAI's logit_bias).
+
+    logits: [N, V]; biases: one dict per row (empty: unchanged). Returns a new [N, V] tensor.
+    Token ids must be < V (the engine checks them when a request is added).
+    """
+    rows = [i for i, b in enumerate(biases) for _ in b]
+    if not rows:
+        return logits.clone()
+    tokens = [t for b in biases for t in b]
+    values = [v for b in biases for v in b.values()]
+    device = logits.device
+    index = (torch.tensor(rows).to(device, non_blocking=True), torch.tensor(tokens).to(device, non_blocking=True))
+    return logits.index_put(index, torch.tensor(values, dtype=logits.dtype).to(device, non_blocking=True),
+                            accumulate=True)
 
 
 def processed_probs(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:

@@ -7,7 +7,8 @@ import torch
 from scipy import stats
 
 from specd.random import SALT_SAMPLE
-from specd.sampling import (SamplingTensors, apply_repetition_penalty, processed_probs,
+from specd.sampling import (SamplingTensors, apply_logit_bias, apply_presence_frequency_penalties,
+                            apply_repetition_penalty, processed_probs,
                             sample_from_probs)
 from specd.sampling_params import SamplingParams
 
@@ -180,3 +181,47 @@ def test_a_vanishing_temperature_decodes_greedily_instead_of_nan():
     probs = processed_probs(logits, SamplingTensors.from_params(params))
     assert torch.isfinite(probs).all()
     assert probs[0].tolist() == [0.0, 1.0, 0.0]  # one-hot on the argmax
+
+
+def test_presence_and_frequency_penalties_count_the_output():
+    """OpenAI's definition, row by row: logit - frequency * count - presence * (count > 0)."""
+    logits = torch.randn(3, 6)
+    outputs = [torch.tensor([2, 2, 5]), torch.tensor([], dtype=torch.long), torch.tensor([0, 1, 0, 0])]
+    presence, frequency = torch.tensor([0.5, 1.0, -0.3]), torch.tensor([0.25, 2.0, 0.7])
+    got = apply_presence_frequency_penalties(logits, outputs, presence, frequency)
+    want = logits.clone()
+    for i, out in enumerate(outputs):
+        for token in set(out.tolist()):
+            count = out.tolist().count(token)
+            want[i, token] -= frequency[i] * count + presence[i]
+    torch.testing.assert_close(got, want)
+    assert torch.equal(got[1], logits[1])  # no output yet: nothing to penalise
+
+
+def test_logit_bias_adds_to_the_named_tokens_of_each_row():
+    logits = torch.randn(2, 5)
+    got = apply_logit_bias(logits, [{1: 3.0, 4: -100.0}, {}])
+    want = logits.clone()
+    want[0, 1] += 3.0
+    want[0, 4] -= 100.0
+    torch.testing.assert_close(got, want)
+    assert torch.equal(apply_logit_bias(logits, [{}, {}]), logits)
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("presence_penalty", 2.5, "presence_penalty: must be in [-2, 2]"),
+    ("frequency_penalty", float("nan"), "frequency_penalty: must be a finite number"),
+    ("logit_bias", {"x": 1.0}, "logit_bias: keys must be token ids"),
+    ("logit_bias", {3: 101}, "logit_bias: values must be numbers in [-100, 100]"),
+    ("logit_bias", {-1: 1}, "logit_bias: token ids must be >= 0"),
+])
+def test_bad_penalties_and_biases_name_their_field(field, value, message):
+    from specd.messages import ConfigError
+
+    with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        SamplingParams(**{field: value})
+
+
+def test_logit_bias_keys_arrive_as_strings_and_become_token_ids():
+    """JSON (the Redis stream, the OpenAI API) carries the keys as strings."""
+    assert SamplingParams(logit_bias={"7": 2, "3": -1.5}).logit_bias == {7: 2.0, 3: -1.5}

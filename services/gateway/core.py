@@ -126,10 +126,11 @@ class Gateway:
             path, message = problem
             raise GatewayError(400, f"{path}: {message}", param=path or None)
 
-    def check_stop_token_ids(self, token_ids: list[int]) -> None:
-        if any(not 0 <= t < self.vocab_size for t in token_ids):
-            raise GatewayError(400, f"stop_token_ids: token ids must be in [0, {self.vocab_size})",
-                               param="stop_token_ids")
+    def check_token_ids(self, params) -> None:
+        """The token ids a request's parameters name (stop_token_ids, logit_bias) in the vocabulary."""
+        for name, token_ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias)):
+            if any(not 0 <= t < self.vocab_size for t in token_ids):
+                raise GatewayError(400, f"{name}: token ids must be in [0, {self.vocab_size})", param=name)
 
     async def _tokenize(self, fn, *args, **kwargs):
         return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, lambda: fn(*args, **kwargs))
@@ -212,7 +213,7 @@ class Gateway:
         timeout_s: this request's deadline from receipt (default and upper bound: request_timeout).
         """
         timeout_s = min(timeout_s or self.config.request_timeout, self.config.request_timeout)
-        self.check_stop_token_ids(queued.params.stop_token_ids)
+        self.check_token_ids(queued.params)
         await self.check_response_format(queued.response_format)
         rid = queued.request_id
         queue = self.reader.subscribe(rid)

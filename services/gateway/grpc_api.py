@@ -208,6 +208,8 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
             return SamplingParams(
                 temperature=float(s.temperature), top_k=int(s.top_k), top_p=float(s.top_p) or 1.0,
                 min_p=float(s.min_p), repetition_penalty=float(s.repetition_penalty) or 1.0,
+                presence_penalty=float(s.presence_penalty), frequency_penalty=float(s.frequency_penalty),
+                logit_bias={int(t): float(v) for t, v in s.logit_bias.items()},
                 seed=(int(s.seed) if request.has_seed else random.getrandbits(62)) % (2**63),
                 max_new_tokens=max_tokens, ignore_eos=request.ignore_eos,
                 stop_token_ids=[int(t) for t in request.stop_token_ids], stop_words=list(request.stop))

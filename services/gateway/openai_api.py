@@ -46,9 +46,9 @@ class _SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     stop: str | Annotated[list[str], Field(max_length=MAX_STOP_WORDS)] | None = None
     seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None  # token id (a string, as OpenAI sends it) -> [-100, 100]
     user: str | None = None
     response_format: dict[str, Any] | None = None
     # extra fields (vLLM, lmdeploy)
@@ -72,20 +72,6 @@ class _SamplingFields(BaseModel):
         if n != 1:
             raise ValueError("only n=1 is supported")
         return n
-
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _no_penalties(cls, v: float) -> float:
-        if v != 0.0:
-            raise ValueError("presence and frequency penalties are not supported; use repetition_penalty")
-        return v
-
-    @field_validator("logit_bias")
-    @classmethod
-    def _no_logit_bias(cls, v: dict | None) -> dict | None:
-        if v:
-            raise ValueError("logit_bias is not supported")
-        return v
 
     @field_validator("response_format")
     @classmethod
@@ -205,7 +191,9 @@ def to_sampling_params(req: _SamplingFields, max_tokens: int) -> SamplingParams:
         return SamplingParams(
             temperature=0.0 if greedy else req.temperature,
             top_k=max(req.top_k, 0), top_p=1.0 if greedy else req.top_p, min_p=req.min_p,
-            repetition_penalty=req.repetition_penalty, seed=seed % (2**63), max_new_tokens=max_tokens,
+            repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty, logit_bias=dict(req.logit_bias or {}),
+            seed=seed % (2**63), max_new_tokens=max_tokens,
             min_new_tokens=min(req.min_tokens, max_tokens), ignore_eos=req.ignore_eos,
             stop_token_ids=list(req.stop_token_ids or []), stop_words=req.stop_words,
             include_stop_str_in_output=req.include_stop_str_in_output,

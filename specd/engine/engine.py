@@ -328,17 +328,17 @@ class SpecEngine:
         draft_ids, draft_probs, num_drafts_t = pad_drafts(proposals, host_drafts, vocab, device)
         st = self._batch_sampling.get(batch, device)
         positions = torch.tensor([s.num_tokens + a for s, a in zip(batch, ahead)]).to(device, non_blocking=True)
-        history = ([s.prompt_token_ids + s.output_token_ids for s in batch]
-                   if any(s.params.repetition_penalty != 1.0 for s in batch) else None)
+        histories = ([(s.prompt_token_ids, s.output_token_ids) for s in batch]
+                     if any(s.params.needs_output_history for s in batch) else None)
+        biases = [s.params.logit_bias for s in batch] if any(s.params.logit_bias for s in batch) else None
         suppress = None  # rows that may not stop yet (min_new_tokens), built only when some exist
         if any(s.params.min_new_tokens > s.num_output_tokens for s in batch):
             suppress = [(s.params.min_new_tokens - s.num_output_tokens, sorted(self.stop.stop_token_ids(s)))
                         for s in batch]
         masks = self.constraints.masks(batch, host_drafts)
         all_greedy = all(s.params.is_greedy for s in batch)
-        target_probs = verify_target_probs(out, num_drafts, st, history, host_drafts,
-                                           suppress, masks,
-                                           all_greedy=all_greedy)
+        target_probs = verify_target_probs(out, num_drafts, st, histories, host_drafts, suppress, masks,
+                                           all_greedy=all_greedy, logit_biases=biases)
         result = rejection_sample(target_probs, draft_ids, draft_probs, num_drafts_t, st.seeds, positions,
                                   one_hot_target=all_greedy)
         self._clock.step_queued()

@@ -15,7 +15,7 @@ from specd.engine.sequence import Sequence
 from specd.engine.stop import StopChecker
 from specd.models.base import ForwardOutput
 from specd.random import SALT_SAMPLE
-from specd.sampling import SamplingTensors, apply_repetition_penalty, processed_probs, sample_from_probs
+from specd.sampling import SamplingTensors, apply_logit_bias, apply_repetition_penalty, processed_probs, sample_from_probs
 
 
 def sample_first_tokens(out: ForwardOutput, seqs: list[Sequence], constraints: ConstraintTracker,
@@ -26,6 +26,10 @@ def sample_first_tokens(out: ForwardOutput, seqs: list[Sequence], constraints: C
     device = out.logits.device
     st = SamplingTensors.from_params([s.params for s in seqs], device)
     logits = out.last_logits()  # [len(seqs), vocab]
+    # logit_bias, then the repetition penalty over the prompt (presence and frequency count the
+    # output, empty here): verify's order (verify.penalized_logits).
+    if any(s.params.logit_bias for s in seqs):
+        logits = apply_logit_bias(logits, [s.params.logit_bias for s in seqs])
     if any(s.params.repetition_penalty != 1.0 for s in seqs):
         logits = apply_repetition_penalty(
             logits, [torch.tensor(s.prompt_token_ids) for s in seqs], st.repetition_penalty)

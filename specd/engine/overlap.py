@@ -87,9 +87,9 @@ class PinnedRing:
 
 def decode_ahead_blocks(seq: Sequence) -> bool:
     """Whether seq's next step needs its tokens on the host (its history or the output length):
-    a grammar's mask, a repetition penalty, or min_new_tokens not reached yet."""
+    a grammar's mask, a penalty over the tokens so far, or min_new_tokens not reached yet."""
     params = seq.params
-    return (seq.grammar is not None or params.repetition_penalty != 1.0
+    return (seq.grammar is not None or params.needs_output_history
             or params.min_new_tokens > seq.num_output_tokens)
 
 

@@ -17,6 +17,8 @@ def check_request(prompt_token_ids: list[int], output_token_ids: list[int], para
                           f"within the context length {max_model_len}")
     if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab_size:
         raise ConfigError(f"prompt: token ids must be in [0, {vocab_size})")
+    if params.logit_bias and max(params.logit_bias) >= vocab_size:
+        raise ConfigError(f"logit_bias: token ids must be in [0, {vocab_size}), got {max(params.logit_bias)}")
     if grammar_without_backend:
         raise ConfigError("response_format: structured output needs a grammar backend")
     if output_token_ids:

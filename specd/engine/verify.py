@@ -11,7 +11,8 @@ import torch
 from specd.engine.constraints import keep_grammar_rows, mask_rows
 from specd.models.base import ForwardOutput
 from specd.proposers.base import DraftProposal
-from specd.sampling import SamplingTensors, apply_repetition_penalty, processed_probs
+from specd.sampling import (SamplingTensors, apply_logit_bias, apply_presence_frequency_penalties,
+                            apply_repetition_penalty, processed_probs)
 
 
 class BatchSamplingTensors:
@@ -65,15 +66,39 @@ def greedy_probs(logits: torch.Tensor) -> torch.Tensor:
         1, logits.float().argmax(dim=-1, keepdim=True), 1.0)
 
 
+def penalized_logits(logits: torch.Tensor, num_drafts: list[int], st: SamplingTensors,
+                     histories: list[tuple[list[int], list[int]]] | None, draft_token_ids: list[list[int]],
+                     logit_biases: list[dict[int, float]] | None) -> torch.Tensor:
+    """logits [sum(k_i + 1), V], request i's k_i + 1 verified rows in turn: its logit_bias added,
+    then the penalties over what precedes each row (vLLM's order): the repetition penalty over
+    prompt + output + the drafts before the row, presence and frequency over output + those drafts.
+    histories[i] = (prompt, output) of request i; None where no request has a penalty.
+    logit_biases: one dict per request, None where none has a bias."""
+    if logit_biases is not None:
+        logits = apply_logit_bias(logits, [b for b, k in zip(logit_biases, num_drafts) for _ in range(k + 1)])
+    if histories is None:
+        return logits
+    row_st = st.repeat_interleave(torch.tensor([k + 1 for k in num_drafts]), output_size=logits.shape[0])
+    contexts, outputs = [], []
+    for (prompt, output), drafts, k in zip(histories, draft_token_ids, num_drafts):
+        for j in range(k + 1):
+            outputs.append(torch.tensor(output + list(drafts[:j]), dtype=torch.long))
+            contexts.append(torch.cat([torch.tensor(prompt, dtype=torch.long), outputs[-1]]))
+    logits = apply_repetition_penalty(logits, contexts, row_st.repetition_penalty)
+    return apply_presence_frequency_penalties(logits, outputs, row_st.presence_penalty, row_st.frequency_penalty)
+
+
 def verify_target_probs(out: ForwardOutput, num_drafts: list[int], st: SamplingTensors,
-                        prev_token_ids: list[list[int]] | None, draft_token_ids: list[list[int]],
+                        histories: list[tuple[list[int], list[int]]] | None, draft_token_ids: list[list[int]],
                         suppress: list[tuple[int, list[int]]] | None = None,
-                        masks: list | None = None, all_greedy: bool = False) -> torch.Tensor:
+                        masks: list | None = None, all_greedy: bool = False,
+                        logit_biases: list[dict[int, float]] | None = None) -> torch.Tensor:
     """The processed target distribution at each verified position, [B, K+1, V].
 
     Row j of request i is the distribution after its committed tokens and drafts 0..j-1.
-    draft_token_ids: the drafts per request on the host (for the repetition-penalty histories).
-    prev_token_ids (for repetition penalty) are the committed tokens per request. suppress[i] =
+    draft_token_ids: the drafts per request on the host (for the penalties' histories).
+    histories[i] = (prompt, output) of request i, for the penalties (penalized_logits), None
+    where no request has one; logit_biases likewise. suppress[i] =
     (num_rows, token_ids): those ids are masked out of request i's first num_rows rows, which is
     how min_new_tokens keeps EOS and stop tokens from ending a sequence too early. masks[i] (a
     grammar MaskResult or None) restricts request i's rows serially along its drafts.
@@ -92,13 +117,7 @@ def verify_target_probs(out: ForwardOutput, num_drafts: list[int], st: SamplingT
                              for r in range(out.offsets[i], out.offsets[i] + k + 1)], dtype=torch.long)
         logits = out.logits[rows.to(device, non_blocking=True)]  # [sum(k_i + 1), V]
     counts = torch.tensor([k + 1 for k in num_drafts])
-    if prev_token_ids is not None:
-        row_st = st.repeat_interleave(counts, output_size=num_rows)
-        histories = []
-        for i, k in enumerate(num_drafts):
-            drafted = list(draft_token_ids[i][:k])
-            histories += [torch.tensor(prev_token_ids[i] + drafted[:j], dtype=torch.long) for j in range(k + 1)]
-        logits = apply_repetition_penalty(logits, histories, row_st.repetition_penalty)
+    logits = penalized_logits(logits, num_drafts, st, histories, draft_token_ids, logit_biases)
     if masks is not None:
         starts = [0]
         for k in num_drafts[:-1]:

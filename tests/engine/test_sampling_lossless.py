@@ -18,7 +18,8 @@ import specd.engine.engine as engine_module
 from specd.engine.builder import build_engine
 from specd.messages import PytorchEngineConfig, SpeculativeConfig
 from specd.rejection import RejectionResult
-from specd.sampling import SamplingTensors, processed_probs
+from specd.sampling import (SamplingTensors, apply_logit_bias, apply_presence_frequency_penalties,
+                            apply_repetition_penalty, processed_probs)
 from specd.sampling_params import SamplingParams
 from specd.tiny_models.llama import write_tiny_llama
 
@@ -39,13 +40,24 @@ def tiny_vocab_models(tmp_path_factory):
 
 
 def exact_joint(target_path, params: SamplingParams) -> np.ndarray:
-    """P(t1, t2 | PROMPT) under the processed target distribution, [V, V]."""
+    """P(t1, t2 | PROMPT) under the processed target distribution, [V, V]: logit_bias, then the
+    repetition penalty over the context and presence / frequency over the output (neutral unless
+    the setting names them)."""
     model = AutoModelForCausalLM.from_pretrained(target_path, dtype=torch.float32).eval()
     st = SamplingTensors.from_params([params], torch.device("cpu"))
+
+    def processed(logits: torch.Tensor, outputs: list[list[int]]) -> torch.Tensor:
+        rows = st.repeat_interleave(torch.full((1,), len(outputs)))
+        logits = apply_logit_bias(logits, [params.logit_bias] * len(outputs))
+        logits = apply_repetition_penalty(logits, [torch.tensor(PROMPT + o) for o in outputs], rows.repetition_penalty)
+        logits = apply_presence_frequency_penalties(logits, [torch.tensor(o, dtype=torch.long) for o in outputs],
+                                                    rows.presence_penalty, rows.frequency_penalty)
+        return processed_probs(logits, rows)
+
     with torch.no_grad():
-        p1 = processed_probs(model(torch.tensor([PROMPT])).logits[0, -1:], st)[0]
+        p1 = processed(model(torch.tensor([PROMPT])).logits[0, -1:], [[]])[0]
         batch = torch.tensor([PROMPT + [t] for t in range(VOCAB)])
-        p2 = processed_probs(model(batch).logits[:, -1], st.repeat_interleave(torch.full((1,), VOCAB)))
+        p2 = processed(model(batch).logits[:, -1], [[t] for t in range(VOCAB)])
     return (p1[:, None] * p2).double().numpy()
 
 
@@ -72,6 +84,9 @@ def chi_square_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
 SETTINGS = {
     "temperature-1": SamplingParams(temperature=1.0, max_new_tokens=4, ignore_eos=True),
     "top-k-top-p": SamplingParams(temperature=0.9, top_k=5, top_p=0.85, max_new_tokens=4, ignore_eos=True),
+    "penalties-and-bias": SamplingParams(temperature=1.0, presence_penalty=0.8, frequency_penalty=0.6,
+                                         repetition_penalty=1.2, logit_bias={2: 1.5, 6: -2.0},
+                                         max_new_tokens=4, ignore_eos=True),
 }
 
 

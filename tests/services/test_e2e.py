@@ -184,3 +184,36 @@ def test_response_format_through_the_openai_client(tiny_models, shared_redis):
             assert err.value.body["param"].startswith(param), err.value.body
     finally:
         stack.stop()
+
+
+def test_penalties_and_logit_bias_through_the_stack(tiny_models, shared_redis):
+    """presence_penalty, frequency_penalty and logit_bias from the OpenAI client and over gRPC,
+    with speculation: the output is in-process target-only greedy decoding with the same settings
+    (and differs from decoding without them)."""
+    model = tiny_models["target-llama"]
+    tokenizer = load_tokenizer(model)
+    messages = [{"role": "user", "content": "import json for value in data"}]
+    rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    prompt_ids = tokenizer.encode(rendered, add_special_tokens=False)
+    settings = dict(presence_penalty=1.5, frequency_penalty=0.75, logit_bias={11: 6.0, 12: -100.0})
+    engine = build_engine(model, PytorchEngineConfig(max_batch_size=2))
+    want, plain = (s.output_token_ids for s in engine.generate(
+        [prompt_ids] * 2, [SamplingParams(max_new_tokens=24, **settings), SamplingParams(max_new_tokens=24)]))
+    assert want != plain
+    stack = start_stack(model, "eagle3", tiny_models["draft-eagle3"], shared_redis)
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{stack.config.server_port}/v1", api_key="x",
+                               max_retries=0, timeout=120)
+        name = client.models.list().data[0].id
+        reply = client.chat.completions.create(
+            model=name, messages=messages, temperature=0, max_tokens=24, presence_penalty=1.5, frequency_penalty=0.75,
+            logit_bias={str(t): v for t, v in settings["logit_bias"].items()})
+        assert reply.choices[0].message.content == tokenizer.decode(want, skip_special_tokens=True)
+        with grpc.insecure_channel(f"127.0.0.1:{stack.grpc_port}") as channel:
+            sampling = common_pb2.SamplingParameters(temperature=0.0, presence_penalty=1.5, frequency_penalty=0.75,
+                                                     logit_bias=settings["logit_bias"])
+            got = generate_pb2_grpc.GenerateStub(channel).Generate(generate_pb2.GenerateRequest(
+                token_ids=generate_pb2.TokenIds(ids=prompt_ids), max_tokens=24, sampling=sampling), timeout=120)
+        assert list(got.token_ids) == want
+    finally:
+        stack.stop()

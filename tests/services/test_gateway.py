@@ -115,7 +115,8 @@ def test_stop_string_cuts_text(client, tokenizer, reference):
 def test_parameters_reach_the_queue(client, responder):
     resp = client.chat.completions.create(
         model=MODEL_NAME, messages=MESSAGES, max_tokens=8, top_p=0.9, seed=1234, stop=["\n\n", "END"],
-        response_format={"type": "json_object"},
+        response_format={"type": "json_object"}, presence_penalty=0.5, frequency_penalty=-0.25,
+        logit_bias={"7": 3, "11": -100},
         extra_body={"top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1, "stop_token_ids": [7],
                     "ignore_eos": True})
     params = responder.seen[resp.id.removeprefix("chatcmpl-")].params
@@ -123,6 +124,7 @@ def test_parameters_reach_the_queue(client, responder):
     assert (params.top_p, params.top_k, params.min_p, params.repetition_penalty) == (0.9, 20, 0.05, 1.1)
     assert params.seed == 1234 and params.max_new_tokens == 8 and params.ignore_eos
     assert params.stop_words == ["\n\n", "END"] and params.stop_token_ids == [7]
+    assert (params.presence_penalty, params.frequency_penalty, params.logit_bias) == (0.5, -0.25, {7: 3.0, 11: -100.0})
     assert responder.seen[resp.id.removeprefix("chatcmpl-")].response_format == {"type": "json_object"}
     seeds = {responder.seen[client.completions.create(model=MODEL_NAME, prompt="x", max_tokens=2).id
                             .removeprefix("cmpl-")].params.seed for _ in range(2)}
@@ -191,6 +193,11 @@ def test_malformed_and_oversized_requests(base_url, client):
     (b'{"prompt": "x", "repetition_penalty": Infinity}', "repetition_penalty", "finite"),
     (b'{"prompt": "x", "stop_token_ids": [-1]}', "stop_token_ids", ">= 0"),
     (b'{"prompt": "x", "stop_token_ids": [100000]}', "stop_token_ids", "token ids must be in"),
+    (b'{"prompt": "x", "presence_penalty": 2.5}', "presence_penalty", "less than or equal to 2"),
+    (b'{"prompt": "x", "frequency_penalty": -3}', "frequency_penalty", "greater than or equal to -2"),
+    (b'{"prompt": "x", "logit_bias": {"x": 1}}', "logit_bias", "keys must be token ids"),
+    (b'{"prompt": "x", "logit_bias": {"5": 101}}', "logit_bias", "[-100, 100]"),
+    (b'{"prompt": "x", "logit_bias": {"100000": 1}}', "logit_bias", "token ids must be in"),
     (b'{"prompt": "x", "stop": ["a", "b", "c", "d", "e", "f", "g", "h", "i", "j", "k", "l", "m", "n", "o", "p",'
      b' "q", "r", "s", "t", "u", "v", "w", "x", "y", "z", "1", "2", "3", "4", "5", "6", "7", "8", "9", "0", "A",'
      b' "B", "C", "D", "E", "F", "G", "H", "I", "J", "K", "L", "M", "N", "O", "P", "Q", "R", "S", "T", "U", "V",'
