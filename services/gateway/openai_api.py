@@ -1,7 +1,8 @@
 """The OpenAI API subset the gateway serves: request/response models and conversion to QueuedRequest.
 
 Semantics follow OpenAI: temperature defaults to 1.0 and 0 is greedy; max_tokens defaults to 16
-for completions and to the rest of the context for chat; `n` must be 1. Like vLLM and lmdeploy,
+for completions and to the rest of the context for chat; `n` must be 1; presence_penalty,
+frequency_penalty and logit_bias are served (docs/serving.md, "Sampling parameters"). Like vLLM and lmdeploy,
 top_k, min_p, repetition_penalty, min_tokens, stop_token_ids, ignore_eos, skip_special_tokens and
 include_stop_str_in_output are accepted as extra fields. Responses carry specd's per-request
 speculation figures as an extra top-level field `spec_stats`.
