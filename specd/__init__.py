@@ -9,7 +9,7 @@ __all__ = ["GenerationConfig", "PytorchEngineConfig", "Response", "SpecStats", "
 
 def pipeline(model_path, backend_config=None, speculative_config=None, **kwargs):
     """Build an in-process speculative-decoding pipeline (lmdeploy's `pipeline`)."""
-    from specd.pipeline import Pipeline
+    from specd.in_process import Pipeline
 
     return Pipeline(model_path, backend_config=backend_config,
                     speculative_config=speculative_config, **kwargs)

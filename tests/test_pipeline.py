@@ -53,3 +53,16 @@ def test_cli_reports_missing_model_without_traceback():
     out = subprocess.run([sys.executable, "-m", "specd.cli", "generate", "no-such/model"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "specd: error:" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_pipeline_stays_the_function_after_a_first_call(tiny_models):
+    """The in-process module is not named `pipeline`: importing it (as the first call does) once
+    replaced specd.pipeline, the function, with the module, and a later `from specd import
+    pipeline` got the module (TypeError: 'module' object is not callable)."""
+    import specd
+
+    pipe = pipeline(str(tiny_models["target-llama"]), backend_config=PytorchEngineConfig(max_batch_size=1))
+    pipe("Hi", gen_config=GenerationConfig(max_new_tokens=2, ignore_eos=True))
+    from specd import pipeline as again
+
+    assert callable(again) and again is specd.pipeline and again.__module__ == "specd"
