@@ -99,7 +99,10 @@ class AdminServer:
         reflection.enable_server_reflection(
             (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
             self.server)
-        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        try:
+            self.port = self.server.add_insecure_port(f"{host}:{port}")
+        except RuntimeError:  # grpcio raises where older versions returned 0
+            self.port = 0
         if self.port == 0:
             raise OSError(f"admin port: could not bind {host}:{port}")
         self.set_serving(False)

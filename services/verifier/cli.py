@@ -66,7 +66,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     import redis
 
-    from services.verifier.server import VerifierConfig, configure_logging, default_consumer_name, serve
+    from services.verifier.server import (PortInUseError, VerifierConfig, configure_logging, default_consumer_name,
+                                          serve)
     from specd.host_threads import size_threads
 
     configure_logging(args.log_level)
@@ -86,6 +87,9 @@ def run(args: argparse.Namespace) -> int:
         tls=TLSConfig.from_args(args), async_emit=args.async_emit, eager_mode=args.eager_mode)
     try:
         return serve(config)
+    except PortInUseError as e:
+        print(f"specd verifier: error: {e}", file=sys.stderr)
+        return 2
     except redis.RedisError as e:
         print(f"specd verifier: error: redis at {args.redis_url}: {e}", file=sys.stderr)
         return 1

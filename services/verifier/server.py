@@ -218,6 +218,14 @@ def build_proposer(config: VerifierConfig):
     return proposer
 
 
+class PortInUseError(ConfigError):
+    """A port the verifier serves on could not be bound: most often a second verifier on the host."""
+
+    def __init__(self, flag: str, host: str, port: int) -> None:
+        super().__init__(f"--{flag} {port}: cannot bind {host}:{port} (in use: another verifier on this "
+                         f"host?); give each verifier its own --{flag}, or 0 for any free port")
+
+
 def serve(config: VerifierConfig) -> int:
     """Run a verifier until drained by SIGTERM or the Drain RPC; returns the exit code."""
     import redis
@@ -236,11 +244,18 @@ def serve(config: VerifierConfig) -> int:
                                  log_interval_s=config.log_interval_s,
                                  claims=ClaimConfig(idle_ms=config.reclaim_idle_ms),
                                  async_emit=config.async_emit)
-    admin = AdminServer(config.admin_host, config.admin_port).start()
+    try:
+        admin = AdminServer(config.admin_host, config.admin_port).start()
+    except OSError:
+        raise PortInUseError("admin-port", config.admin_host, config.admin_port) from None
     log.info("admin port open", extra={"port": admin.port, "consumer": config.consumer})
     metrics = VerifierMetrics()
     if config.metrics_port:
-        metrics.serve(config.metrics_port)
+        try:
+            metrics.serve(config.metrics_port)
+        except OSError:
+            admin.stop()
+            raise PortInUseError("metrics-port", "0.0.0.0", config.metrics_port) from None
         log.info("metrics served", extra={"port": config.metrics_port})
     client = proposer = None
     try:

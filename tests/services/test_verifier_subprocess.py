@@ -131,3 +131,24 @@ def test_tp_above_1_is_refused(redis_url, target):
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert done.returncode != 0
     assert "--tp 2" in done.stderr and "tensor parallelism" in done.stderr
+
+
+@pytest.mark.parametrize("flag", ["--admin-port", "--metrics-port"])
+def test_a_busy_port_is_a_clear_error(redis_url, target, flag):
+    """A second verifier on one host (the admin port is 50071 by default): one line naming the
+    flag and what to do, exit 2, no traceback."""
+    import socket
+
+    from specd.transport.ports import free_port
+
+    with socket.socket() as held:
+        held.bind(("0.0.0.0", free_port()))
+        held.listen()
+        busy = held.getsockname()[1]
+        ports = {"--admin-port": str(busy) if flag == "--admin-port" else "0",
+                 "--metrics-port": str(busy) if flag == "--metrics-port" else "0"}
+        done = subprocess.run([sys.executable, "-m", "specd.cli", "verifier", str(target), "--redis-url", redis_url,
+                               *[x for kv in ports.items() for x in kv]], cwd=ROOT, capture_output=True, text=True,
+                              timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 2, done.stderr
+    assert f"{flag} {busy}: cannot bind" in done.stderr and "Traceback" not in done.stderr, done.stderr
