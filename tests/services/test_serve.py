@@ -62,6 +62,10 @@ def test_seed_command_line_serves_and_ctrl_c_stops_everything(tiny_models, tmp_p
             raise AssertionError("Ctrl-C did not stop the stack in 120 s; its stderr ends:\n"
                                  + log.read_text(errors="replace")[-3000:]) from None
     assert code == 0
+    # A normal shutdown reads as one: no traceback, no ERROR line from any service.
+    text = log.read_text(errors="replace")
+    bad = [line for line in text.splitlines() if "Traceback" in line or " ERROR " in line]
+    assert not bad, "\n".join(bad[:20]) + "\n---\n" + text[-4000:]
     time.sleep(0.5)
     assert not processes_mentioning(f"--port {port}"), "a child outlived the launcher"
     assert not processes_mentioning(str(tiny_models["draft-eagle3"]))
