@@ -33,7 +33,11 @@ def add_parser(sub) -> None:
     api.add_argument("--max-batch-size", type=int, default=128)
     api.add_argument("--session-len", type=int, default=None)
     api.add_argument("--tp", type=int, default=1)
-    api.add_argument("--enable-metrics", action="store_true")
+    api.add_argument("--enable-metrics", action="store_true",
+                     help="Prometheus /metrics on the server port (requests) and on the verifier's "
+                          "--verifier-metrics-port (its steps)")
+    api.add_argument("--verifier-metrics-port", type=int, default=0,
+                     help="with --enable-metrics: where the verifier serves its step metrics (0: a free port, logged)")
     api.add_argument("--model-name", dest="served_model_name", default=None)
     api.add_argument("--device", default="cpu", help="verifier device: cpu | cuda | cuda:N")
     api.add_argument("--drafter-device", default=None, help="default: the verifier's device")
@@ -65,7 +69,8 @@ def _run(args: argparse.Namespace) -> int:
         speculative_num_draft_tokens=args.speculative_num_draft_tokens,
         speculative_adaptive=args.speculative_adaptive,
         max_batch_size=args.max_batch_size, session_len=args.session_len, tp=args.tp,
-        enable_metrics=args.enable_metrics, served_model_name=args.served_model_name,
+        enable_metrics=args.enable_metrics, verifier_metrics_port=args.verifier_metrics_port,
+        served_model_name=args.served_model_name,
         device=args.device, drafter_device=args.drafter_device, eager_mode=args.eager_mode,
         max_queue_depth=args.max_queue_depth,
         api_keys=tuple(parse_keys(args.api_keys)), request_timeout=args.request_timeout,

@@ -48,7 +48,7 @@ class StackConfig:
     eager_mode: bool = False  # no CUDA graphs, in the verifier and the drafter
     drafter_port: int = 0
     verifier_admin_port: int = 0
-    verifier_metrics_port: int = 0
+    verifier_metrics_port: int = 0  # the verifier's step metrics, with enable_metrics (0: a free port, logged)
     max_queue_depth: int = 1024
     api_keys: tuple[str, ...] = ()  # the gateway's Bearer keys; empty: open
     request_timeout: float = 600.0
@@ -103,6 +103,7 @@ class Stack:
         self.children: list[tuple[str, subprocess.Popen]] = []
         self.redis_url = config.redis_url
         self.grpc_port = config.grpc_port or config.server_port + 1
+        self.verifier_metrics_port = 0  # where the verifier serves its step metrics (enable_metrics)
 
     def _spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
         cmd = [sys.executable, "-m", "specd.cli", *args, "--log-level", self.config.log_level.lower()]
@@ -111,6 +112,14 @@ class Stack:
                                 start_new_session=True)
         self.children.append((name, proc))
         return proc
+
+    def _verifier_metrics_port(self) -> int:
+        """The verifier's --metrics-port: the gateway's /metrics holds the requests' figures, the
+        verifier's the steps' (draft / verify split, batch size, draft lengths)."""
+        c = self.config
+        if c.enable_metrics:
+            self.verifier_metrics_port = c.verifier_metrics_port or _free_port()
+        return self.verifier_metrics_port
 
     def start(self, timeout: float = 300.0) -> None:
         c = self.config
@@ -143,7 +152,7 @@ class Stack:
         admin_port = c.verifier_admin_port or _free_port()
         args = ["verifier", c.model, "--redis-url", self.redis_url, "--max-batch-size", str(c.max_batch_size),
                 "--device", c.device, "--admin-port", str(admin_port),
-                "--metrics-port", str(c.verifier_metrics_port if c.enable_metrics else 0),
+                "--metrics-port", str(self._verifier_metrics_port()),
                 "--grammar", grammar_addr]
         if c.session_len:
             args += ["--session-len", str(c.session_len)]
@@ -172,6 +181,8 @@ class Stack:
         self._spawn("gateway", args, env={settings.API_KEYS.name: ",".join(c.api_keys)})
         self._wait_http_health(f"http://127.0.0.1:{c.server_port}/health", timeout)
         log.info("specd is serving on http://%s:%d (gRPC :%d)", c.server_name, c.server_port, self.grpc_port)
+        if self.verifier_metrics_port:
+            log.info("the verifier's step metrics: http://127.0.0.1:%d/metrics", self.verifier_metrics_port)
 
     def _server_tls_flags(self) -> list[str]:
         tls = self.config.tls

@@ -20,12 +20,13 @@ def processes_mentioning(marker: str) -> list[str]:
 
 
 def test_seed_command_line_serves_and_ctrl_c_stops_everything(tiny_models, tmp_path):
-    port = free_port()
+    port, verifier_metrics = free_port(), free_port()
     # The seed's command with `lmdeploy` replaced by `specd` and the model paths made local.
     cmd = [sys.executable, "-m", "specd.cli", "serve", "api_server", str(tiny_models["target-llama"]),
            "--backend", "pytorch", "--server-port", str(port),
            "--speculative-draft-model", str(tiny_models["draft-eagle3"]), "--speculative-algorithm", "eagle3",
-           "--speculative-num-draft-tokens", "3", "--max-batch-size", "128", "--enable-metrics"]
+           "--speculative-num-draft-tokens", "3", "--max-batch-size", "128", "--enable-metrics",
+           "--verifier-metrics-port", str(verifier_metrics)]
     # Started with SIGINT ignored, as `specd serve ... &` in a script starts it (bash ignores SIGINT
     # in background jobs; scripts/demo.sh stops its stack with one): Ctrl-C must still stop it.
     # (stderr to a file: the children inherit it, and a pipe would block the failure message's read)
@@ -51,6 +52,9 @@ def test_seed_command_line_serves_and_ctrl_c_stops_everything(tiny_models, tmp_p
         assert reply.usage.completion_tokens >= 1 and reply.model_extra["spec_stats"]["num_drafts"] >= 1
         metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode()
         assert "specd:spec_decode_num_drafts_total" in metrics
+        # The verifier's step metrics, on the port given
+        steps = urllib.request.urlopen(f"http://127.0.0.1:{verifier_metrics}/metrics").read().decode()
+        assert "specd:spec_decode_draft_length" in steps
     finally:
         proc.send_signal(signal.SIGINT)
         try:  # the launcher gives each of its children up to 20 s to stop, in turn
