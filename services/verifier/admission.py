@@ -63,7 +63,7 @@ class Admission:
                  writer: ResultWriter, reject: ErrorAnswers, redis_health: RedisHealth,
                  active: dict[int, ActiveRequest], request_ids: set[str], metrics, clock) -> None:
         self.engine, self.client, self.config, self.claims = engine, client, config, claims
-        self.result_queue, self.writer, self._reject, self.redis_health = result_queue, writer, reject, redis_health
+        self.result_queue, self.writer, self.reject, self.redis_health = result_queue, writer, reject, redis_health
         self.active, self._request_ids, self.metrics, self.clock = active, request_ids, metrics, clock
         self.draining = False
         self.num_reclaimed = 0  # requests resumed from a dead verifier
@@ -182,11 +182,11 @@ class Admission:
             self.result_queue.finish_entry(entry_id)
             return 0
         if resume is None:
-            self._reject(entry_id, request_id, INTERNAL_ERROR,
+            self.reject(entry_id, request_id, INTERNAL_ERROR,
                          "the request's result stream has a gap; it cannot be resumed")
             return 0
         if claimed.num_deliveries > self.config.claims.max_deliveries:
-            self._reject(entry_id, request_id, INTERNAL_ERROR,
+            self.reject(entry_id, request_id, INTERNAL_ERROR,
                          f"the request was claimed {claimed.num_deliveries} times: its verifiers keep "
                          "dying on it", resume.num_output_tokens)
             return 0
@@ -208,7 +208,7 @@ class Admission:
         except Exception as e:  # any malformed entry: a bad body must not stop the verifier
             raw_id = fields.get(b"id", fields.get("id"))
             request_id = raw_id.decode(errors="replace") if isinstance(raw_id, bytes) else raw_id
-            self._reject(entry_id, request_id or None, BAD_REQUEST,
+            self.reject(entry_id, request_id or None, BAD_REQUEST,
                          f"malformed request entry: {type(e).__name__}: {e}")
             return 0
         if request.request_id in self._request_ids:  # delivered twice: the first copy answers
@@ -216,13 +216,13 @@ class Admission:
             self.result_queue.finish_entry(entry_id)
             return 0
         if deadline is not None and deadline <= now:
-            self._reject(entry_id, request.request_id, DEADLINE_EXCEEDED,
+            self.reject(entry_id, request.request_id, DEADLINE_EXCEEDED,
                          "deadline exceeded before the request was admitted")
             return 0
         try:
             grammar = parse_response_format(request.response_format)
             if grammar is not None and self.engine.constraints.backend is None:
-                self._reject(entry_id, request.request_id, NOT_IMPLEMENTED,
+                self.reject(entry_id, request.request_id, NOT_IMPLEMENTED,
                              "response_format: this verifier runs without a grammar backend")
                 return 0
             seq = self.engine.add_request(
@@ -230,7 +230,7 @@ class Admission:
                 output_token_ids=resume.output_token_ids if resume else None,
                 spec_stats=resume.spec_stats if resume else None)
         except ConfigError as e:
-            self._reject(entry_id, request.request_id, BAD_REQUEST, str(e), resume.num_output_tokens if resume else 0)
+            self.reject(entry_id, request.request_id, BAD_REQUEST, str(e), resume.num_output_tokens if resume else 0)
             return 0
         self.active[seq.seq_id] = ActiveRequest(request.request_id, entry_id, seq, deadline,
                                                 request.arrival_time, now,

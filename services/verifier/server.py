@@ -136,12 +136,18 @@ class _Shutdown:
             self.worker.stop()
 
 
+GRAMMAR_RECOVER_TIMEOUT_S = 5.0
+
+
 def build_grammar_backend(config):
     """Matchers on the grammar service when --grammar is given, else in this process."""
     if config.grammar:
         from specd.clients.grammar import RemoteGrammarBackend
 
-        return RemoteGrammarBackend(config.grammar, credentials=channel_credentials(config.tls))
+        # Recovery (the next replica, or this one back) is waited for this long; past it only the
+        # constrained requests fail (503), while every other request of the batch waits with them.
+        return RemoteGrammarBackend(config.grammar, credentials=channel_credentials(config.tls),
+                                    recover_timeout_s=GRAMMAR_RECOVER_TIMEOUT_S)
     from specd.grammar.compiler import GrammarCompilerCache
     from specd.grammar.local import LocalGrammarBackend
 

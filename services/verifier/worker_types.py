@@ -22,6 +22,7 @@ BAD_REQUEST = 400
 CLIENT_CLOSED = 499  # cancelled by the client (nginx's code; the gateway counts it the same)
 INTERNAL_ERROR = 500
 NOT_IMPLEMENTED = 501
+SERVICE_UNAVAILABLE = 503  # a service the request needs is down (the grammar service, past its recovery)
 DEADLINE_EXCEEDED = 504
 
 

@@ -19,6 +19,7 @@ import time
 
 import torch
 
+from specd.clients.errors import GrammarServiceError
 from specd.engine.sequence import Sequence
 from specd.grammar.backend import GrammarBackend, GrammarStep, MaskResult
 
@@ -33,6 +34,9 @@ class ConstraintTracker:
         self._closing_rows: dict[int, int] = {}  # seq_id -> first row of its last masks closing changed
         self.seconds = 0.0  # time spent in grammar exchanges (for the step-time split)
         self.num_closed_sequences = 0  # sequences whose output budget-aware closing shaped
+        # seq id -> why: constrained sequences whose matchers the backend lost for good (the grammar
+        # service down past its recovery time, or it refused them); the engine fails them alone.
+        self.failed: dict[int, str] = {}
 
     def is_constrained(self, seq: Sequence) -> bool:
         return seq.grammar is not None
@@ -82,7 +86,17 @@ class ConstraintTracker:
         step = GrammarStep(commits={s.seq_id: self._pending[s.seq_id] for s, _ in constrained},
                            drafts={s.seq_id: list(d) for s, d in constrained},
                            budgets={seq_id: b for seq_id, b in budgets.items() if b is not None})
-        results = self.backend.step(step)
+        try:
+            results = self.backend.step(step)
+        except GrammarServiceError as err:
+            # Only the constrained requests fail (they cannot go on unmasked); the rest of the
+            # batch goes on. The backend forgot every matcher: these are all the tracked ones.
+            for s, _ in constrained:
+                self.failed[s.seq_id] = f"structured output: {err}"
+                self._pending.pop(s.seq_id, None)
+                self._closing_rows.pop(s.seq_id, None)
+            self.seconds += time.perf_counter() - t0
+            return [None] * len(seqs)
         for s, _ in constrained:
             self._pending[s.seq_id] = []
             result = results.get(s.seq_id)

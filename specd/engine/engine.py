@@ -96,6 +96,7 @@ class SpecEngine:
         # speculation, on runners that read a chunk's first token from the device.
         self._overlap = proposer is None and getattr(runner, "takes_first_token_ids", False)
         self._in_flight: StepInFlight | None = None
+        self._failed: list[Sequence] = []  # failed in this step (_fail_lost_constraints), reported with it
         self._pinned = PinnedRing(device, max_batch_size)
         self.drafting = Drafting(proposer, lambda seq: self._num_drafts(seq), ahead=draft_ahead,
                                  carry=draft_carry if proposer is not None else 0)
@@ -165,7 +166,8 @@ class SpecEngine:
         t0, before = time.perf_counter(), self.stats.timings.copy()
         prefetched = self.drafting.collect()  # first: nothing else touches the proposer before
         t_collect = time.perf_counter()
-        finished: list[Sequence] = []
+        finished: list[Sequence] = self._failed
+        self._failed = []
         flight, self._in_flight = self._in_flight, None
         if flight is not None:
             batch = next_decode_batch(self.running, flight, self.runner.plan_appends(), self.max_model_len)
@@ -187,6 +189,8 @@ class SpecEngine:
             verdict = self.verify(batch, proposals)
             t3 = time.perf_counter()
             finished += self.commit(batch, proposals, verdict)
+        finished += self._failed
+        self._failed = []
         t_sent = time.perf_counter()
         self.drafting.send_ahead([s for s in self.running if not s.is_finished])
         t_staged = time.perf_counter()
@@ -209,6 +213,8 @@ class SpecEngine:
         finished = self._land(flight)
         t_landed = time.perf_counter()
         finished += self._admit_and_announce()
+        finished += self._failed  # (admissions whose grammar was lost)
+        self._failed = []
         t_end = time.perf_counter()
         self.stats.timings.add_overlapped_step(t0, t_collect, t_launched, t_landed, t_end)
         self.stats.num_steps += 1
@@ -262,8 +268,11 @@ class SpecEngine:
         self.stats.num_eager_prefills += eager_before is None or self.runner.num_eager_forwards > eager_before
         first = sample_first_tokens(out, admitted, self.constraints, self.stop)
         self.stats.timings.prefill += time.perf_counter() - t_prefill
+        self._fail_lost_constraints(admitted)
         finished = []
         for i, seq in enumerate(admitted):
+            if seq.is_finished:  # its grammar was lost (_fail_lost_constraints): reported by step
+                continue
             seq.status = SequenceStatus.RUNNING
             resumed = bool(seq.output_token_ids)
             if self.proposer is not None:
@@ -336,6 +345,7 @@ class SpecEngine:
             suppress = [(s.params.min_new_tokens - s.num_output_tokens, sorted(self.stop.stop_token_ids(s)))
                         for s in batch]
         masks = self.constraints.masks(batch, host_drafts)
+        self._fail_lost_constraints()
         all_greedy = all(s.params.is_greedy for s in batch)
         target_probs = verify_target_probs(out, num_drafts, st, histories, host_drafts, suppress, masks,
                                            all_greedy=all_greedy, logit_biases=biases)
@@ -445,6 +455,24 @@ class SpecEngine:
         victim.status = SequenceStatus.WAITING
         victim.undrafted_token_ids, victim.undrafted_hidden = [], []
         self.waiting.appendleft(victim)
+
+    def _fail_lost_constraints(self, admitted: list[Sequence] = ()) -> None:
+        """Finish ("error") the sequences whose grammar matchers were lost for good and free them;
+        the step reports them with its finished ones. Their rows of the step in progress are
+        dropped (commit skips finished sequences)."""
+        failed = self.constraints.failed
+        if not failed:
+            return
+        for seq in [s for s in [*self.running, *admitted] if s.seq_id in failed]:
+            seq.finish("error")
+            seq.error = failed.pop(seq.seq_id)
+            if any(s is seq for s in self.running):
+                self.running = [s for s in self.running if s is not seq]
+                self._release(seq)
+            else:  # admitted in this step: its cache only (its drafter state is not open yet)
+                self.runner.free(seq.seq_id)
+            self._failed.append(seq)
+        failed.clear()
 
     def _carried_tokens(self, batch: list[Sequence], flight: StepInFlight | None
                         ) -> tuple[torch.Tensor | None, list[int]]:

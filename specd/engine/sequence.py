@@ -31,7 +31,8 @@ class Sequence:
     params: SamplingParams
     output_token_ids: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
-    finish_reason: str | None = None  # "stop" | "length"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "deadline" | "error" (error says why)
+    error: str | None = None
     stats: SpecStats = field(default_factory=SpecStats)
     grammar: GrammarSpec | None = None  # structured output: the grammar every token must follow
     # Output tokens from rows that budget-aware closing changed (forced, or tokens that could not

@@ -24,7 +24,8 @@ from services.verifier.cancel import CancelPoll
 from services.verifier.claims import Claims, HeartbeatRider
 from services.verifier.results.flush import ResultFlush, ResultQueue
 from services.verifier.metrics import StepRecord, add_spec_difference
-from services.verifier.worker_types import CLIENT_CLOSED, ActiveRequest, RedisHealth, WorkerConfig, sid
+from services.verifier.worker_types import (CLIENT_CLOSED, SERVICE_UNAVAILABLE, ActiveRequest, RedisHealth, WorkerConfig,
+                                            sid)
 from services.verifier.results.writer import ResultWriter
 from specd.engine.sequence import Sequence
 from specd.messages import SpecStats
@@ -177,6 +178,11 @@ class ResultPipeline:
 
     def _finish(self, ar: ActiveRequest) -> None:
         seq = ar.seq
+        if seq.finish_reason == "error":  # the engine could not go on with it (its grammar was lost)
+            self.admission.reject(ar.entry_id, ar.request_id, SERVICE_UNAVAILABLE, seq.error or "failed",
+                                  ar.num_emitted)
+            self._request_ids.discard(ar.request_id)
+            return
         self.result_queue.final(ar.request_id, ar.num_emitted, seq.output_token_ids[ar.num_emitted:],
                                 seq.finish_reason, seq.stats, len(seq.prompt_token_ids))
         self.result_queue.finish_entry(ar.entry_id)
