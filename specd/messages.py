@@ -49,7 +49,9 @@ class PytorchEngineConfig:
     max_prefill_token_num: int = 8192
     device_type: str = "auto"  # auto | cpu | cuda
     eager_mode: bool = False  # False: CUDA graphs for verify/decode steps on CUDA (CPU: always eager)
-    enable_prefix_caching: bool = False  # not supported yet: every request prefills its prompt
+    # Full blocks of committed tokens are kept and shared by prompts that start with them (the
+    # target's cache; engines whose drafter needs the target's hidden states prefill in full).
+    enable_prefix_caching: bool = True
     runner: Literal["auto", "llama", "hf"] = "auto"  # "hf": transformers' AutoModelForCausalLM
     download_dir: str | None = None
     revision: str | None = None
@@ -70,7 +72,7 @@ class PytorchEngineConfig:
                  f"expected auto, cpu or cuda, got {self.device_type!r}")
         _require(self.runner in ("auto", "llama", "hf"), "runner",
                  f"expected auto, llama or hf, got {self.runner!r}")
-        _refuse_unsupported(self, {"num_cpu_blocks": 0, "enable_prefix_caching": False})
+        _refuse_unsupported(self, {"num_cpu_blocks": 0})
 
 
 @dataclass

@@ -27,7 +27,6 @@ def test_bad_values_name_their_field(make, field):
     (lambda: GenerationConfig(bad_token_ids=[3]), "bad_token_ids"),
     (lambda: GenerationConfig(spaces_between_special_tokens=False), "spaces_between_special_tokens"),
     (lambda: GenerationConfig(logprobs=2), "logprobs"),
-    (lambda: PytorchEngineConfig(enable_prefix_caching=True), "enable_prefix_caching"),
     (lambda: PytorchEngineConfig(num_cpu_blocks=16), "num_cpu_blocks"),
     (lambda: SpeculativeConfig(method="ngram", quant_policy=8), "quant_policy"),
 ])

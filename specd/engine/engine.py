@@ -96,6 +96,9 @@ class SpecEngine:
         # speculation, on runners that read a chunk's first token from the device.
         self._overlap = proposer is None and getattr(runner, "takes_first_token_ids", False)
         self._in_flight: StepInFlight | None = None
+        # Prompts start from the cached blocks of earlier ones (kv_cache.py) unless the drafter
+        # needs the target's hidden state of every prompt token, which only a full prefill gives.
+        self._prefix_caching = getattr(runner, "prefix_caching", False) and self._hidden_kind == "none"
         self._failed: list[Sequence] = []  # failed in this step (_fail_lost_constraints), reported with it
         self._pinned = PinnedRing(device, max_batch_size)
         self.drafting = Drafting(proposer, lambda seq: self._num_drafts(seq), ahead=draft_ahead,
@@ -259,13 +262,22 @@ class SpecEngine:
         # A preempted sequence comes back with its output: re-prefill all but its last token, which
         # is still waiting to be verified; its next token is not sampled again.
         t_prefill = time.perf_counter()
-        chunks = [SequenceChunk(s.seq_id, self._prefill_tokens(s)) for s in admitted]
+        chunks = []
+        for s in admitted:
+            tokens = self._prefill_tokens(s)
+            cached = self.runner.match_prefix(s.seq_id, tokens) if self._prefix_caching else 0
+            s.num_cached_tokens = max(s.num_cached_tokens, cached)
+            self.stats.num_prefix_hit_tokens += cached
+            chunks.append(SequenceChunk(s.seq_id, tokens[cached:]))
         eager_before = getattr(self.runner, "num_eager_forwards", None)  # None: a runner without a static path
         out = self.runner.forward(chunks, want_hidden=self._hidden_kind == "final",
                                   want_aux_hidden=self._hidden_kind == "aux", last_logits_only=True)
         self.stats.num_prefills += 1
         self.stats.num_prefill_tokens += sum(len(c.token_ids) for c in chunks)
         self.stats.num_eager_prefills += eager_before is None or self.runner.num_eager_forwards > eager_before
+        if self._prefix_caching:  # their prompts' blocks serve requests admitted from now on
+            for s in admitted:
+                self.runner.register_prefix(s.seq_id, self._prefill_tokens(s))
         first = sample_first_tokens(out, admitted, self.constraints, self.stop)
         self.stats.timings.prefill += time.perf_counter() - t_prefill
         self._fail_lost_constraints(admitted)
@@ -448,6 +460,8 @@ class SpecEngine:
         """Free a running sequence's cache and queue it first for a re-prefill (tokens kept)."""
         self._ks = None
         self.stats.num_preemptions += 1
+        if self._prefix_caching:  # its re-prefill finds them
+            self.runner.register_prefix(victim.seq_id, victim.prompt_token_ids + victim.output_token_ids[:-1])
         self.runner.free(victim.seq_id)
         self.constraints.close(victim)
         if self.proposer is not None:
@@ -517,6 +531,8 @@ class SpecEngine:
 
     def _release(self, seq: Sequence) -> None:
         self._ks = None
+        if self._prefix_caching:  # the tokens its cache holds: all but the last (never fed)
+            self.runner.register_prefix(seq.seq_id, seq.prompt_token_ids + seq.output_token_ids[:-1])
         self.runner.free(seq.seq_id)
         self.constraints.close(seq)
         if self.proposer is not None:

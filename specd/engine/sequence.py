@@ -38,6 +38,7 @@ class Sequence:
     # Output tokens from rows that budget-aware closing changed (forced, or tokens that could not
     # close in time taken out); 0: the output ended on its own, or it is unconstrained.
     num_closing_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens its first prefill found in the prefix cache
     # Committed since the drafter last saw this sequence, with the target hidden rows that go with
     # them (one row fewer than tokens before the first draft step, as many afterwards).
     undrafted_token_ids: list[int] = field(default_factory=list)

@@ -89,6 +89,7 @@ class EngineStats:
     num_prefills: int = 0  # admission forwards (each prefills the sequences admitted together)
     num_eager_prefills: int = 0  # of them, those outside the runner's static path (CUDA graphs)
     num_prefill_tokens: int = 0
+    num_prefix_hit_tokens: int = 0  # prompt tokens found in the prefix cache, not prefilled
     timings: StepTimings = field(default_factory=StepTimings)
     # Draft lengths chosen (draft_policy.py), steps with a proposer only: draft_length_counts[k]
     # counts sequence-steps whose verify budget was k drafts; num_undrafted_steps counts steps in

@@ -145,6 +145,20 @@ class LlamaRunner:
         return AppendPlan(kv.allocator.num_free_blocks, kv.num_tokens, kv.num_new_blocks, self.session_len,
                           block_size=kv.block_size)
 
+    @property
+    def prefix_caching(self) -> bool:
+        return self.kv_cache.prefix_caching
+
+    def match_prefix(self, seq_id: int, token_ids: list[int]) -> int:
+        """A new sequence takes the cached blocks its prompt starts with; returns their tokens
+        (kv_cache.PagedKVCache.match_prefix): the prefill starts after them."""
+        self.unstage()
+        return self.kv_cache.match_prefix(seq_id, token_ids)
+
+    def register_prefix(self, seq_id: int, token_ids: list[int]) -> None:
+        """Offer the sequence's full blocks of these committed tokens to later prompts."""
+        self.kv_cache.register_prefix(seq_id, token_ids)
+
     def truncate(self, seq_id: int, length: int) -> None:
         self.unstage()
         self.kv_cache.truncate(seq_id, length)

@@ -82,4 +82,5 @@ def kv_cache_for(engine_config: PytorchEngineConfig, config: LlamaArchConfig, se
         torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MIN, group=parallel.group)
         num_blocks = int(count.item())
     return PagedKVCache(num_layers=config.num_hidden_layers, num_blocks=num_blocks, block_size=engine_config.block_size,
-                        num_kv_heads=kv_heads, head_dim=config.head_dim, dtype=dtype, device=device)
+                        num_kv_heads=kv_heads, head_dim=config.head_dim, dtype=dtype, device=device,
+                        prefix_caching=engine_config.enable_prefix_caching)
