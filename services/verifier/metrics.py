@@ -48,6 +48,8 @@ class StepRecord:
     prefill_seconds: float = 0.0  # of the engine's admit: the admitted requests' forward and first tokens
     num_prefills: int = 0  # admission forwards in the step (0 or 1)
     num_eager_prefills: int = 0  # of them, outside the runner's static path (CUDA graphs)
+    num_prefill_tokens: int = 0  # prompt tokens the step's prefill computed
+    num_prefix_hit_tokens: int = 0  # prompt tokens it found in the prefix cache instead
     engine_seconds: float = 0.0  # the whole engine step
     emit_seconds: float = 0.0  # the loop's emit verb: queueing, and waiting on Redis (below)
     emit_wait_seconds: float = 0.0  # of emit_seconds, blocked on result flushes: the round trip when
@@ -157,6 +159,9 @@ class VerifierMetrics:
         self.prefills = Counter("specd:prefill_forwards", "Admission forwards (each prefills the "
                                 "requests admitted together), by path: static (CUDA graphs) or eager",
                                 ["path"], registry=r)
+        self.prompt_token_sources = Counter("specd:prefill_prompt_tokens", "Prompt tokens admitted, by "
+                                            "where their K/V came from: prefill (computed) or "
+                                            "prefix_cache (reused)", ["source"], registry=r)
         self._round_trips_seen = 0
         self._captures_seen = (0, 0.0, 0)
         self._phases = {p: self.step_seconds.labels(phase=p)
@@ -196,6 +201,9 @@ class VerifierMetrics:
         if record.num_prefills:
             self.prefills.labels(path="eager").inc(record.num_eager_prefills)
             self.prefills.labels(path="static").inc(record.num_prefills - record.num_eager_prefills)
+        if record.num_prefill_tokens or record.num_prefix_hit_tokens:
+            self.prompt_token_sources.labels(source="prefill").inc(record.num_prefill_tokens)
+            self.prompt_token_sources.labels(source="prefix_cache").inc(record.num_prefix_hit_tokens)
         if record.flush_seconds > 0:
             self.flush_seconds.observe(record.flush_seconds)
         self.spec.observe(record.spec)

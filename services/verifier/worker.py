@@ -167,6 +167,7 @@ class VerifierWorker:
         stats = self.engine.stats
         before, tokens0 = stats.timings.copy(), stats.num_output_tokens
         prefills0, eager0 = stats.num_prefills, stats.num_eager_prefills
+        prefill_tokens0, hits0 = stats.num_prefill_tokens, stats.num_prefix_hit_tokens
         lengths0, undrafted0 = list(stats.draft_length_counts), stats.num_undrafted_steps
         t0 = time.perf_counter()
         self.results.record = record
@@ -198,6 +199,8 @@ class VerifierWorker:
         record.prefill_seconds = step.prefill
         record.num_prefills = stats.num_prefills - prefills0
         record.num_eager_prefills = stats.num_eager_prefills - eager0
+        record.num_prefill_tokens = stats.num_prefill_tokens - prefill_tokens0
+        record.num_prefix_hit_tokens = stats.num_prefix_hit_tokens - hits0
         record.num_new_tokens = self.engine.stats.num_output_tokens - tokens0
         record.draft_lengths = [c - (lengths0[k] if k < len(lengths0) else 0)
                                 for k, c in enumerate(stats.draft_length_counts)]

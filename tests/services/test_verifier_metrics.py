@@ -208,3 +208,23 @@ def test_chosen_draft_lengths_are_counted_by_k():
     assert _value(m, 'specd:spec_decode_draft_length_total{k="0"}') == 5
     assert _value(m, 'specd:spec_decode_draft_length_total{k="3"}') == 5
     assert _value(m, "specd:spec_decode_undrafted_steps_total") == 1
+
+
+def test_prompt_tokens_are_counted_by_source_through_a_worker(redis_url, client, target):
+    """Two requests with one long shared prefix, one after the other: the second's prefix comes
+    from the prefix cache, and the verifier's metrics say how many tokens came from where."""
+    from specd.sampling_params import SamplingParams
+    from specd.transport.redis_streams import QueuedRequest
+
+    stream = "metrics-prefix:requests"
+    worker = make_worker(redis_url, target, stream)
+    shared = [5 + (3 * i) % 200 for i in range(70)]
+    for i in range(2):
+        enqueue(client, stream, [QueuedRequest(f"pc{i}", shared + [7 + i], SamplingParams(max_new_tokens=3))])
+        for _ in range(20):
+            worker.run_once()
+            if not worker.active and not worker.engine.has_unfinished():
+                break
+    hits = _value(worker.metrics, 'specd:prefill_prompt_tokens_total{source="prefix_cache"}')
+    computed = _value(worker.metrics, 'specd:prefill_prompt_tokens_total{source="prefill"}')
+    assert hits >= 64 and computed + hits == 2 * 71
