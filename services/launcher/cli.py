@@ -41,6 +41,8 @@ def add_parser(sub) -> None:
     api.add_argument("--model-name", dest="served_model_name", default=None)
     api.add_argument("--device", default="cpu", help="verifier device: cpu | cuda | cuda:N")
     api.add_argument("--drafter-device", default=None, help="default: the verifier's device")
+    api.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                     help="prompts reuse the cached K/V blocks of earlier ones (on by default)")
     api.add_argument("--eager-mode", action="store_true",
                      help="no CUDA graphs (the verifier's steps and the drafter's), as lmdeploy's flag")
     api.add_argument("--max-queue-depth", type=int, default=1024,
@@ -72,6 +74,7 @@ def _run(args: argparse.Namespace) -> int:
         enable_metrics=args.enable_metrics, verifier_metrics_port=args.verifier_metrics_port,
         served_model_name=args.served_model_name,
         device=args.device, drafter_device=args.drafter_device, eager_mode=args.eager_mode,
+        enable_prefix_caching=args.enable_prefix_caching,
         max_queue_depth=args.max_queue_depth,
         api_keys=tuple(parse_keys(args.api_keys)), request_timeout=args.request_timeout,
         max_request_bytes=args.max_request_bytes, tls=TLSConfig.from_args(args), log_level=args.log_level)

@@ -46,6 +46,7 @@ class StackConfig:
     device: str = "cpu"
     drafter_device: str | None = None
     eager_mode: bool = False  # no CUDA graphs, in the verifier and the drafter
+    enable_prefix_caching: bool = True  # the verifier's (--no-enable-prefix-caching turns it off)
     drafter_port: int = 0
     verifier_admin_port: int = 0
     verifier_metrics_port: int = 0  # the verifier's step metrics, with enable_metrics (0: a free port, logged)
@@ -156,6 +157,8 @@ class Stack:
                 "--grammar", grammar_addr]
         if c.session_len:
             args += ["--session-len", str(c.session_len)]
+        if not c.enable_prefix_caching:
+            args += ["--no-enable-prefix-caching"]
         if c.eager_mode:
             args += ["--eager-mode"]
         if drafter_addr:

@@ -38,6 +38,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--metrics-port", type=int, default=9101, help="Prometheus /metrics (0: off)")
     p.add_argument("--tp", type=int, default=1, help="tensor parallelism (only 1 for now)")
     p.add_argument("--eager-mode", action="store_true", help="no CUDA graphs for the target's steps")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="prompts reuse the cached K/V blocks of earlier ones (lmdeploy's flag; on by default; "
+                        "engines whose drafter needs the target's hidden states prefill in full)")
     p.add_argument("--block-size", type=int, default=64, help="tokens per KV-cache block")
     p.add_argument("--reclaim-idle-ms", type=int, default=30_000,
                    help="take over requests whose verifier has not heartbeaten for this long and resume "
@@ -84,7 +87,8 @@ def run(args: argparse.Namespace) -> int:
         admin_port=args.admin_port, metrics_port=args.metrics_port, block_size=args.block_size,
         log_interval_s=args.log_interval, reclaim_idle_ms=args.reclaim_idle_ms,
         drafter_deadline_ms=args.drafter_deadline_ms, drafter_refresh_s=args.drafter_refresh_s,
-        tls=TLSConfig.from_args(args), async_emit=args.async_emit, eager_mode=args.eager_mode)
+        tls=TLSConfig.from_args(args), async_emit=args.async_emit, eager_mode=args.eager_mode,
+        enable_prefix_caching=args.enable_prefix_caching)
     try:
         return serve(config)
     except PortInUseError as e:

@@ -58,6 +58,7 @@ class VerifierConfig:
     tls: TLSConfig = PLAINTEXT  # CA (and client certificate) for the drafter and grammar channels
     async_emit: bool = True  # result round trips overlap the next engine step (a writer thread)
     eager_mode: bool = False  # no CUDA graphs for the target's steps
+    enable_prefix_caching: bool = True  # prompts reuse cached blocks of earlier ones (kv_cache.py)
 
     def __post_init__(self) -> None:
         if self.tp != 1:
@@ -84,7 +85,7 @@ class VerifierConfig:
     def engine_config(self) -> PytorchEngineConfig:
         return PytorchEngineConfig(tp=self.tp, session_len=self.session_len, max_batch_size=self.max_batch_size,
                                    block_size=self.block_size, device_type=self.device.split(":")[0],
-                                   eager_mode=self.eager_mode)
+                                   eager_mode=self.eager_mode, enable_prefix_caching=self.enable_prefix_caching)
 
     def speculative_config(self) -> SpeculativeConfig | None:
         if not self.speculative_algorithm or self.speculative_num_draft_tokens == 0:
