@@ -66,3 +66,22 @@ def test_caching_under_eviction_and_preemption(tiny_models, method):
     kv = engine.runner.kv_cache
     assert engine.stats.num_prefix_hit_tokens > 0 and engine.stats.num_preemptions > 0
     assert kv.allocator.num_free_blocks == kv.num_blocks  # every block back (free or cached)
+
+
+def test_caching_on_the_static_path(tiny_models):
+    """The CUDA graphs' CPU twin: a prefill after a cached prefix takes the static layouts with
+    context (not only the fresh-prompt ones captured up front)."""
+    from specd.engine.engine import SpecEngine
+    from specd.models.llama_runner import LlamaRunner
+
+    target = tiny_models["target-llama"]
+    want, _ = chat(target, None, caching=False)
+    runner = LlamaRunner(str(target), config(True), use_static_path=True)
+    engine = SpecEngine(runner, None, 0, max_batch_size=6, max_model_len=256)
+    prompts, rng = conversations(), random.Random(1)
+    params = SamplingParams(max_new_tokens=10, ignore_eos=True)
+    for turn in range(3):
+        seqs = engine.generate(prompts, [params] * len(prompts))
+        assert [s.output_token_ids for s in seqs] == want[turn]
+        prompts = [p + s.output_token_ids + [rng.randrange(4, 500) for _ in range(3)] for p, s in zip(prompts, seqs)]
+    assert engine.stats.num_prefix_hit_tokens > 0 and runner.static.num_static_forwards > 0
