@@ -25,16 +25,24 @@ from specd.messages import ConfigError
 from specd.transport.redis_streams import RESULT_PREFIX, ResultEntry, result_key
 from specd.transport.resume import ResultGapError, ResumePoint, replay_results
 
-# KEYS[1] stream; ARGV[1] group, ARGV[2] consumer, ARGV[3..] entry ids this verifier runs.
-# Refreshes those still pending for this consumer; returns the ids that are not (lost).
+# KEYS[1] stream; ARGV[1] group, ARGV[2] consumer, ARGV[3] how many entries the consumer may have
+# pending at most, ARGV[4..] entry ids this verifier runs. Refreshes those still pending for this
+# consumer; returns the ids that are not (lost). One XPENDING over the consumer's own pending list,
+# not one per entry: Redis commands per generated token are the Redis tier's ceiling.
 _HEARTBEAT = """
-local owned, lost = {}, {}
-for i = 3, #ARGV do
-  local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
-  if p[1] and p[1][2] == ARGV[2] then owned[#owned + 1] = ARGV[i] else lost[#lost + 1] = ARGV[i] end
+local mine = {}
+for _, p in ipairs(redis.call('XPENDING', KEYS[1], ARGV[1], '-', '+', tonumber(ARGV[3]), ARGV[2])) do
+  mine[p[1]] = true
 end
-if #owned > 0 then
-  redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, 'JUSTID', unpack(owned))
+local owned, lost = {}, {}
+for i = 4, #ARGV do
+  if mine[ARGV[i]] then owned[#owned + 1] = ARGV[i] else lost[#lost + 1] = ARGV[i] end
+end
+if #owned > 0 then  -- XCLAIM key group consumer min-idle id... JUSTID: the options after the ids
+  local args = {KEYS[1], ARGV[1], ARGV[2], 0}
+  for _, id in ipairs(owned) do args[#args + 1] = id end
+  args[#args + 1] = 'JUSTID'
+  redis.call('XCLAIM', unpack(args))
 end
 return lost
 """
@@ -88,7 +96,10 @@ class HeartbeatRider:
         self.answered = False
 
     def queue(self, pipe) -> int:
-        self.script(keys=[self.stream], args=[self.group, self.consumer, *self.entry_ids], client=pipe)
+        # The consumer's pending list holds its running entries and the few answered ones whose XACK
+        # is on its way; a generous bound keeps the single XPENDING from cutting it short.
+        bound = 2 * len(self.entry_ids) + 1024
+        self.script(keys=[self.stream], args=[self.group, self.consumer, bound, *self.entry_ids], client=pipe)
         return 1
 
     def answer(self, replies: list) -> None:

@@ -192,3 +192,32 @@ def test_an_entry_deleted_while_pending_is_acknowledged(redis_url, client, targe
     worker.run_once()
     check_answers(collect(client, ["rx-1"], timeout=5), reference_tokens(target, [live]))
     assert_queue_empty(client, stream)
+
+
+def test_a_heartbeat_is_one_xpending_whatever_the_batch(client):
+    """The heartbeat script reads the consumer's pending list once (not once per entry) and still
+    tells the entries another consumer took."""
+    from services.verifier.claims import ClaimConfig, Claims
+
+    stream, group = "heartbeat-count:requests", "g"
+    client.delete(stream)
+    client.xgroup_create(stream, group, id="0", mkstream=True)
+    ids = [client.xadd(stream, {"n": i}) for i in range(40)]
+    client.xreadgroup(group, "a", {stream: ">"}, count=40)
+    client.xclaim(stream, group, "b", 0, ids[:5], justid=True)  # a survivor took five of them
+
+    def xpending_calls() -> int:
+        return int(client.info("commandstats").get("cmdstat_xpending", {}).get("calls", 0))
+
+    time.sleep(0.4)  # idle 400 ms: the heartbeat resets it
+    claims = Claims(client, stream, group, "a", ClaimConfig(idle_ms=1000))
+    rider = claims.heartbeat(ids, now=0.0)
+    before = xpending_calls()
+    pipe = client.pipeline(transaction=False)
+    rider.queue(pipe)
+    rider.answer(pipe.execute(raise_on_error=False))
+    assert rider.answered and xpending_calls() - before == 1
+    assert sorted(rider.lost) == sorted(ids[:5])
+    idle = {p["message_id"]: p["time_since_delivered"]
+            for p in client.xpending_range(stream, group, min="-", max="+", count=100, consumername="a")}
+    assert set(idle) == set(ids[5:]) and max(idle.values()) < 300
