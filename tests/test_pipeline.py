@@ -89,3 +89,5 @@ def test_pipeline_returns_logprobs_in_lmdeploys_shape(tiny_models):
         assert 3 <= len(got) <= 4  # and its top 3 (the chosen among them or not)
         assert abs(got[token] - entry.logprob) <= 1e-4
         assert all(abs(got[t] - lp) <= 1e-4 for t, lp in entry.top)
+    only_chosen = pipe("import json", gen_config=GenerationConfig(max_new_tokens=4, logprobs=0, ignore_eos=True))
+    assert [list(d) for d in only_chosen.logprobs] == [[t] for t in only_chosen.token_ids]
