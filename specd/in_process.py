@@ -94,4 +94,17 @@ class Pipeline:
         return Response(text=text, generate_token_len=seq.num_output_tokens,
                         input_token_len=len(seq.prompt_token_ids), finish_reason=seq.finish_reason,
                         token_ids=list(seq.output_token_ids), index=index,
-                        spec_stats=seq.stats if self.engine.proposer is not None else None)
+                        spec_stats=seq.stats if self.engine.proposer is not None else None,
+                        logprobs=_lmdeploy_logprobs(seq) if seq.params.logprobs is not None else None)
+
+
+def _lmdeploy_logprobs(seq) -> list[dict[int, float]]:
+    """lmdeploy's Response.logprobs: per output token {token_id: logprob}, the chosen token first,
+    then its top alternatives (a dict: an alternative that is the chosen token is not repeated)."""
+    out = []
+    for token, entry in zip(seq.output_token_ids, seq.output_logprobs):
+        if entry is None:  # not produced here (a resumed request's earlier tokens)
+            out.append({})
+            continue
+        out.append({token: entry.logprob, **{t: lp for t, lp in entry.top if t != token}})
+    return out

@@ -139,7 +139,11 @@ class GenerationConfig:
     min_new_tokens: int | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True  # only True: special tokens are decoded as written
-    logprobs: int | None = None  # not supported yet (refused when set)
+    # Per output token its logprob and this many top alternatives (0..20; None: off), on
+    # Response.logprobs. logprobs_mode (a specd extension, as vLLM's): "raw" log_softmax of the
+    # target's logits, or "processed": log of the distribution the token was sampled from.
+    logprobs: int | None = None
+    logprobs_mode: str = "raw"
     response_format: dict | None = None
     include_stop_str_in_output: bool = False
 
@@ -161,7 +165,12 @@ class GenerationConfig:
         _require(self.random_seed is None or isinstance(self.random_seed, int), "random_seed",
                  f"must be an integer, got {self.random_seed!r}")
         _refuse_unsupported(self, {"bad_words": None, "bad_token_ids": None,
-                                   "spaces_between_special_tokens": True, "logprobs": None})
+                                   "spaces_between_special_tokens": True})
+        _require(self.logprobs is None or (isinstance(self.logprobs, int) and not isinstance(self.logprobs, bool)
+                                           and 0 <= self.logprobs <= 20), "logprobs",
+                 f"must be None or an integer in [0, 20], got {self.logprobs!r}")
+        _require(self.logprobs_mode in ("raw", "processed"), "logprobs_mode",
+                 f"expected raw or processed, got {self.logprobs_mode!r}")
 
     @property
     def is_greedy(self) -> bool:
@@ -246,6 +255,9 @@ class Response:
     token_ids: list[int] = field(default_factory=list)
     index: int = 0
     spec_stats: SpecStats | None = None
+    # With GenerationConfig(logprobs=N): per output token {token_id: logprob}, the chosen token
+    # first, then its top N alternatives (lmdeploy's shape); None otherwise.
+    logprobs: list[dict[int, float]] | None = None
 
     def __repr__(self) -> str:
         return (f"Response(text={self.text!r}, generate_token_len={self.generate_token_len}, "

@@ -36,6 +36,11 @@ class SamplingParams:
     stop_words: list[str] = field(default_factory=list)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # Log probabilities of each output token (specd/engine/logprobs.py): None off, else the chosen
+    # token's plus that many top alternatives (0..MAX_LOGPROBS). "raw": log_softmax of the target's
+    # logits; "processed": log of the distribution the token was sampled from.
+    logprobs: int | None = None
+    logprobs_mode: str = "raw"
 
     def __post_init__(self) -> None:
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
@@ -62,6 +67,11 @@ class SamplingParams:
             raise ConfigError(f"seed: must be in [0, 2**63), got {self.seed}")
         if any(t < 0 for t in self.stop_token_ids):
             raise ConfigError(f"stop_token_ids: must be >= 0, got {min(self.stop_token_ids)}")
+        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ConfigError(f"logprobs: must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ConfigError(f"logprobs_mode: expected one of {', '.join(LOGPROBS_MODES)}, got {self.logprobs_mode!r}")
 
     @property
     def needs_output_history(self) -> bool:
@@ -93,9 +103,13 @@ class SamplingParams:
             stop_words=list(gen.stop_words or []),
             include_stop_str_in_output=gen.include_stop_str_in_output,
             skip_special_tokens=gen.skip_special_tokens,
+            logprobs=gen.logprobs,
+            logprobs_mode=gen.logprobs_mode,
         )
 
 
+MAX_LOGPROBS = 20  # top alternatives a request may ask for (OpenAI's top_logprobs bound)
+LOGPROBS_MODES = ("raw", "processed")
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range: -100 bans a token, +100 all but forces it
 
 

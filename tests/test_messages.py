@@ -26,7 +26,6 @@ def test_bad_values_name_their_field(make, field):
     (lambda: GenerationConfig(bad_words=["x"]), "bad_words"),
     (lambda: GenerationConfig(bad_token_ids=[3]), "bad_token_ids"),
     (lambda: GenerationConfig(spaces_between_special_tokens=False), "spaces_between_special_tokens"),
-    (lambda: GenerationConfig(logprobs=2), "logprobs"),
     (lambda: PytorchEngineConfig(num_cpu_blocks=16), "num_cpu_blocks"),
     (lambda: SpeculativeConfig(method="ngram", quant_policy=8), "quant_policy"),
 ])
@@ -39,6 +38,25 @@ def test_unimplemented_lmdeploy_fields_construct_at_their_defaults():
     GenerationConfig(bad_words=None, bad_token_ids=None, spaces_between_special_tokens=True, logprobs=None)
     PytorchEngineConfig(enable_prefix_caching=False, num_cpu_blocks=0)
     SpeculativeConfig(method="ngram", quant_policy=0)
+
+
+@pytest.mark.parametrize("make, field", [
+    (lambda: GenerationConfig(logprobs=21), "logprobs"),
+    (lambda: GenerationConfig(logprobs=-1), "logprobs"),
+    (lambda: GenerationConfig(logprobs=True), "logprobs"),
+    (lambda: GenerationConfig(logprobs=2, logprobs_mode="logits"), "logprobs_mode"),
+])
+def test_bad_logprobs_name_their_field(make, field):
+    with pytest.raises(ConfigError, match=f"^{field}:"):
+        make()
+
+
+def test_logprobs_reach_the_sampling_params():
+    from specd.sampling_params import SamplingParams
+
+    params = SamplingParams.from_generation_config(GenerationConfig(logprobs=3, logprobs_mode="processed"))
+    assert (params.logprobs, params.logprobs_mode) == (3, "processed")
+    assert SamplingParams.from_generation_config(GenerationConfig()).logprobs is None
 
 
 def test_greedy_mapping_follows_lmdeploy():

@@ -66,3 +66,28 @@ def test_pipeline_stays_the_function_after_a_first_call(tiny_models):
     from specd import pipeline as again
 
     assert callable(again) and again is specd.pipeline and again.__module__ == "specd"
+
+
+def test_pipeline_returns_logprobs_in_lmdeploys_shape(tiny_models):
+    """GenerationConfig(logprobs=N): per output token {token_id: logprob}, the chosen token first,
+    the target-only engine's values; none unless asked."""
+    from specd.engine.builder import build_engine
+    from specd.sampling_params import SamplingParams
+
+    target = str(tiny_models["target-llama"])
+    pipe = pipeline(target, backend_config=PytorchEngineConfig(max_batch_size=2),
+                    speculative_config=SpeculativeConfig(method="ngram", num_speculative_tokens=3))
+    asked, plain = pipe(["import json", "import json"], gen_config=[GenerationConfig(max_new_tokens=8, logprobs=3, ignore_eos=True),
+                                                                   GenerationConfig(max_new_tokens=8, ignore_eos=True)])
+    assert plain.logprobs is None
+    assert len(asked.logprobs) == len(asked.token_ids) == 8
+    [seq] = build_engine(target, PytorchEngineConfig(max_batch_size=1)).generate(
+        [pipe.encode("import json")], [SamplingParams(max_new_tokens=8, logprobs=3, ignore_eos=True)])
+    assert asked.token_ids == seq.output_token_ids
+    for got, token, entry in zip(asked.logprobs, seq.output_token_ids, seq.output_logprobs):
+        assert next(iter(got)) == token  # the chosen token first
+        assert 3 <= len(got) <= 4  # and its top 3 (the chosen among them or not)
+        assert abs(got[token] - entry.logprob) <= 1e-4
+        assert all(abs(got[t] - lp) <= 1e-4 for t, lp in entry.top)
+    only_chosen = pipe("import json", gen_config=GenerationConfig(max_new_tokens=4, logprobs=0, ignore_eos=True))
+    assert [list(d) for d in only_chosen.logprobs] == [[t] for t in only_chosen.token_ids]

@@ -23,6 +23,7 @@ from services.gateway import openai_api as oai
 from services.gateway.body_limit import BodySizeLimit
 from services.gateway.core import Gateway, collect, first_output
 from services.gateway.errors import GatewayError, redis_unavailable
+from services.gateway.logprobs import LogprobRenderer
 from services.gateway.metrics import CONTENT_TYPE_LATEST
 from services.gateway.request_stream import GenerationOutput, RequestStream, RequestTimings
 
@@ -76,8 +77,10 @@ def create_app(gateway: Gateway) -> FastAPI:
         if body.stream:
             return await _sse_response(gateway, stream, oai.chat_chunks(stream, meta, body.include_usage))
         result = await collect(stream)
+        logprobs = LogprobRenderer.of(stream)
         return oai.ChatCompletionResponse(
             **meta, choices=[oai.ChatChoice(message=oai.ChatResponseMessage(content=result.text),
+                                            logprobs=logprobs and logprobs.chat(result.logprobs),
                                             finish_reason=result.finish_reason)],
             usage=oai.Usage.of(result.num_prompt_tokens, len(result.token_ids)),
             spec_stats=oai.SpecStatsInfo.of(result.spec_stats))
@@ -92,8 +95,10 @@ def create_app(gateway: Gateway) -> FastAPI:
         if body.stream:
             return await _sse_response(gateway, stream, oai.completion_chunks(stream, meta, body.include_usage))
         result = await collect(stream)
+        logprobs = LogprobRenderer.of(stream)
         return oai.CompletionResponse(
-            **meta, choices=[oai.CompletionChoice(text=result.text, finish_reason=result.finish_reason)],
+            **meta, choices=[oai.CompletionChoice(text=result.text, finish_reason=result.finish_reason,
+                                                  logprobs=logprobs and logprobs.completion(result.logprobs))],
             usage=oai.Usage.of(result.num_prompt_tokens, len(result.token_ids)),
             spec_stats=oai.SpecStatsInfo.of(result.spec_stats))
 

@@ -4,7 +4,9 @@ Semantics follow OpenAI: temperature defaults to 1.0 and 0 is greedy; max_tokens
 for completions and to the rest of the context for chat; `n` must be 1; presence_penalty,
 frequency_penalty and logit_bias are served (docs/serving.md, "Sampling parameters"). Like vLLM and lmdeploy,
 top_k, min_p, repetition_penalty, min_tokens, stop_token_ids, ignore_eos, skip_special_tokens and
-include_stop_str_in_output are accepted as extra fields. Responses carry specd's per-request
+include_stop_str_in_output are accepted as extra fields. Log probabilities: chat's `logprobs` +
+`top_logprobs` (0..20), completions' `logprobs` (0..5), and `logprobs_mode` ("raw" | "processed",
+a specd/vLLM extension; docs/serving.md, "Log probabilities"). Responses carry specd's per-request
 speculation figures as an extra top-level field `spec_stats`.
 """
 
@@ -16,7 +18,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from specd.messages import ConfigError, SpecStats
 from specd.sampling_params import SamplingParams
@@ -24,6 +26,7 @@ from specd.transport.redis_streams import QueuedRequest
 
 from services.gateway.errors import GatewayError
 from services.gateway.guided import GUIDED_FIELDS, constraint_of
+from services.gateway.logprobs import ChatLogprobs, CompletionLogprobs, LogprobRenderer
 from services.gateway.request_stream import GenerationOutput, RequestStream
 from services.gateway.validation import MAX_STOP_WORDS
 
@@ -66,6 +69,9 @@ class _SamplingFields(BaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # logprobs' distribution (vLLM's logprobs_mode): "raw" log_softmax of the model's logits, or
+    # "processed": the distribution sampled from (after bias, penalties, temperature, filters)
+    logprobs_mode: Literal["raw", "processed"] = "raw"
 
     @field_validator("n")
     @classmethod
@@ -114,6 +120,7 @@ class ChatCompletionRequest(_SamplingFields):
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     functions: list[dict[str, Any]] | None = None  # OpenAI's legacy function calling
@@ -121,12 +128,17 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
 
-    @field_validator("logprobs")
+    @field_validator("top_logprobs")
     @classmethod
-    def _no_logprobs(cls, v: bool) -> bool:
-        if v:
-            raise ValueError("logprobs are not supported")
+    def _top_needs_logprobs(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v is not None and not info.data.get("logprobs"):  # as OpenAI
+            raise ValueError("top_logprobs needs logprobs set to true")
         return v
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """Top alternatives per token, None where logprobs are off."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @field_validator("tools", "functions")
     @classmethod
@@ -152,7 +164,7 @@ class CompletionRequest(_SamplingFields):
     max_tokens: int | None = Field(16, ge=1)
     echo: bool = False
     best_of: int | None = None
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=5)  # OpenAI's legacy bound
     suffix: str | None = None
 
     @field_validator("prompt")
@@ -172,8 +184,6 @@ class CompletionRequest(_SamplingFields):
             raise ValueError("echo is not supported")
         if self.best_of not in (None, 1):
             raise ValueError("best_of must be 1")
-        if self.logprobs is not None:
-            raise ValueError("logprobs are not supported")
         if self.suffix:
             raise ValueError("suffix is not supported")
         return self
@@ -181,6 +191,10 @@ class CompletionRequest(_SamplingFields):
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
 
 
 # ---- conversion ----------------------------------------------------------------------------------
@@ -198,7 +212,8 @@ def to_sampling_params(req: _SamplingFields, max_tokens: int) -> SamplingParams:
             min_new_tokens=min(req.min_tokens, max_tokens), ignore_eos=req.ignore_eos,
             stop_token_ids=list(req.stop_token_ids or []), stop_words=req.stop_words,
             include_stop_str_in_output=req.include_stop_str_in_output,
-            skip_special_tokens=req.skip_special_tokens)
+            skip_special_tokens=req.skip_special_tokens, logprobs=req.num_logprobs,
+            logprobs_mode=req.logprobs_mode)
     except ConfigError as e:
         raise GatewayError(400, str(e), param=str(e).split(":", 1)[0]) from None
 
@@ -262,7 +277,7 @@ class ChatResponseMessage(BaseModel):
 class ChatChoice(BaseModel):
     index: int = 0
     message: ChatResponseMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason
 
 
@@ -281,7 +296,7 @@ class ChatDelta(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: ChatDelta
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason | None = None
 
 
@@ -295,7 +310,7 @@ class ChatCompletionChunk(_Response):
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReason | None = None
 
 
@@ -351,13 +366,16 @@ async def _outputs(stream: RequestStream, first: GenerationOutput | None) -> Asy
 
 def chat_chunks(stream: RequestStream, meta: dict, include_usage: bool):
     """Renders a chat stream as SSE chunks: the role, text deltas, finish_reason + spec_stats, usage."""
+    logprobs = LogprobRenderer.of(stream)
+
     async def render(first: GenerationOutput | None) -> AsyncIterator[str]:
         yield sse(ChatCompletionChunk(**meta, choices=[ChatChunkChoice(
             delta=ChatDelta(role="assistant", content=""))]), include_usage=include_usage)
         async for out in _outputs(stream, first):
-            if out.text or out.finish_reason:
+            if out.text or out.finish_reason or out.logprobs:
                 yield sse(ChatCompletionChunk(
                     **meta, choices=[ChatChunkChoice(delta=ChatDelta(content=out.text or None),
+                                                     logprobs=logprobs and logprobs.chat(out.logprobs),
                                                      finish_reason=out.finish_reason)],
                     spec_stats=SpecStatsInfo.of(out.spec_stats) if out.finish_reason else None),
                     include_usage=include_usage)
@@ -369,11 +387,14 @@ def chat_chunks(stream: RequestStream, meta: dict, include_usage: bool):
 
 def completion_chunks(stream: RequestStream, meta: dict, include_usage: bool):
     """Renders a completion stream as SSE chunks: text deltas, finish_reason + spec_stats, usage."""
+    logprobs = LogprobRenderer.of(stream)
+
     async def render(first: GenerationOutput | None) -> AsyncIterator[str]:
         async for out in _outputs(stream, first):
-            if out.text or out.finish_reason:
+            if out.text or out.finish_reason or out.logprobs:
                 yield sse(CompletionChunk(
-                    **meta, choices=[CompletionChoice(text=out.text, finish_reason=out.finish_reason)],
+                    **meta, choices=[CompletionChoice(text=out.text, finish_reason=out.finish_reason,
+                                                      logprobs=logprobs and logprobs.completion(out.logprobs))],
                     spec_stats=SpecStatsInfo.of(out.spec_stats) if out.finish_reason else None),
                     include_usage=include_usage)
         if include_usage:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from services.gateway.detokenize import IncrementalDetokenizer, StopStringFilter
 from services.gateway.errors import GatewayError
+from services.gateway.logprob_release import LogprobRelease
 from specd.messages import SpecStats
 from specd.sampling_params import SamplingParams
 from specd.transport.redis_streams import ResultEntry
@@ -26,6 +27,9 @@ class GenerationOutput:
     token_ids: list[int]  # new tokens
     finish_reason: str | None = None  # set on the last output: "stop" | "length"
     spec_stats: SpecStats | None = None  # set on the last output
+    # Where the request asked: (token id, [logprob, [[id, logprob], ...]] or None) of the tokens
+    # whose text this output carries (logprob_release.py), in order; None otherwise.
+    logprobs: list[tuple[int, list | None]] | None = None
 
 
 @dataclass
@@ -40,6 +44,7 @@ class GenerationResult:
     spec_stats: SpecStats
     time_to_first_token: float
     latency: float
+    logprobs: list[tuple[int, list | None]] | None = None  # as GenerationOutput's, for all tokens
 
 
 @dataclass
@@ -79,6 +84,7 @@ class RequestStream:
         self.timings = timings
         self.detokenizer = IncrementalDetokenizer(tokenizer, params.skip_special_tokens)
         self.stop_filter = StopStringFilter(params.stop_words, params.include_stop_str_in_output)
+        self.logprob_release = LogprobRelease() if params.logprobs is not None else None
         self.finish_reason: str | None = None
         self.spec_stats = SpecStats()
         self.is_done = False
@@ -103,17 +109,23 @@ class RequestStream:
                                code="verifier_error" if entry.code >= 500 else None)
         if entry.tokens and self.timings.first_token is None:
             self.timings.first_token = time.perf_counter()
+        release = self.logprob_release
+        if release is not None:
+            release.add(entry.tokens, entry.logprobs)
         text = self.detokenizer.push(entry.tokens)
         if entry.kind == "delta":
-            return GenerationOutput(self.stop_filter.push(text), entry.tokens)
+            text = self.stop_filter.push(text)
+            logprobs = release.take(len(self.detokenizer.text), self.stop_filter) if release is not None else None
+            return GenerationOutput(text, entry.tokens, logprobs=logprobs)
         text += self.detokenizer.finish()
         text = self.stop_filter.push(text, is_final=True)
+        logprobs = release.take(len(self.detokenizer.text), self.stop_filter, final=True) if release else None
         self.finish_reason = "stop" if self.stop_filter.is_stopped else (entry.finish_reason or "stop")
         self.spec_stats = entry.spec_stats or SpecStats()
         self.is_done = True
         self.timings.finished = time.perf_counter()
         self._on_finish(self)
-        return GenerationOutput(text, entry.tokens, self.finish_reason, self.spec_stats)
+        return GenerationOutput(text, entry.tokens, self.finish_reason, self.spec_stats, logprobs)
 
     async def _next_entry(self) -> ResultEntry:
         timeout = self.deadline - time.perf_counter()
@@ -137,7 +149,11 @@ class RequestStream:
 
     async def collect(self) -> GenerationResult:
         """Read to the end."""
-        parts = [out.text async for out in self]
+        parts, logprobs = [], [] if self.logprob_release is not None else None
+        async for out in self:
+            parts.append(out.text)
+            if logprobs is not None:
+                logprobs.extend(out.logprobs or [])
         return GenerationResult(self.request_id, "".join(parts), list(self.token_ids),
                                 self.finish_reason or "stop", self.num_prompt_tokens, self.spec_stats,
-                                self.timings.time_to_first_token, self.timings.latency)
+                                self.timings.time_to_first_token, self.timings.latency, logprobs)

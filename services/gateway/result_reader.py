@@ -217,6 +217,8 @@ class ResultReader:
                                             f"got {entry.pos}")
             else:
                 entry.tokens = entry.tokens[skip:]
+                if entry.logprobs is not None:
+                    entry.logprobs = entry.logprobs[skip:]
                 entry.pos = sub.num_delivered
                 sub.num_delivered += len(entry.tokens)
                 if entry.kind == "delta" and not entry.tokens:

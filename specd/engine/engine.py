@@ -23,6 +23,7 @@ from specd.engine.device_clock import DeviceClock
 from specd.engine.draft_policy import DraftLengthPolicy
 from specd.engine.drafting import Drafting, default_carry, plan_draft_lengths
 from specd.engine.first_token import sample_first_tokens
+from specd.engine.logprobs import TokenLogprob, verify_logprobs
 from specd.engine.overlap import decode_ahead_blocks, HostRows, next_decode_batch, PinnedRing, StepInFlight
 from specd.engine.request_checks import check_request
 from specd.engine.sequence import Sequence, SequenceStatus
@@ -128,6 +129,8 @@ class SpecEngine:
         output = list(output_token_ids or [])
         seq = Sequence(next(self._ids), list(prompt_token_ids), params, output_token_ids=output, grammar=grammar,
                        stats=copy.deepcopy(spec_stats) if spec_stats is not None else SpecStats())
+        if params.logprobs is not None:  # a resumed request's emitted tokens went out with theirs
+            seq.output_logprobs = [None] * len(output)
         self.waiting.append(seq)
         return seq
 
@@ -227,7 +230,7 @@ class SpecEngine:
     def _launch(self, batch: list[Sequence], proposals: list[DraftProposal], flight: StepInFlight | None
                 ) -> StepInFlight:
         """A decode step queued on the device, its tokens' copy to the host queued behind it."""
-        out, result = self.verify(batch, proposals, carried=flight)
+        out, result, _ = self.verify(batch, proposals, carried=flight)  # (none asks logprobs: overlap.py)
         tokens = result.output_token_ids[:, 0]  # [B]: decode verifies no drafts
         return StepInFlight(batch, {s.seq_id: i for i, s in enumerate(batch)}, tokens,
                             HostRows(tokens, self._pinned.take()), self._clock, proposals)
@@ -278,7 +281,7 @@ class SpecEngine:
         if self._prefix_caching:  # their prompts' blocks serve requests admitted from now on
             for s in admitted:
                 self.runner.register_prefix(s.seq_id, self._prefill_tokens(s))
-        first = sample_first_tokens(out, admitted, self.constraints, self.stop)
+        first, first_logprobs = sample_first_tokens(out, admitted, self.constraints, self.stop)
         self.stats.timings.prefill += time.perf_counter() - t_prefill
         self._fail_lost_constraints(admitted)
         finished = []
@@ -298,7 +301,7 @@ class SpecEngine:
                 if hidden is not None:
                     seq.undrafted_hidden = [hidden]
             if not resumed:
-                self._append(seq, [first[i]])
+                self._append(seq, [first[i]], [first_logprobs[i]])
                 self.constraints.committed(seq, [first[i]])
                 if self.proposer is not None:
                     seq.undrafted_token_ids.append(first[i])
@@ -363,8 +366,9 @@ class SpecEngine:
                                            all_greedy=all_greedy, logit_biases=biases)
         result = rejection_sample(target_probs, draft_ids, draft_probs, num_drafts_t, st.seeds, positions,
                                   one_hot_target=all_greedy)
+        logprobs = verify_logprobs(batch, out.logits, out.offsets, num_drafts, target_probs, result.output_token_ids)
         self._clock.step_queued()
-        return out, result
+        return out, result, logprobs
 
     def commit(self, batch: list[Sequence], proposals: list[DraftProposal], verdict,
                landed: list[list[int]] | None = None) -> list[Sequence]:
@@ -375,6 +379,7 @@ class SpecEngine:
             return []
         out = verdict[0] if verdict is not None else None
         self._ks = None  # the caches change below
+        logprobs: dict[int, list[TokenLogprob]] = {}
         if landed is None:
             # The step's one device-to-host transfer: accepted counts and emitted tokens together.
             result = verdict[1]
@@ -382,6 +387,8 @@ class SpecEngine:
             landed = torch.cat([result.num_accepted[:, None], result.output_token_ids], dim=1).tolist()
             self.stats.timings.device_wait += time.perf_counter() - t0
             self.stats.timings.add_device_clock(self._clock.read())
+            if verdict[2] is not None:  # computed behind the step: read after its sync, not before
+                logprobs = verdict[2].read()
         num_accepted = [row[0] for row in landed]
         emitted = [row[1:] for row in landed]
         finished = []
@@ -401,7 +408,7 @@ class SpecEngine:
                 hidden = self._hidden_rows(out, i, m + 1)
                 if hidden is not None:
                     seq.undrafted_hidden.append(hidden)
-            num_appended = self._append(seq, new_tokens)
+            num_appended = self._append(seq, new_tokens, logprobs.get(i))
             self.constraints.committed(seq, new_tokens[:num_appended])
             if self.proposer is not None:
                 seq.undrafted_token_ids.extend(new_tokens[:num_appended])
@@ -517,9 +524,12 @@ class SpecEngine:
             ks = self._ks = self.draft_policy.plan(caps)
         return ks.get(seq.seq_id, 0)
 
-    def _append(self, seq: Sequence, tokens: list[int]) -> int:
+    def _append(self, seq: Sequence, tokens: list[int], logprobs: list[TokenLogprob | None] | None = None) -> int:
+        """Append tokens until one stops seq; logprobs: row j's for tokens[j] (where seq asked)."""
         n = self.stop.append(seq, tokens)
         self.stats.num_output_tokens += n
+        if seq.params.logprobs is not None:
+            seq.output_logprobs.extend(logprobs[:n] if logprobs is not None else [None] * n)
         return n
 
     def _hidden_rows(self, out, i: int, count: int) -> torch.Tensor | None:

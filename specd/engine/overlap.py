@@ -14,7 +14,8 @@ logits, sampled at the same positions with the same seeds.
 
 A step overlaps only where every sequence's next input is that one token (`decode_ahead_blocks`):
 speculation (drafts come from the host), grammars, repetition penalties and pending min_new_tokens
-(which read the host's token history), a full cache (preemption decides on landed state) and
+(which read the host's token history), requests that ask for logprobs (read at a synchronous
+commit; specd/engine/logprobs.py), a full cache (preemption decides on landed state) and
 runners without first_token_ids take the synchronous step, after the step in flight has landed.
 """
 
@@ -87,10 +88,12 @@ class PinnedRing:
 
 def decode_ahead_blocks(seq: Sequence) -> bool:
     """Whether seq's next step needs its tokens on the host (its history or the output length):
-    a grammar's mask, a penalty over the tokens so far, or min_new_tokens not reached yet."""
+    a grammar's mask, a penalty over the tokens so far, or min_new_tokens not reached yet; or
+    whether it asks for logprobs, which the synchronous commit reads (the landing copy holds tokens
+    only)."""
     params = seq.params
     return (seq.grammar is not None or params.needs_output_history
-            or params.min_new_tokens > seq.num_output_tokens)
+            or params.min_new_tokens > seq.num_output_tokens or params.logprobs is not None)
 
 
 def stops_by_length(seq: Sequence, num_pending: int, max_model_len: int) -> bool:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specd.engine.logprobs import TokenLogprob
 from specd.grammar.backend import GrammarSpec
 from specd.messages import SpecStats
 from specd.sampling_params import SamplingParams
@@ -43,6 +44,9 @@ class Sequence:
     # them (one row fewer than tokens before the first draft step, as many afterwards).
     undrafted_token_ids: list[int] = field(default_factory=list)
     undrafted_hidden: list[torch.Tensor] = field(default_factory=list)  # each [n_i, H*]
+    # With params.logprobs set: one entry per output token, aligned with output_token_ids (None
+    # for tokens a resumed request emitted before: those went out already); else stays empty.
+    output_logprobs: list[TokenLogprob | None] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

@@ -9,7 +9,9 @@ Result stream (one per request, `specd:results:<id>`), written by the verifier, 
     kind=delta  pos=<output index of the first token>  tokens=<JSON list of token ids>
                 spec_stats=<JSON SpecStats so far> (lets a verifier that resumes the request carry on
                 counting where the dead one stopped)
-    kind=final  pos, tokens (possibly empty), finish_reason, spec_stats (JSON), prompt_tokens
+                logprobs=<JSON list aligned with tokens: [logprob, [[token id, logprob], ...]] or null
+                per token>, only for requests that asked (SamplingParams.logprobs)
+    kind=final  pos, tokens (possibly empty), finish_reason, spec_stats (JSON), prompt_tokens, logprobs
     kind=error  code (HTTP-like status), message
     A TTL makes abandoned results expire: set with a stream's first write and its last, and
     refreshed by any write a tenth of the TTL after the last refresh, so a stream outlives any
@@ -87,9 +89,14 @@ class ResultEntry:
     prompt_tokens: int = 0
     code: int = 0
     message: str = ""
+    # delta / final, for requests that asked: per token [logprob, [[token id, logprob], ...]] or None
+    # (a resumed request's tokens emitted before); None where not asked
+    logprobs: list | None = None
 
     def to_fields(self) -> dict[str, str]:
         fields: dict[str, Any] = {"kind": self.kind, "pos": self.pos, "tokens": json.dumps(self.tokens)}
+        if self.logprobs is not None and self.kind in ("delta", "final"):
+            fields["logprobs"] = json.dumps(self.logprobs)
         if self.kind == "delta" and self.spec_stats is not None:
             fields["spec_stats"] = json.dumps(asdict(self.spec_stats))
         if self.kind == "final":
@@ -107,6 +114,8 @@ class ResultEntry:
         reads (CPU)")."""
         f = {_s(k): _s(v) for k, v in fields.items()}
         entry = cls(kind=f["kind"], pos=int(f.get("pos", 0)), tokens=json.loads(f.get("tokens", "[]")))
+        if "logprobs" in f:
+            entry.logprobs = json.loads(f["logprobs"])
         if entry.kind == "delta" and delta_stats and "spec_stats" in f:
             entry.spec_stats = _spec_stats(f["spec_stats"])
         if entry.kind == "final":

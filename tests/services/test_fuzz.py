@@ -103,6 +103,7 @@ common_fields = {
     "response_format": maybe(st.just({"type": "json_object"}), st.just({"type": "regex_schema", "regex_schema": "(["}),
                              deep),
     "logprobs": maybe(st.just(False)),
+    "logprobs_mode": maybe(st.just("raw"), st.just("processed"), st.text(max_size=4)),
     "stream_options": maybe(st.just({"include_usage": True})),
 }
 

@@ -159,7 +159,11 @@ def test_verifier_error_entry_keeps_its_code(client):
     ({"temperature": "hot"}, "temperature"),
     ({"messages": []}, "messages"),
     ({"top_p": 1.5}, "top_p"),
-    ({"logprobs": True}, "logprobs"),
+    ({"top_logprobs": 2}, "top_logprobs"),  # without logprobs: true, as OpenAI
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"logprobs": True, "top_logprobs": -1}, "top_logprobs"),
+    ({"logprobs": "yes please"}, "logprobs"),
+    ({"logprobs": True, "logprobs_mode": "logits"}, "logprobs_mode"),
     ({"max_tokens": 5000}, "max_tokens"),
 ])
 def test_bad_chat_requests_are_400(base_url, body, param):
@@ -204,6 +208,9 @@ def test_malformed_and_oversized_requests(base_url, client):
      b' "W", "X", "Y", "Z", "!", "?", "."]}', "stop", "at most 64"),
     (b'{"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {"schema": '
      + b'[' * 70 + b']' * 70 + b'}}}', "response_format", "nested"),
+    (b'{"prompt": "x", "logprobs": 6}', "logprobs", "less than or equal to 5"),
+    (b'{"prompt": "x", "logprobs": -1}', "logprobs", "greater than or equal to 0"),
+    (b'{"prompt": "x", "logprobs": 1, "logprobs_mode": "raw_logits"}', "logprobs_mode", "raw"),
     (b'[1, 2]', None, "JSON object"),
     (b'{"prompt": "\xff\xfe"}', None, "UTF-8"),  # bytes that are not UTF-8
 ])

@@ -105,21 +105,28 @@ class ResultQueue:
         return _sid(entry_id) in {_sid(e) for e in self._finished_entry_ids}
 
     # ---- queueing (no I/O) ------------------------------------------------------------------
-    def delta(self, request_id: str, pos: int, token_ids: list[int], spec_stats: SpecStats | None = None) -> None:
+    def delta(self, request_id: str, pos: int, token_ids: list[int], spec_stats: SpecStats | None = None,
+              logprobs: list | None = None) -> None:
         """Tokens output_token_ids[pos:pos + len(token_ids)] of a running request, and the request's
-        speculation figures so far (what a verifier that resumes the request carries on from)."""
+        speculation figures so far (what a verifier that resumes the request carries on from).
+        logprobs: one TokenLogprob (or None) per token, for requests that asked; else no field."""
         fields = {b"kind": b"delta", b"pos": b"%d" % pos, b"tokens": _tokens(token_ids)}
         if spec_stats is not None:
             fields[b"spec_stats"] = _stats(spec_stats)
+        if logprobs is not None:
+            fields[b"logprobs"] = _logprobs(logprobs)
         self._add(request_id, fields, last=False)
 
     def final(self, request_id: str, pos: int, token_ids: list[int], finish_reason: str | None,
-              spec_stats: SpecStats | None, prompt_tokens: int) -> None:
+              spec_stats: SpecStats | None, prompt_tokens: int, logprobs: list | None = None) -> None:
         """The last entry of a finished request, carrying its last tokens (possibly none)."""
-        self._add(request_id, {b"kind": b"final", b"pos": b"%d" % pos, b"tokens": _tokens(token_ids),
-                               b"finish_reason": (finish_reason or "").encode(),
-                               b"spec_stats": _JSON.encode(asdict(spec_stats or SpecStats())).encode(),
-                               b"prompt_tokens": b"%d" % prompt_tokens}, last=True)
+        fields = {b"kind": b"final", b"pos": b"%d" % pos, b"tokens": _tokens(token_ids),
+                  b"finish_reason": (finish_reason or "").encode(),
+                  b"spec_stats": _JSON.encode(asdict(spec_stats or SpecStats())).encode(),
+                  b"prompt_tokens": b"%d" % prompt_tokens}
+        if logprobs is not None:
+            fields[b"logprobs"] = _logprobs(logprobs)
+        self._add(request_id, fields, last=True)
 
     def error(self, request_id: str, code: int, message: str, pos: int = 0) -> None:
         """A request that ends without a final: code is HTTP-like (400 bad request, 504 deadline...)."""
@@ -245,3 +252,9 @@ def _sid(entry_id) -> str:
 
 def _tokens(token_ids: list[int]) -> bytes:
     return _JSON.encode(token_ids).encode()
+
+
+def _logprobs(logprobs: list) -> bytes:
+    """[[logprob, [[id, logprob], ...]] or null per token]: TokenLogprob is a tuple, so JSON as is
+    (-inf as -Infinity, which Python's json reads back)."""
+    return _JSON.encode(logprobs).encode()

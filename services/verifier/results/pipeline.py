@@ -70,7 +70,7 @@ class ResultPipeline:
             n = len(seq.output_token_ids)
             if n > ar.num_emitted and not seq.is_finished:
                 self.result_queue.delta(ar.request_id, ar.num_emitted, seq.output_token_ids[ar.num_emitted:n],
-                                        seq.stats)
+                                        seq.stats, _logprobs(seq, ar.num_emitted, n))
                 ar.num_emitted = n
         for seq in finished:
             ar = self.active.pop(seq.seq_id, None)
@@ -99,7 +99,7 @@ class ResultPipeline:
             n = len(seq.output_token_ids)
             if ar is not None and not seq.is_finished and n > ar.num_emitted:
                 self.result_queue.delta(ar.request_id, ar.num_emitted, seq.output_token_ids[ar.num_emitted:n],
-                                        seq.stats)
+                                        seq.stats, _logprobs(seq, ar.num_emitted, n))
                 ar.num_emitted = n
                 queued = True
         if queued:
@@ -184,7 +184,8 @@ class ResultPipeline:
             self._request_ids.discard(ar.request_id)
             return
         self.result_queue.final(ar.request_id, ar.num_emitted, seq.output_token_ids[ar.num_emitted:],
-                                seq.finish_reason, seq.stats, len(seq.prompt_token_ids))
+                                seq.finish_reason, seq.stats, len(seq.prompt_token_ids),
+                                _logprobs(seq, ar.num_emitted, len(seq.output_token_ids)))
         self.result_queue.finish_entry(ar.entry_id)
         ar.num_emitted = len(seq.output_token_ids)
         self._request_ids.discard(ar.request_id)
@@ -198,3 +199,8 @@ class ResultPipeline:
             "acceptance_rate": round(seq.stats.acceptance_rate, 3),
             "mean_acceptance_length": round(seq.stats.mean_acceptance_length, 3),
             "latency_s": round(self.clock() - ar.arrival_time, 4)})
+
+
+def _logprobs(seq: Sequence, start: int, end: int) -> list | None:
+    """The logprobs of output tokens start..end-1 where the request asked, else None (no field)."""
+    return seq.output_logprobs[start:end] if seq.params.logprobs is not None else None
