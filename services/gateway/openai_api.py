@@ -18,7 +18,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from specd.messages import ConfigError, SpecStats
 from specd.sampling_params import SamplingParams
@@ -178,15 +178,27 @@ class CompletionRequest(_SamplingFields):
             raise ValueError("the prompt is empty")
         return v
 
-    @model_validator(mode="after")
-    def _unsupported(self) -> "CompletionRequest":
-        if self.echo:
+    # Field validators, not one model validator: an error then names its field (param).
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, v: bool) -> bool:
+        if v:
             raise ValueError("echo is not supported")
-        if self.best_of not in (None, 1):
-            raise ValueError("best_of must be 1")
-        if self.suffix:
+        return v
+
+    @field_validator("best_of")
+    @classmethod
+    def _one_best(cls, v: int | None) -> int | None:
+        if v not in (None, 1):
+            raise ValueError("best_of must be 1 (one sequence is generated per request)")
+        return v
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, v: str | None) -> str | None:
+        if v:
             raise ValueError("suffix is not supported")
-        return self
+        return v
 
     @property
     def requested_max_tokens(self) -> int | None:
