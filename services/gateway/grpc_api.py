@@ -205,8 +205,11 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
     def to_sampling_params(request: generate_pb2.GenerateRequest, max_tokens: int) -> SamplingParams:
         s = request.sampling
         try:
+            # top_p 0 means greedy, as on HTTP (openai_api.to_sampling_params); unset means 1.
+            greedy = s.temperature == 0.0 or (s.HasField("top_p") and s.top_p == 0.0)
             return SamplingParams(
-                temperature=float(s.temperature), top_k=int(s.top_k), top_p=float(s.top_p) or 1.0,
+                temperature=0.0 if greedy else float(s.temperature), top_k=int(s.top_k),
+                top_p=float(s.top_p) if s.HasField("top_p") and not greedy else 1.0,
                 min_p=float(s.min_p), repetition_penalty=float(s.repetition_penalty) or 1.0,
                 presence_penalty=float(s.presence_penalty), frequency_penalty=float(s.frequency_penalty),
                 logit_bias={int(t): float(v) for t, v in s.logit_bias.items()},

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15specd/v1/common.proto\x12\x08specd.v1\"E\n\x06Tensor\x12\x1e\n\x05\x64type\x18\x01 \x01(\x0e\x32\x0f.specd.v1.DType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\xa8\x02\n\x12SamplingParameters\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x05 \x01(\x02\x12\x0c\n\x04seed\x18\x06 \x01(\x04\x12\x18\n\x10presence_penalty\x18\x07 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x02\x12?\n\nlogit_bias\x18\t \x03(\x0b\x32+.specd.v1.SamplingParameters.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x03\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\"u\n\tSpecStats\x12\x12\n\nnum_drafts\x18\x01 \x01(\x03\x12\x18\n\x10num_draft_tokens\x18\x02 \x01(\x03\x12\x1b\n\x13num_accepted_tokens\x18\x03 \x01(\x03\x12\x1d\n\x15\x61\x63\x63\x65pted_per_position\x18\x04 \x03(\x03*\x8a\x01\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x11\n\rDTYPE_FLOAT16\x10\x02\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x03\x12\x0f\n\x0b\x44TYPE_INT64\x10\x04\x12\x0f\n\x0b\x44TYPE_INT32\x10\x05\x12\x0e\n\nDTYPE_BOOL\x10\x06\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15specd/v1/common.proto\x12\x08specd.v1\"E\n\x06Tensor\x12\x1e\n\x05\x64type\x18\x01 \x01(\x0e\x32\x0f.specd.v1.DType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\xb7\x02\n\x12SamplingParameters\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x05 \x01(\x02\x12\x0c\n\x04seed\x18\x06 \x01(\x04\x12\x18\n\x10presence_penalty\x18\x07 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x02\x12?\n\nlogit_bias\x18\t \x03(\x0b\x32+.specd.v1.SamplingParameters.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x03\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x08\n\x06_top_p\"u\n\tSpecStats\x12\x12\n\nnum_drafts\x18\x01 \x01(\x03\x12\x18\n\x10num_draft_tokens\x18\x02 \x01(\x03\x12\x1b\n\x13num_accepted_tokens\x18\x03 \x01(\x03\x12\x1d\n\x15\x61\x63\x63\x65pted_per_position\x18\x04 \x03(\x03*\x8a\x01\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x11\n\rDTYPE_FLOAT16\x10\x02\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x03\x12\x0f\n\x0b\x44TYPE_INT64\x10\x04\x12\x0f\n\x0b\x44TYPE_INT32\x10\x05\x12\x0e\n\nDTYPE_BOOL\x10\x06\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,14 +33,14 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMETERS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMETERS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_DTYPE']._serialized_start=525
-  _globals['_DTYPE']._serialized_end=663
+  _globals['_DTYPE']._serialized_start=540
+  _globals['_DTYPE']._serialized_end=678
   _globals['_TENSOR']._serialized_start=35
   _globals['_TENSOR']._serialized_end=104
   _globals['_SAMPLINGPARAMETERS']._serialized_start=107
-  _globals['_SAMPLINGPARAMETERS']._serialized_end=403
-  _globals['_SAMPLINGPARAMETERS_LOGITBIASENTRY']._serialized_start=355
-  _globals['_SAMPLINGPARAMETERS_LOGITBIASENTRY']._serialized_end=403
-  _globals['_SPECSTATS']._serialized_start=405
-  _globals['_SPECSTATS']._serialized_end=522
+  _globals['_SAMPLINGPARAMETERS']._serialized_end=418
+  _globals['_SAMPLINGPARAMETERS_LOGITBIASENTRY']._serialized_start=360
+  _globals['_SAMPLINGPARAMETERS_LOGITBIASENTRY']._serialized_end=408
+  _globals['_SPECSTATS']._serialized_start=420
+  _globals['_SPECSTATS']._serialized_end=537
 # @@protoc_insertion_point(module_scope)

@@ -216,3 +216,22 @@ def test_redis_down_answers_503_and_sigterm_stops(model_dir):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_top_p_zero_is_greedy_on_grpc_as_on_http():
+    """One meaning for top_p = 0 on both APIs: greedy (OpenAI's); unset top_p is 1."""
+    from services.gateway.grpc_api import GenerateServicer
+    from services.gateway.openai_api import CompletionRequest, to_sampling_params
+    from specd.v1 import common_pb2
+
+    def grpc_params(**sampling):
+        request = generate_pb2.GenerateRequest(token_ids=generate_pb2.TokenIds(ids=[1]),
+                                               sampling=common_pb2.SamplingParameters(**sampling))
+        return GenerateServicer.to_sampling_params(request, 8)
+
+    http = to_sampling_params(CompletionRequest(prompt="x", temperature=0.7, top_p=0.0), 8)
+    over_grpc = grpc_params(temperature=0.7, top_p=0.0)
+    assert http.is_greedy and over_grpc.is_greedy and (over_grpc.temperature, over_grpc.top_p) == (0.0, 1.0)
+    unset = grpc_params(temperature=0.7)
+    assert not unset.is_greedy and unset.top_p == 1.0
+    assert grpc_params(temperature=0.7, top_p=0.5).top_p == 0.5
