@@ -391,9 +391,10 @@ def chat_chunks(stream: RequestStream, meta: dict, include_usage: bool):
                                                      finish_reason=out.finish_reason)],
                     spec_stats=SpecStatsInfo.of(out.spec_stats) if out.finish_reason else None),
                     include_usage=include_usage)
-        if include_usage:
+        if include_usage:  # the request's speculation figures again, beside its usage
             yield sse(ChatCompletionChunk(**meta, choices=[], usage=Usage.of(
-                stream.num_prompt_tokens, len(stream.token_ids))), include_usage=True)
+                stream.num_prompt_tokens, len(stream.token_ids)), spec_stats=SpecStatsInfo.of(stream.spec_stats)),
+                include_usage=True)
     return render
 
 
@@ -409,7 +410,8 @@ def completion_chunks(stream: RequestStream, meta: dict, include_usage: bool):
                                                       logprobs=logprobs and logprobs.completion(out.logprobs))],
                     spec_stats=SpecStatsInfo.of(out.spec_stats) if out.finish_reason else None),
                     include_usage=include_usage)
-        if include_usage:
+        if include_usage:  # the request's speculation figures again, beside its usage
             yield sse(CompletionChunk(**meta, choices=[], usage=Usage.of(
-                stream.num_prompt_tokens, len(stream.token_ids))), include_usage=True)
+                stream.num_prompt_tokens, len(stream.token_ids)), spec_stats=SpecStatsInfo.of(stream.spec_stats)),
+                include_usage=True)
     return render

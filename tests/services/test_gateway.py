@@ -81,6 +81,7 @@ def test_chat_stream_with_usage(client, tokenizer, reference):
     finish = [c for c in chunks if c.choices and c.choices[0].finish_reason]
     assert len(finish) == 1 and finish[0].model_extra["spec_stats"]["num_draft_tokens"] > 0
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(expected)
+    assert chunks[-1].model_extra["spec_stats"] == finish[0].model_extra["spec_stats"]  # beside the usage too
     assert all(c.usage is None for c in chunks[:-1])
 
 
