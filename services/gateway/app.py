@@ -7,6 +7,7 @@ mapped to one JSON shape in one place (_install_error_handlers).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -26,6 +27,7 @@ from services.gateway.errors import GatewayError, redis_unavailable
 from services.gateway.logprobs import LogprobRenderer
 from services.gateway.metrics import CONTENT_TYPE_LATEST
 from services.gateway.request_stream import GenerationOutput, RequestStream, RequestTimings
+from specd.messages import SpecStats
 
 logger = logging.getLogger(__name__)
 
@@ -73,17 +75,20 @@ def create_app(gateway: Gateway) -> FastAPI:
         gateway.check_values(body.model_dump(exclude_unset=True))
         prompt = await gateway.encode_chat([m.to_template_dict() for m in body.messages], body.add_generation_prompt,
                                      body.chat_template_kwargs)
-        stream, meta = await _submit(gateway, body, prompt, timings, "chatcmpl-")
+        streams, meta = await _submit(gateway, body, prompt, timings, "chatcmpl-")
         if body.stream:
-            return await _sse_response(gateway, stream, oai.chat_chunks(stream, meta, body.include_usage))
-        result = await collect(stream)
-        logprobs = LogprobRenderer.of(stream)
-        return oai.ChatCompletionResponse(
-            **meta, choices=[oai.ChatChoice(message=oai.ChatResponseMessage(content=result.text),
-                                            logprobs=logprobs and logprobs.chat(result.logprobs),
-                                            finish_reason=result.finish_reason)],
-            usage=oai.Usage.of(result.num_prompt_tokens, len(result.token_ids)),
-            spec_stats=oai.SpecStatsInfo.of(result.spec_stats))
+            return await _sse_response(gateway, streams, meta, body.include_usage, oai.ChatCompletionChunk,
+                                       [oai.chat_chunks(s, meta, body.include_usage, i, usage_chunk=len(streams) == 1)
+                                        for i, s in enumerate(streams)])
+        results = await _collect_all(streams)
+        choices = []
+        for i, (stream, result) in enumerate(zip(streams, results)):
+            logprobs = LogprobRenderer.of(stream)
+            choices.append(oai.ChatChoice(index=i, message=oai.ChatResponseMessage(content=result.text),
+                                          logprobs=logprobs and logprobs.chat(result.logprobs),
+                                          finish_reason=result.finish_reason))
+        return oai.ChatCompletionResponse(**meta, choices=choices, usage=_usage(results),
+                                          spec_stats=oai.SpecStatsInfo.of(_spec_stats(results)))
 
     @app.post("/v1/completions", dependencies=keyed)
     async def completions(body: oai.CompletionRequest):
@@ -91,16 +96,20 @@ def create_app(gateway: Gateway) -> FastAPI:
         gateway.check_model(body.model)
         gateway.check_values(body.model_dump(exclude_unset=True))
         prompt = await gateway.encode_text(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
-        stream, meta = await _submit(gateway, body, prompt, timings, "cmpl-")
+        streams, meta = await _submit(gateway, body, prompt, timings, "cmpl-")
         if body.stream:
-            return await _sse_response(gateway, stream, oai.completion_chunks(stream, meta, body.include_usage))
-        result = await collect(stream)
-        logprobs = LogprobRenderer.of(stream)
-        return oai.CompletionResponse(
-            **meta, choices=[oai.CompletionChoice(text=result.text, finish_reason=result.finish_reason,
-                                                  logprobs=logprobs and logprobs.completion(result.logprobs))],
-            usage=oai.Usage.of(result.num_prompt_tokens, len(result.token_ids)),
-            spec_stats=oai.SpecStatsInfo.of(result.spec_stats))
+            return await _sse_response(gateway, streams, meta, body.include_usage, oai.CompletionChunk,
+                                       [oai.completion_chunks(s, meta, body.include_usage, i,
+                                                              usage_chunk=len(streams) == 1)
+                                        for i, s in enumerate(streams)])
+        results = await _collect_all(streams)
+        choices = []
+        for i, (stream, result) in enumerate(zip(streams, results)):
+            logprobs = LogprobRenderer.of(stream)
+            choices.append(oai.CompletionChoice(index=i, text=result.text, finish_reason=result.finish_reason,
+                                                logprobs=logprobs and logprobs.completion(result.logprobs)))
+        return oai.CompletionResponse(**meta, choices=choices, usage=_usage(results),
+                                      spec_stats=oai.SpecStatsInfo.of(_spec_stats(results)))
 
     if gateway.config.enable_metrics:
         @app.get("/metrics")
@@ -112,33 +121,112 @@ def create_app(gateway: Gateway) -> FastAPI:
 
 
 async def _submit(gateway: Gateway, body, prompt: list[int], timings: RequestTimings,
-                  id_prefix: str) -> tuple[RequestStream, dict]:
+                  id_prefix: str) -> tuple[list[RequestStream], dict]:
+    """Queue the request's n choices (each a request of its own, seeded oai.choice_seed); a refusal
+    of any (429, 503) abandons those queued before it."""
     max_tokens = gateway.check_prompt(prompt, body.requested_max_tokens)
-    rid = gateway.new_request_id()
-    queued = oai.to_queued_request(body, rid, prompt, max_tokens, model=gateway.model_name,
-                                   timeout_s=gateway.config.request_timeout)
-    stream = await gateway.submit(queued, timings)
-    return stream, {"id": id_prefix + rid, "created": int(time.time()), "model": gateway.model_name}
+    streams: list[RequestStream] = []
+    try:
+        for index in range(body.n):
+            queued = oai.to_queued_request(body, gateway.new_request_id(), prompt, max_tokens, model=gateway.model_name,
+                                           timeout_s=gateway.config.request_timeout, index=index)
+            streams.append(await gateway.submit(queued, timings if index == 0 else RequestTimings()))
+    except BaseException:
+        for stream in streams:
+            stream.abandon("another choice of the request was refused")
+        raise
+    return streams, {"id": id_prefix + streams[0].request_id, "created": int(time.time()),
+                     "model": gateway.model_name}
 
 
-async def _sse_response(gateway: Gateway, stream: RequestStream,
-                        render: Callable[[GenerationOutput | None], AsyncIterator[str]]) -> StreamingResponse:
-    first = await first_output(stream)
+async def _collect_all(streams: list[RequestStream]) -> list:
+    try:
+        return list(await asyncio.gather(*(collect(s) for s in streams)))
+    finally:
+        for stream in streams:
+            stream.abandon("cancelled while generating")
+
+
+def _usage(results: list) -> oai.Usage:
+    return oai.Usage.of(results[0].num_prompt_tokens, sum(len(r.token_ids) for r in results))
+
+
+def _spec_stats(results: list) -> SpecStats:
+    total = SpecStats()
+    for r in results:
+        total.merge(r.spec_stats)
+    return total
+
+
+async def _sse_response(gateway: Gateway, streams: list[RequestStream], meta: dict, include_usage: bool,
+                        chunk_type, renders: list[Callable[[GenerationOutput | None], AsyncIterator[str]]]
+                        ) -> StreamingResponse:
+    """The choices' events as they come (each carries its choice's index), then, with n > 1 and
+    include_usage, one usage chunk for them all."""
+    firsts = []
+    try:
+        for stream in streams:
+            firsts.append(await first_output(stream))
+    except BaseException:
+        for stream in streams:
+            stream.abandon("cancelled before the first output")
+        raise
 
     async def body() -> AsyncIterator[str]:
         try:
-            async for event in render(first):
+            async for event in merge_streams([render(first) for render, first in zip(renders, firsts)]):
                 yield event
+            if include_usage and len(streams) > 1:
+                total = SpecStats()
+                for stream in streams:
+                    total.merge(stream.spec_stats)
+                usage = oai.Usage.of(streams[0].num_prompt_tokens, sum(len(s.token_ids) for s in streams))
+                yield oai.sse(chunk_type(**meta, choices=[], usage=usage, spec_stats=oai.SpecStatsInfo.of(total)),
+                              include_usage=True)
         except GatewayError as e:  # after the headers went out: an in-band error event
             gateway.metrics.observe_error(e.status)
             yield oai.sse_error(e)
         finally:
-            stream.abandon("client disconnected")  # a no-op when the request finished
+            for stream in streams:
+                stream.abandon("client disconnected")  # a no-op when the request finished
         yield oai.SSE_DONE
 
     return StreamingResponse(body(), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
-                                      "X-Request-Id": stream.request_id})
+                                      "X-Request-Id": streams[0].request_id})
+
+
+async def merge_streams(sources: list[AsyncIterator[str]]) -> AsyncIterator[str]:
+    """The items of several async iterators as each comes; an error in one is raised here."""
+    if len(sources) == 1:
+        async for item in sources[0]:
+            yield item
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(source: AsyncIterator[str]) -> None:
+        try:
+            async for item in source:
+                await queue.put(item)
+            await queue.put(done)
+        except BaseException as e:  # handed to the consumer, which raises it
+            await queue.put(e)
+
+    tasks = [asyncio.create_task(pump(s)) for s in sources]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
 
 
 # ---- errors, in one place ----------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """The OpenAI API subset the gateway serves: request/response models and conversion to QueuedRequest.
 
 Semantics follow OpenAI: temperature defaults to 1.0 and 0 is greedy; max_tokens defaults to 16
-for completions and to the rest of the context for chat; `n` must be 1; presence_penalty,
+for completions and to the rest of the context for chat; `n` choices are n requests; presence_penalty,
 frequency_penalty and logit_bias are served (docs/serving.md, "Sampling parameters"). Like vLLM and lmdeploy,
 top_k, min_p, repetition_penalty, min_tokens, stop_token_ids, ignore_eos, skip_special_tokens and
 include_stop_str_in_output are accepted as extra fields. Log probabilities: chat's `logprobs` +
@@ -36,6 +36,9 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+MAX_CHOICES = 16  # n: each choice is a request of its own in the queue
+
+
 class _SamplingFields(BaseModel):
     """Fields chat and completion requests share."""
 
@@ -45,7 +48,7 @@ class _SamplingFields(BaseModel):
     model: str | None = None
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, ge=0.0, le=1.0)
-    n: int = 1
+    n: int = Field(1, ge=1, le=MAX_CHOICES)  # choices: n requests of the same prompt (choice_seed)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | Annotated[list[str], Field(max_length=MAX_STOP_WORDS)] | None = None
@@ -72,13 +75,6 @@ class _SamplingFields(BaseModel):
     # logprobs' distribution (vLLM's logprobs_mode): "raw" log_softmax of the model's logits, or
     # "processed": the distribution sampled from (after bias, penalties, temperature, filters)
     logprobs_mode: Literal["raw", "processed"] = "raw"
-
-    @field_validator("n")
-    @classmethod
-    def _only_one_choice(cls, n: int) -> int:
-        if n != 1:
-            raise ValueError("only n=1 is supported")
-        return n
 
     @field_validator("response_format")
     @classmethod
@@ -235,11 +231,21 @@ def response_format_of(req: _SamplingFields) -> dict | None:
     return constraint_of(req.response_format, {name: getattr(req, name) for name in GUIDED_FIELDS})
 
 
+def choice_seed(seed: int, index: int) -> int:
+    """Choice `index`'s seed of a request seeded `seed` (n > 1): choice 0 keeps it, so a request's
+    first choice does not depend on n; the others are spread over the seed space (the noise of a
+    position depends on (seed, position) only: specd/random.py), each an independent draw."""
+    return (seed + index * 0x9E3779B97F4A7C15) % (2**63)
+
+
 def to_queued_request(req: _SamplingFields, request_id: str, prompt_token_ids: list[int], max_tokens: int,
-                      *, model: str, timeout_s: float) -> QueuedRequest:
+                      *, model: str, timeout_s: float, index: int = 0) -> QueuedRequest:
+    """Choice `index` of the request (choice_seed)."""
     now = time.time()
+    params = to_sampling_params(req, max_tokens)
+    params.seed = choice_seed(params.seed, index)
     return QueuedRequest(request_id=request_id, prompt_token_ids=prompt_token_ids,
-                         params=to_sampling_params(req, max_tokens), model=model, arrival_time=now,
+                         params=params, model=model, arrival_time=now,
                          deadline=now + timeout_s, response_format=response_format_of(req))
 
 
@@ -376,41 +382,44 @@ async def _outputs(stream: RequestStream, first: GenerationOutput | None) -> Asy
         yield out
 
 
-def chat_chunks(stream: RequestStream, meta: dict, include_usage: bool):
-    """Renders a chat stream as SSE chunks: the role, text deltas, finish_reason + spec_stats, usage."""
+def chat_chunks(stream: RequestStream, meta: dict, include_usage: bool, index: int = 0, usage_chunk: bool = True):
+    """Renders a chat stream (choice `index`) as SSE chunks: the role, text deltas, finish_reason +
+    spec_stats, usage (usage_chunk False: the caller sends the usage of every choice at once)."""
     logprobs = LogprobRenderer.of(stream)
 
     async def render(first: GenerationOutput | None) -> AsyncIterator[str]:
         yield sse(ChatCompletionChunk(**meta, choices=[ChatChunkChoice(
-            delta=ChatDelta(role="assistant", content=""))]), include_usage=include_usage)
+            index=index, delta=ChatDelta(role="assistant", content=""))]), include_usage=include_usage)
         async for out in _outputs(stream, first):
             if out.text or out.finish_reason or out.logprobs:
                 yield sse(ChatCompletionChunk(
-                    **meta, choices=[ChatChunkChoice(delta=ChatDelta(content=out.text or None),
+                    **meta, choices=[ChatChunkChoice(index=index, delta=ChatDelta(content=out.text or None),
                                                      logprobs=logprobs and logprobs.chat(out.logprobs),
                                                      finish_reason=out.finish_reason)],
                     spec_stats=SpecStatsInfo.of(out.spec_stats) if out.finish_reason else None),
                     include_usage=include_usage)
-        if include_usage:  # the request's speculation figures again, beside its usage
+        if include_usage and usage_chunk:  # the request's speculation figures again, beside its usage
             yield sse(ChatCompletionChunk(**meta, choices=[], usage=Usage.of(
                 stream.num_prompt_tokens, len(stream.token_ids)), spec_stats=SpecStatsInfo.of(stream.spec_stats)),
                 include_usage=True)
     return render
 
 
-def completion_chunks(stream: RequestStream, meta: dict, include_usage: bool):
-    """Renders a completion stream as SSE chunks: text deltas, finish_reason + spec_stats, usage."""
+def completion_chunks(stream: RequestStream, meta: dict, include_usage: bool, index: int = 0,
+                      usage_chunk: bool = True):
+    """Renders a completion stream (choice `index`) as SSE chunks: text deltas, finish_reason +
+    spec_stats, usage (usage_chunk as chat_chunks')."""
     logprobs = LogprobRenderer.of(stream)
 
     async def render(first: GenerationOutput | None) -> AsyncIterator[str]:
         async for out in _outputs(stream, first):
             if out.text or out.finish_reason or out.logprobs:
                 yield sse(CompletionChunk(
-                    **meta, choices=[CompletionChoice(text=out.text, finish_reason=out.finish_reason,
+                    **meta, choices=[CompletionChoice(index=index, text=out.text, finish_reason=out.finish_reason,
                                                       logprobs=logprobs and logprobs.completion(out.logprobs))],
                     spec_stats=SpecStatsInfo.of(out.spec_stats) if out.finish_reason else None),
                     include_usage=include_usage)
-        if include_usage:  # the request's speculation figures again, beside its usage
+        if include_usage and usage_chunk:  # the request's speculation figures again, beside its usage
             yield sse(CompletionChunk(**meta, choices=[], usage=Usage.of(
                 stream.num_prompt_tokens, len(stream.token_ids)), spec_stats=SpecStatsInfo.of(stream.spec_stats)),
                 include_usage=True)
