@@ -38,3 +38,24 @@ def take_admissions(waiting: deque[Sequence], running: list[Sequence], runner: T
         budget -= seq.num_tokens
         admitted.append(seq)
     return admitted
+
+
+def defer_shared_prompts(admitted: list[Sequence], waiting: deque[Sequence], runner: TargetRunner,
+                         block_size: int, prefill_tokens) -> list[Sequence]:
+    """Of sequences admitted together, those whose prompt starts with the same uncached block as
+    an earlier one go back to the front of the queue (their caches freed): admitted a step later,
+    they find that prompt in the prefix cache instead of prefilling it again (n choices of one
+    request, the same system prompt arriving at once). prefill_tokens(seq): what it would prefill."""
+    kept, deferred, firsts = [], [], set()
+    for seq in admitted:
+        tokens = prefill_tokens(seq)
+        first = tuple(tokens[:block_size]) if len(tokens) > block_size else None
+        if first is not None and first in firsts and kept and not runner.first_block_cached(tokens):
+            runner.free(seq.seq_id)
+            deferred.append(seq)
+            continue
+        if first is not None:
+            firsts.add(first)
+        kept.append(seq)
+    waiting.extendleft(reversed(deferred))
+    return kept

@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 
 from specd import settings
-from specd.engine.admission import take_admissions
+from specd.engine.admission import defer_shared_prompts, take_admissions
 from specd.engine.constraints import ConstraintTracker
 from specd.engine.device_clock import DeviceClock
 from specd.engine.draft_policy import DraftLengthPolicy
@@ -259,6 +259,9 @@ class SpecEngine:
                                    max_prefill_tokens=self.max_prefill_tokens,
                                    num_speculative_tokens=self.num_speculative_tokens,
                                    max_model_len=self.max_model_len)
+        if admitted and self._prefix_caching:
+            admitted = defer_shared_prompts(admitted, self.waiting, self.runner, self.runner.block_size,
+                                            self._prefill_tokens)
         if not admitted:
             return []
         self._ks = None

@@ -46,6 +46,7 @@ class BlockAllocator:
         self._block_of: dict[bytes, int] = {}  # prefix key -> its block
         self._key_of: dict[int, bytes] = {}  # block -> its prefix key
         self._cached: OrderedDict[int, None] = OrderedDict()  # unreferenced keyed blocks, oldest first
+        self.num_evictions = 0  # cached blocks handed out again (tests, metrics)
 
     @property
     def num_free_blocks(self) -> int:
@@ -69,6 +70,7 @@ class BlockAllocator:
             else:  # evict the least recently freed cached block
                 block, _ = self._cached.popitem(last=False)
                 del self._block_of[self._key_of.pop(block)]
+                self.num_evictions += 1
             self._refs[block] = 1
             out.append(block)
         return out
@@ -95,6 +97,9 @@ class BlockAllocator:
             self._cached.pop(block, None)
             self._refs[block] += 1
         return block
+
+    def has(self, key: bytes) -> bool:
+        return key in self._block_of
 
     def register(self, block: int, key: bytes) -> None:
         """Offer a held block's K/V under its prefix key (a key already registered keeps its block)."""
@@ -237,6 +242,12 @@ class PagedKVCache:
         seq.num_tokens = len(seq.block_table) * self.block_size
         self.num_prefix_hit_tokens += seq.num_tokens
         return seq.num_tokens
+
+    def first_block_cached(self, token_ids: list[int]) -> bool:
+        """Whether the first full block of token_ids is registered (a prompt starting so would hit)."""
+        if not self.prefix_caching or len(token_ids) <= self.block_size:
+            return False
+        return self.allocator.has(chain_block_hashes(token_ids[:self.block_size], self.block_size, [])[0])
 
     def register_prefix(self, seq_id: int, token_ids: list[int]) -> None:
         """Offer the sequence's full blocks that token_ids covers, token_ids being the tokens its

@@ -155,6 +155,9 @@ class LlamaRunner:
         self.unstage()
         return self.kv_cache.match_prefix(seq_id, token_ids)
 
+    def first_block_cached(self, token_ids: list[int]) -> bool:
+        return self.kv_cache.first_block_cached(token_ids)
+
     def register_prefix(self, seq_id: int, token_ids: list[int]) -> None:
         """Offer the sequence's full blocks of these committed tokens to later prompts."""
         self.kv_cache.register_prefix(seq_id, token_ids)

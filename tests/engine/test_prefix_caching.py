@@ -1,7 +1,8 @@
 """Prefix caching in the engine: prompts sharing a system prompt, and a conversation's next turns,
 prefill only what the cache does not hold, and every method's greedy output is the same with
-caching on and off, also with a cache small enough to evict and preempt (drafts rolled back over
-shared blocks on the way). Drafters that need the target's hidden states get full prefills."""
+caching on and off, also with a cache small enough to evict (drafts rolled back over shared
+blocks on the way; preemption with caching: test_cache_pressure.py, where it is on by default).
+Drafters that need the target's hidden states get full prefills."""
 
 from __future__ import annotations
 
@@ -57,14 +58,14 @@ def test_caching_keeps_every_methods_greedy_output(tiny_models, method):
 
 
 @pytest.mark.parametrize("method", [None, "ngram"])
-def test_caching_under_eviction_and_preemption(tiny_models, method):
+def test_caching_under_eviction(tiny_models, method):
     target = tiny_models["target-llama"]
     spec = SpeculativeConfig(method=method, num_speculative_tokens=3) if method else None
     want, _ = chat(target, spec, caching=False)
-    got, engine = chat(target, spec, caching=True, num_blocks=24)  # 6 requests of ~70 tokens: short
+    got, engine = chat(target, spec, caching=True, num_blocks=12)  # 6 requests of ~70 tokens: short
     assert got == want
     kv = engine.runner.kv_cache
-    assert engine.stats.num_prefix_hit_tokens > 0 and engine.stats.num_preemptions > 0
+    assert engine.stats.num_prefix_hit_tokens > 0 and kv.allocator.num_evictions > 0
     assert kv.allocator.num_free_blocks == kv.num_blocks  # every block back (free or cached)
 
 
@@ -85,3 +86,18 @@ def test_caching_on_the_static_path(tiny_models):
         assert [s.output_token_ids for s in seqs] == want[turn]
         prompts = [p + s.output_token_ids + [rng.randrange(4, 500) for _ in range(3)] for p, s in zip(prompts, seqs)]
     assert engine.stats.num_prefix_hit_tokens > 0 and runner.static.num_static_forwards > 0
+
+
+@pytest.mark.parametrize("method", [None, "ngram"])
+def test_prompts_admitted_together_share_their_prefill(tiny_models, method):
+    """Four requests of one prompt (n choices) arriving at once: one prefills it, the others wait a
+    step and find it cached; sampled with their own seeds, each output is the uncached engine's."""
+    target = tiny_models["target-llama"]
+    spec = SpeculativeConfig(method=method, num_speculative_tokens=3) if method else None
+    prompt = SYSTEM[:33] + [9, 8, 7]  # 36 tokens: 4 full blocks before the last
+    params = [SamplingParams(temperature=0.9, seed=50 + i, max_new_tokens=8, ignore_eos=True) for i in range(4)]
+    want = [s.output_token_ids for s in build_engine(target, config(False), spec).generate([prompt] * 4, params)]
+    engine = build_engine(target, config(True), spec)
+    assert [s.output_token_ids for s in engine.generate([prompt] * 4, params)] == want
+    assert engine.stats.num_prefix_hit_tokens == 3 * 32
+    assert engine.stats.num_prefill_tokens == 36 + 3 * 4
