@@ -100,7 +100,7 @@ class SpecEngine:
         # Prompts start from the cached blocks of earlier ones (kv_cache.py) unless the drafter
         # needs the target's hidden state of every prompt token, which only a full prefill gives.
         self._prefix_caching = getattr(runner, "prefix_caching", False) and self._hidden_kind == "none"
-        self._failed: list[Sequence] = []  # failed in this step (_fail_lost_constraints), reported with it
+        self._failed: list[Sequence] = []  # failed in this step (_fail_lost_constraints): _take_failed
         self._pinned = PinnedRing(device, max_batch_size)
         self.drafting = Drafting(proposer, lambda seq: self._num_drafts(seq), ahead=draft_ahead,
                                  carry=draft_carry if proposer is not None else 0)
@@ -172,8 +172,7 @@ class SpecEngine:
         t0, before = time.perf_counter(), self.stats.timings.copy()
         prefetched = self.drafting.collect()  # first: nothing else touches the proposer before
         t_collect = time.perf_counter()
-        finished: list[Sequence] = self._failed
-        self._failed = []
+        finished: list[Sequence] = []
         flight, self._in_flight = self._in_flight, None
         if flight is not None:
             batch = next_decode_batch(self.running, flight, self.runner.plan_appends(), self.max_model_len)
@@ -195,8 +194,7 @@ class SpecEngine:
             verdict = self.verify(batch, proposals)
             t3 = time.perf_counter()
             finished += self.commit(batch, proposals, verdict)
-        finished += self._failed
-        self._failed = []
+        finished += self._take_failed()
         t_sent = time.perf_counter()
         self.drafting.send_ahead([s for s in self.running if not s.is_finished])
         t_staged = time.perf_counter()
@@ -219,8 +217,7 @@ class SpecEngine:
         finished = self._land(flight)
         t_landed = time.perf_counter()
         finished += self._admit_and_announce()
-        finished += self._failed  # (admissions whose grammar was lost)
-        self._failed = []
+        finished += self._take_failed()  # (admissions whose grammar was lost)
         t_end = time.perf_counter()
         self.stats.timings.add_overlapped_step(t0, t_collect, t_launched, t_landed, t_end)
         self.stats.num_steps += 1
@@ -479,6 +476,11 @@ class SpecEngine:
         victim.status = SequenceStatus.WAITING
         victim.undrafted_token_ids, victim.undrafted_hidden = [], []
         self.waiting.appendleft(victim)
+
+    def _take_failed(self) -> list[Sequence]:
+        """The sequences _fail_lost_constraints finished since the last call (a step reports them)."""
+        failed, self._failed = self._failed, []
+        return failed
 
     def _fail_lost_constraints(self, admitted: list[Sequence] = ()) -> None:
         """Finish ("error") the sequences whose grammar matchers were lost for good and free them;
