@@ -175,7 +175,7 @@ class SpecEngine:
         finished: list[Sequence] = []
         flight, self._in_flight = self._in_flight, None
         if flight is not None:
-            batch = next_decode_batch(self.running, flight, self.runner.plan_appends(), self.max_model_len)
+            batch = next_decode_batch(self.running, flight, self.runner.plan_appends(), self.stop)
             if batch:
                 return self._overlapped_step(flight, batch, t0, before, t_collect)
             finished += self._land(flight)  # the synchronous step below starts from landed state

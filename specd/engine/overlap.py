@@ -27,6 +27,7 @@ import torch
 
 from specd.engine.device_clock import DeviceClock
 from specd.engine.sequence import Sequence
+from specd.engine.stop import StopChecker
 from specd.models.append_plan import AppendPlan
 from specd.proposers.base import DraftProposal
 
@@ -96,28 +97,22 @@ def decode_ahead_blocks(seq: Sequence) -> bool:
             or params.min_new_tokens > seq.num_output_tokens or params.logprobs is not None)
 
 
-def stops_by_length(seq: Sequence, num_pending: int, max_model_len: int) -> bool:
-    """Whether seq certainly stops once its num_pending tokens in flight land (max_new_tokens or
-    the context length, as StopChecker.append decides)."""
-    max_output = min(seq.params.max_new_tokens, max_model_len - len(seq.prompt_token_ids))
-    return seq.num_output_tokens + num_pending >= max_output
-
-
 def next_decode_batch(running: list[Sequence], flight: StepInFlight, plan: AppendPlan,
-                      max_model_len: int) -> list[Sequence] | None:
+                      stop: StopChecker) -> list[Sequence] | None:
     """The sequences whose next decode step may be queued before `flight` lands, or None where the
     step must wait for it (some sequence needs its host state, or the cache has no room for one
     more token each: preemption decides on landed state). Sequences that stop by length when the
     flight lands are left out."""
     # With a block free for every sequence (the usual case) no claim can fail: skip the claims,
     # ~4 us a sequence (as drafting.plan_draft_lengths does).
-    roomy = plan.fits_everyone(len(running), 1) and (plan.session_len is None or plan.session_len >= max_model_len)
+    roomy = plan.fits_everyone(len(running), 1) and (plan.session_len is None
+                                                     or plan.session_len >= stop.max_model_len)
     batch = []
     for seq in running:
         if seq.is_finished:
             continue
         pending = 1 if seq.seq_id in flight.rows else 0
-        if stops_by_length(seq, pending, max_model_len):
+        if seq.num_output_tokens + pending >= stop.max_output(seq):  # it stops when the flight lands
             continue
         if decode_ahead_blocks(seq) or not (roomy or plan.take(seq.seq_id, 1)):
             return None

@@ -31,7 +31,7 @@ class StopChecker:
         params, output = seq.params, seq.output_token_ids
         eos = () if params.ignore_eos else self.eos_token_ids
         stops = params.stop_token_ids
-        max_output = min(params.max_new_tokens, self.max_model_len - len(seq.prompt_token_ids))
+        max_output = self.max_output(seq)
         for n, token in enumerate(token_ids, start=1):
             output.append(token)
             # Under a grammar a stop token is sampled only once the output is complete (min_new_tokens
@@ -47,6 +47,10 @@ class StopChecker:
                 seq.finish("length")
                 return n
         return len(token_ids)
+
+    def max_output(self, seq: Sequence) -> int:
+        """Output tokens seq may have: max_new_tokens, or what the context leaves."""
+        return min(seq.params.max_new_tokens, self.max_model_len - len(seq.prompt_token_ids))
 
     def _hit_stop_word(self, seq: Sequence) -> bool:
         if self.tokenizer is None:
