@@ -27,6 +27,7 @@ from services.gateway.errors import GatewayError, redis_unavailable
 from services.gateway.logprobs import LogprobRenderer
 from services.gateway.metrics import CONTENT_TYPE_LATEST
 from services.gateway.request_stream import GenerationOutput, RequestStream, RequestTimings
+from services.gateway.tools import ToolCallStream, new_call_id, template_messages, tool_call_dict
 from specd.messages import SpecStats
 
 logger = logging.getLogger(__name__)
@@ -73,20 +74,38 @@ def create_app(gateway: Gateway) -> FastAPI:
         timings = RequestTimings()
         gateway.check_model(body.model)
         gateway.check_values(body.model_dump(exclude_unset=True))
-        prompt = await gateway.encode_chat([m.to_template_dict() for m in body.messages], body.add_generation_prompt,
-                                     body.chat_template_kwargs)
-        streams, meta = await _submit(gateway, body, prompt, timings, "chatcmpl-")
+        tools = body.tool_request()
+        call_format = gateway.tool_call_format(tools)
+        messages = template_messages([m.to_template_dict() for m in body.messages])
+        prompt = await gateway.encode_chat(messages, body.add_generation_prompt, body.chat_template_kwargs,
+                                           tools=tools and tools.template_tools)
+        constraint = oai.response_format_of(body)
+        if call_format is not None:
+            if constraint is not None:
+                raise GatewayError(400, "response_format: cannot be combined with tool calls (tool_choice "
+                                        "'none' allows it)", param="response_format")
+            constraint = tools.response_format(call_format)
+        streams, meta = await _submit(gateway, body, prompt, timings, "chatcmpl-", constraint,
+                                      constraint_param="tools" if call_format else "response_format")
         if body.stream:
             return await _sse_response(gateway, streams, meta, body.include_usage, oai.ChatCompletionChunk,
-                                       [oai.chat_chunks(s, meta, body.include_usage, i, usage_chunk=len(streams) == 1)
+                                       [oai.chat_chunks(s, meta, body.include_usage, i, usage_chunk=len(streams) == 1,
+                                                        tool_calls=call_format and ToolCallStream(call_format))
                                         for i, s in enumerate(streams)])
         results = await _collect_all(streams)
         choices = []
         for i, (stream, result) in enumerate(zip(streams, results)):
             logprobs = LogprobRenderer.of(stream)
-            choices.append(oai.ChatChoice(index=i, message=oai.ChatResponseMessage(content=result.text),
+            message, finish_reason = oai.ChatResponseMessage(content=result.text), result.finish_reason
+            if call_format is not None:
+                split = call_format.split(result.text, final=True)
+                calls = [tool_call_dict(call, new_call_id()) for call in split.calls]
+                message = oai.ChatResponseMessage(content=split.content or (None if calls else ""),
+                                                  tool_calls=calls or None)
+                finish_reason = "tool_calls" if calls and finish_reason == "stop" else finish_reason
+            choices.append(oai.ChatChoice(index=i, message=message,
                                           logprobs=logprobs and logprobs.chat(result.logprobs),
-                                          finish_reason=result.finish_reason))
+                                          finish_reason=finish_reason))
         return oai.ChatCompletionResponse(**meta, choices=choices, usage=_usage(results),
                                           spec_stats=oai.SpecStatsInfo.of(_spec_stats(results)))
 
@@ -120,17 +139,21 @@ def create_app(gateway: Gateway) -> FastAPI:
     return app
 
 
-async def _submit(gateway: Gateway, body, prompt: list[int], timings: RequestTimings,
-                  id_prefix: str) -> tuple[list[RequestStream], dict]:
+async def _submit(gateway: Gateway, body, prompt: list[int], timings: RequestTimings, id_prefix: str,
+                  constraint: dict | None = None, constraint_param: str = "response_format",
+                  ) -> tuple[list[RequestStream], dict]:
     """Queue the request's n choices (each a request of its own, seeded oai.choice_seed); a refusal
-    of any (429, 503) abandons those queued before it."""
+    of any (429, 503) abandons those queued before it. constraint: the output's (default: the
+    request's response_format); constraint_param: the field its errors name."""
     max_tokens = gateway.check_prompt(prompt, body.requested_max_tokens)
     streams: list[RequestStream] = []
     try:
         for index in range(body.n):
             queued = oai.to_queued_request(body, gateway.new_request_id(), prompt, max_tokens, model=gateway.model_name,
-                                           timeout_s=gateway.config.request_timeout, index=index)
-            streams.append(await gateway.submit(queued, timings if index == 0 else RequestTimings()))
+                                           timeout_s=gateway.config.request_timeout, index=index,
+                                           response_format=constraint)
+            streams.append(await gateway.submit(queued, timings if index == 0 else RequestTimings(),
+                                                constraint_param=constraint_param))
     except BaseException:
         for stream in streams:
             stream.abandon("another choice of the request was refused")

@@ -32,6 +32,8 @@ from services.gateway.redis_client import gateway_redis
 from services.gateway.errors import REDIS_ERRORS, GatewayError, redis_unavailable
 from services.gateway.request_stream import GenerationOutput, RequestStream, RequestTimings
 from services.gateway.result_reader import ResultReader
+from services.gateway.tool_formats import ToolCallFormat, tool_call_format
+from services.gateway.tools import ToolRequest
 from services.gateway.validation import find_invalid_value
 
 logger = logging.getLogger(__name__)
@@ -62,6 +64,7 @@ class GatewayConfig:
     enable_metrics: bool = False
     max_model_len: int | None = None  # None: config.json's max_position_embeddings
     grammar: str = ""  # grammar service host:port validating response_format; "": compile here
+    tool_call_parser: str = ""  # how the model writes tool calls (tool_formats.py); "": from the template
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # HTTP bodies (413) and gRPC messages
     api_keys: tuple[str, ...] = ()  # accepted Bearer keys; empty: no key needed
     tls: TLSConfig = PLAINTEXT  # the gRPC server's certificate; the CA the grammar service is checked with
@@ -104,6 +107,7 @@ class Gateway:
         # flowing), and HF tokenizers are not safe to call from several threads at once.
         self._tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="specd-tokenize")
         self.created = int(time.time())
+        self._tool_call_format = tool_call_format(config.tool_call_parser, self.tokenizer.chat_template)
 
     async def start(self) -> None:
         self.reader.start()
@@ -138,18 +142,28 @@ class Gateway:
     async def encode_text(self, text: str) -> list[int]:
         return await self._tokenize(self.tokenizer.encode, text, add_special_tokens=True)
 
+    def tool_call_format(self, tools: ToolRequest | None) -> ToolCallFormat | None:
+        """How this model's calls are written and read, for a request whose calls are parsed (None
+        for requests without tools or with tool_choice 'none'); 400 when the model has none."""
+        if tools is None or not tools.parses_calls:
+            return None
+        if self._tool_call_format is None:
+            raise GatewayError(400, "tools: this model's chat template writes no tool calls in a known format; "
+                                    "start the gateway with --tool-call-parser", param="tools")
+        return self._tool_call_format
+
     async def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                          template_kwargs: dict | None = None) -> list[int]:
-        return await self._tokenize(self._encode_chat, messages, add_generation_prompt, template_kwargs)
+                          template_kwargs: dict | None = None, tools: list[dict] | None = None) -> list[int]:
+        return await self._tokenize(self._encode_chat, messages, add_generation_prompt, template_kwargs, tools)
 
     def _encode_chat(self, messages: list[dict], add_generation_prompt: bool,
-                     template_kwargs: dict | None) -> list[int]:
+                     template_kwargs: dict | None, tools: list[dict] | None = None) -> list[int]:
         if not self.tokenizer.chat_template:
             raise GatewayError(400, "this model has no chat template; use /v1/completions", param="messages")
         kwargs = {k: v for k, v in (template_kwargs or {}).items()
-                  if k not in ("conversation", "messages", "tokenize", "add_generation_prompt")}
+                  if k not in ("conversation", "messages", "tokenize", "add_generation_prompt", "tools")}
         try:
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False,
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, tools=tools or None,
                                                       add_generation_prompt=add_generation_prompt, **kwargs)
         except Exception as e:  # jinja's TemplateError (raise_exception in templates), bad kwargs
             raise GatewayError(400, f"messages: the chat template failed: {e}", param="messages") from None
@@ -179,8 +193,9 @@ class Gateway:
     def new_request_id() -> str:
         return uuid.uuid4().hex
 
-    async def check_response_format(self, response_format: dict | None) -> None:
-        """400 for a malformed response_format or a grammar that does not compile, before queueing."""
+    async def check_response_format(self, response_format: dict | None, param: str = "response_format") -> None:
+        """400 for a malformed response_format or a grammar that does not compile, before queueing
+        (param: the field the error names: the tools, where their calls are the constraint)."""
         from specd.grammar.errors import GrammarCompileError
         from specd.grammar.response_format import parse_response_format
 
@@ -189,7 +204,8 @@ class Gateway:
             if spec is not None:
                 await asyncio.to_thread(self._grammar_validator().validate, spec)
         except (ConfigError, GrammarCompileError) as e:
-            raise GatewayError(400, str(e), param="response_format") from None
+            message = str(e) if param == "response_format" else f"{param}: {str(e).split(': ', 1)[-1]}"
+            raise GatewayError(400, message, param=param) from None
 
     def _grammar_validator(self):
         """The grammar service's Validate RPC, or a local compile cache (made on first use)."""
@@ -207,14 +223,14 @@ class Gateway:
 
     # ---- the queue ----------------------------------------------------------------------------
     async def submit(self, queued: QueuedRequest, timings: RequestTimings,
-                     timeout_s: float | None = None) -> RequestStream:
+                     timeout_s: float | None = None, constraint_param: str = "response_format") -> RequestStream:
         """XADD to the request stream (429 when full, 503 when Redis is down) and open its result stream.
 
         timeout_s: this request's deadline from receipt (default and upper bound: request_timeout).
         """
         timeout_s = min(timeout_s or self.config.request_timeout, self.config.request_timeout)
         self.check_token_ids(queued.params)
-        await self.check_response_format(queued.response_format)
+        await self.check_response_format(queued.response_format, constraint_param)
         rid = queued.request_id
         queue = self.reader.subscribe(rid)
         fields = [x for kv in queued.to_fields().items() for x in kv]

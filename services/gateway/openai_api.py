@@ -28,6 +28,7 @@ from services.gateway.errors import GatewayError
 from services.gateway.guided import GUIDED_FIELDS, constraint_of
 from services.gateway.logprobs import ChatLogprobs, CompletionLogprobs, LogprobRenderer
 from services.gateway.request_stream import GenerationOutput, RequestStream
+from services.gateway.tools import ToolCallStream, ToolRequest, parse_tools
 from services.gateway.validation import MAX_STOP_WORDS
 
 
@@ -117,8 +118,9 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    tools: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None  # services/gateway/tools.py
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     functions: list[dict[str, Any]] | None = None  # OpenAI's legacy function calling
     function_call: str | dict[str, Any] | None = None
     add_generation_prompt: bool = True
@@ -136,19 +138,9 @@ class ChatCompletionRequest(_SamplingFields):
         """Top alternatives per token, None where logprobs are off."""
         return (self.top_logprobs or 0) if self.logprobs else None
 
-    @field_validator("tools", "functions")
-    @classmethod
-    def _no_tools(cls, v: list | None) -> list | None:
-        if v:
-            raise ValueError("tool and function calling are not supported yet")
-        return v
-
-    @field_validator("tool_choice", "function_call")
-    @classmethod
-    def _no_tool_choice(cls, v: str | dict | None) -> str | dict | None:
-        if v not in (None, "none", "auto"):  # "auto" without tools calls none
-            raise ValueError("tool and function calling are not supported yet")
-        return v
+    def tool_request(self) -> ToolRequest | None:
+        return parse_tools(self.tools, self.tool_choice, self.parallel_tool_calls, self.functions,
+                           self.function_call)
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -239,14 +231,17 @@ def choice_seed(seed: int, index: int) -> int:
 
 
 def to_queued_request(req: _SamplingFields, request_id: str, prompt_token_ids: list[int], max_tokens: int,
-                      *, model: str, timeout_s: float, index: int = 0) -> QueuedRequest:
-    """Choice `index` of the request (choice_seed)."""
+                      *, model: str, timeout_s: float, index: int = 0,
+                      response_format: dict | None = None) -> QueuedRequest:
+    """Choice `index` of the request (choice_seed); response_format: the output's constraint
+    (default: the request's own, response_format_of)."""
     now = time.time()
     params = to_sampling_params(req, max_tokens)
     params.seed = choice_seed(params.seed, index)
     return QueuedRequest(request_id=request_id, prompt_token_ids=prompt_token_ids,
                          params=params, model=model, arrival_time=now,
-                         deadline=now + timeout_s, response_format=response_format_of(req))
+                         deadline=now + timeout_s,
+                         response_format=response_format if response_format is not None else response_format_of(req))
 
 
 # ---- responses -------------------------------------------------------------------------------------
@@ -278,7 +273,7 @@ class SpecStatsInfo(BaseModel):
         return cls(**stats.to_dict())
 
 
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "tool_calls"]
 
 
 class _Response(BaseModel):
@@ -289,7 +284,8 @@ class _Response(BaseModel):
 
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[dict[str, Any]] | None = None  # {id, type: "function", function: {name, arguments}}
 
 
 class ChatChoice(BaseModel):
@@ -309,6 +305,7 @@ class ChatCompletionResponse(_Response):
 class ChatDelta(BaseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # {index, id, type, function: {name, arguments}} deltas
 
 
 class ChatChunkChoice(BaseModel):
@@ -382,20 +379,30 @@ async def _outputs(stream: RequestStream, first: GenerationOutput | None) -> Asy
         yield out
 
 
-def chat_chunks(stream: RequestStream, meta: dict, include_usage: bool, index: int = 0, usage_chunk: bool = True):
-    """Renders a chat stream (choice `index`) as SSE chunks: the role, text deltas, finish_reason +
-    spec_stats, usage (usage_chunk False: the caller sends the usage of every choice at once)."""
+def chat_chunks(stream: RequestStream, meta: dict, include_usage: bool, index: int = 0, usage_chunk: bool = True,
+                tool_calls: ToolCallStream | None = None):
+    """Renders a chat stream (choice `index`) as SSE chunks: the role, text deltas (with tool_calls:
+    content and tool-call deltas), finish_reason + spec_stats, usage (usage_chunk False: the caller
+    sends the usage of every choice at once)."""
     logprobs = LogprobRenderer.of(stream)
+
+    def delta_of(out: GenerationOutput) -> tuple[ChatDelta, str | None]:
+        if tool_calls is None:
+            return ChatDelta(content=out.text or None), out.finish_reason
+        content, calls = tool_calls.feed(out.text or "", final=out.finish_reason is not None)
+        finish = "tool_calls" if out.finish_reason == "stop" and tool_calls.num_calls else out.finish_reason
+        return ChatDelta(content=content or None, tool_calls=calls or None), finish
 
     async def render(first: GenerationOutput | None) -> AsyncIterator[str]:
         yield sse(ChatCompletionChunk(**meta, choices=[ChatChunkChoice(
             index=index, delta=ChatDelta(role="assistant", content=""))]), include_usage=include_usage)
         async for out in _outputs(stream, first):
-            if out.text or out.finish_reason or out.logprobs:
+            delta, finish_reason = delta_of(out)
+            if delta.content or delta.tool_calls or finish_reason or out.logprobs:
                 yield sse(ChatCompletionChunk(
-                    **meta, choices=[ChatChunkChoice(index=index, delta=ChatDelta(content=out.text or None),
+                    **meta, choices=[ChatChunkChoice(index=index, delta=delta,
                                                      logprobs=logprobs and logprobs.chat(out.logprobs),
-                                                     finish_reason=out.finish_reason)],
+                                                     finish_reason=finish_reason)],
                     spec_stats=SpecStatsInfo.of(out.spec_stats) if out.finish_reason else None),
                     include_usage=include_usage)
         if include_usage and usage_chunk:  # the request's speculation figures again, beside its usage

@@ -43,6 +43,7 @@ class StackConfig:
     tp: int = 1
     enable_metrics: bool = False
     served_model_name: str | None = None
+    tool_call_parser: str = ""  # the gateway's --tool-call-parser ("": from the chat template)
     device: str = "cpu"
     drafter_device: str | None = None
     eager_mode: bool = False  # no CUDA graphs, in the verifier and the drafter
@@ -173,6 +174,8 @@ class Stack:
                 "--max-queue-depth", str(c.max_queue_depth), "--grammar", grammar_addr]
         if c.served_model_name:
             args += ["--served-model-name", c.served_model_name]
+        if c.tool_call_parser:
+            args += ["--tool-call-parser", c.tool_call_parser]
         if c.session_len:  # the gateway refuses what the verifier's context could not hold
             args += ["--max-model-len", str(c.session_len)]
         if c.enable_metrics:

@@ -13,12 +13,13 @@ from typing import Literal, Protocol
 
 import torch
 
-GrammarKind = Literal["json_schema", "json_object", "regex", "ebnf"]
+GrammarKind = Literal["json_schema", "json_object", "regex", "ebnf", "structural_tag"]
 
 
 @dataclass(frozen=True)
 class GrammarSpec:
-    """What constrains a request. source: schema JSON text, regex, or EBNF; empty for json_object."""
+    """What constrains a request. source: schema JSON text, regex, EBNF, or a structural tag's JSON
+    text (xgrammar's: free text, tags, triggers; tool calls are built on it); empty for json_object."""
 
     kind: GrammarKind
     source: str = ""

@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 # json_object: any JSON object. strict_mode=False, or the empty property list would allow only {}.
 _JSON_OBJECT_SCHEMA = '{"type": "object"}'
 _KIND_NOUNS = {"json_schema": "JSON schema", "json_object": "JSON object grammar",
-               "regex": "regex", "ebnf": "EBNF grammar"}
+               "regex": "regex", "ebnf": "EBNF grammar", "structural_tag": "structural tag"}
 # "[15:53:06] /project/cpp/regex_converter.cc:94: " and "Check failed: (error.empty()) is false: "
 _CPP_PREFIX = re.compile(r"^\s*\[[\d:]+\]\s+\S+:\d+:\s*")
 _CHECK_FAILED = re.compile(r"Check failed: \(.*?\) is false:\s*")
@@ -265,26 +265,63 @@ class GrammarCompilerCache:
 
     def _compile_with_xgrammar(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
         if spec.kind == "json_schema":
-            # Compact separators: free whitespace lets weak models loop on spaces.
-            # Dates as calendar-exact patterns: xgrammar's own admit 2023-02-31 (calendar.py).
-            compiled, warnings = _with_native_warnings(lambda: self._compiler.compile_json_schema(
-                exact_calendar_formats(spec.source), any_whitespace=False, strict_mode=True))
-            inexact = list(dict.fromkeys(w for w in warnings if any(m in w for m in _INEXACT_MARKERS)))
-            # What xgrammar gets wrong without a warning (schema_gaps.py); the source is valid JSON.
-            inexact += find_schema_gaps(json.loads(spec.source))
-            if inexact and self.reject_inexact:
-                more = f" (and {len(inexact) - 1} more)" if len(inexact) > 1 else ""
-                raise GrammarCompileError(f"response_format: the JSON schema uses a feature the grammar "
-                                          f"engine cannot enforce exactly: {inexact[0]}{more}")
-            for w in warnings:
-                logger.warning("xgrammar: %s", w)
-            return compiled
+            return self._compiler.compile_grammar(self._json_schema_grammar(spec.source))
+        if spec.kind == "structural_tag":
+            return self._compiler.compile_structural_tag(self._exact_structural_tag(spec.source))
         if spec.kind == "json_object":
             return self._compiler.compile_json_schema(_JSON_OBJECT_SCHEMA, any_whitespace=False,
                                                       strict_mode=False)
         if spec.kind == "regex":
             return self._compiler.compile_regex(spec.source)
         return self._compiler.compile_grammar(spec.source)
+
+    def _json_schema_grammar(self, source: str) -> xgr.Grammar:
+        """A JSON schema's grammar, or GrammarCompileError where xgrammar could only approximate it.
+
+        Separators ", " and ": " and no free whitespace: free whitespace lets weak models loop on
+        spaces. Dates as calendar-exact patterns: xgrammar's own admit 2023-02-31 (calendar.py).
+        """
+        grammar, warnings = _with_native_warnings(lambda: xgr.Grammar.from_json_schema(
+            exact_calendar_formats(source), any_whitespace=False, strict_mode=True))
+        # xgrammar's bounded string (maxLength) admits raw control characters (its issue #800),
+        # which strict JSON refuses: the same character class as its other strings.
+        text = str(grammar)
+        if _BOUNDED_STRING_CHARS in text:
+            grammar = xgr.Grammar.from_ebnf(text.replace(_BOUNDED_STRING_CHARS, _STRING_CHARS))
+        inexact = list(dict.fromkeys(w for w in warnings if any(m in w for m in _INEXACT_MARKERS)))
+        # What xgrammar gets wrong without a warning (schema_gaps.py); the source is valid JSON.
+        inexact += find_schema_gaps(json.loads(source))
+        if inexact and self.reject_inexact:
+            more = f" (and {len(inexact) - 1} more)" if len(inexact) > 1 else ""
+            raise GrammarCompileError(f"response_format: the JSON schema uses a feature the grammar "
+                                      f"engine cannot enforce exactly: {inexact[0]}{more}")
+        for w in warnings:
+            logger.warning("xgrammar: %s", w)
+        return grammar
+
+    def _exact_structural_tag(self, source: str) -> str:
+        """The structural tag with each JSON-schema format replaced by the grammar a json_schema
+        response_format gets (_json_schema_grammar), so a tool's arguments follow the same rules."""
+        try:
+            tag = json.loads(source)
+        except (json.JSONDecodeError, RecursionError):
+            raise GrammarCompileError("response_format: the structural tag is not valid JSON") from None
+        if json_depth(tag) > self.max_schema_depth + 8:
+            raise GrammarCompileError(f"response_format: the structural tag nests deeper than "
+                                      f"{self.max_schema_depth} levels (max_schema_depth)")
+        stack = [tag]
+        while stack:
+            node = stack.pop()
+            if isinstance(node, list):
+                stack.extend(node)
+            elif isinstance(node, dict):
+                if node.get("type") == "json_schema" and "json_schema" in node:
+                    schema = json.dumps(node["json_schema"], ensure_ascii=False)
+                    node.clear()
+                    node.update(type="grammar", grammar=str(self._json_schema_grammar(schema)))
+                else:
+                    stack.extend(node.values())
+        return json.dumps(tag, ensure_ascii=False)
 
     def _first_mask_allows_a_token(self, compiled: xgr.CompiledGrammar) -> bool:
         bitmask = xgr.allocate_token_bitmask(1, self.vocab_size)
@@ -298,6 +335,8 @@ class GrammarCompilerCache:
 # xgrammar's words when it compiles a schema only approximately (it warns on stderr and goes on).
 _INEXACT_MARKERS = ("not supported", "ignoring", "ignored", "cannot be represented exactly",
                     "still ongoing", "not yet supported")
+_BOUNDED_STRING_CHARS = r'[^\"\\\r\n]'  # as str(Grammar) writes them
+_STRING_CHARS = r'[^\0-\x1f\"\\\r\n]'
 _STDERR_LOCK = threading.Lock()  # fd 2 is process-wide: one capture at a time
 
 

@@ -6,6 +6,7 @@ Accepted objects:
     {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": ...}}
     {"type": "regex_schema", "regex_schema": "..."}              (lmdeploy)
     {"type": "ebnf", "ebnf": "..."} or {"type": "grammar", "grammar": "..."}  (EBNF, root rule `root`)
+    {"type": "structural_tag", "format": {...}}                  (xgrammar's structural tag, as vLLM's)
 
 Parsing checks the shape only; whether the schema / regex / grammar compiles is the compiler's
 question (GrammarCompilerCache.validate), because that needs the tokenizer.
@@ -24,7 +25,7 @@ GRAMMAR_KINDS: tuple[str, ...] = get_args(GrammarKind)
 # type -> (GrammarSpec kind, the key holding the source text)
 _TEXT_SOURCES = {"regex_schema": ("regex", "regex_schema"), "ebnf": ("ebnf", "ebnf"),
                  "grammar": ("ebnf", "grammar")}
-RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema", *_TEXT_SOURCES)
+RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema", "structural_tag", *_TEXT_SOURCES)
 
 
 def _fail(path: str, message: str) -> ConfigError:
@@ -55,6 +56,8 @@ def parse_response_format(rf: dict | None) -> GrammarSpec | None:
         return GrammarSpec("json_object")
     if kind == "json_schema":
         return GrammarSpec("json_schema", _schema_source(rf.get("json_schema"), f"{FIELD}.json_schema"))
+    if kind == "structural_tag":
+        return GrammarSpec("structural_tag", _structural_tag_source(rf.get("format"), f"{FIELD}.format"))
     spec_kind, key = _TEXT_SOURCES[kind]
     source = rf.get(key)
     if not isinstance(source, str):
@@ -92,6 +95,19 @@ def _schema_source(json_schema: Any, path: str) -> str:
         raise _fail(f"{path}.schema", f"not JSON-serialisable: {e}") from None
     except RecursionError:
         raise _fail(f"{path}.schema", "nested too deeply") from None
+
+
+def _structural_tag_source(fmt: Any, path: str) -> str:
+    """The structural tag as JSON text; its formats are checked when it compiles (compiler.py)."""
+    if not isinstance(fmt, dict) or not isinstance(fmt.get("type"), str):
+        raise _fail(path, f"expected a format object with a 'type', got {_type_name(fmt)}")
+    try:
+        return json.dumps({"type": "structural_tag", "format": fmt}, ensure_ascii=False,
+                          separators=(",", ":"), allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise _fail(path, f"not JSON-serialisable: {e}") from None
+    except RecursionError:
+        raise _fail(path, "nested too deeply") from None
 
 
 def spec_to_dict(spec: GrammarSpec) -> dict[str, str]:
