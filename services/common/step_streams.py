@@ -40,6 +40,11 @@ def serve_steps(stream, request_iterator, context, step: Callable, close: Callab
         for request in request_iterator:
             yield step(stream, request)
     except Exception as exc:  # noqa: BLE001 - every failure ends this stream, not the server
+        if isinstance(exc, grpc.RpcError) and not context.is_active():
+            # The client ended the RPC (its process stopped, or it cancelled): a normal end.
+            logger.info("stream %s: the client ended the stream", getattr(stream, "stream_id", "?"))
+            close(stream, "client_ended")
+            return
         code, message = status_of(exc)
         if code == grpc.StatusCode.INTERNAL:
             logger.exception("stream %s: step failed", getattr(stream, "stream_id", "?"))

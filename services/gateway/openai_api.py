@@ -6,7 +6,8 @@ frequency_penalty and logit_bias are served (docs/serving.md, "Sampling paramete
 top_k, min_p, repetition_penalty, min_tokens, stop_token_ids, ignore_eos, skip_special_tokens and
 include_stop_str_in_output are accepted as extra fields. Log probabilities: chat's `logprobs` +
 `top_logprobs` (0..20), completions' `logprobs` (0..5), and `logprobs_mode` ("raw" | "processed",
-a specd/vLLM extension; docs/serving.md, "Log probabilities"). Responses carry specd's per-request
+a specd/vLLM extension; docs/serving.md, "Log probabilities"). Tools: `tools`, `tool_choice`,
+`parallel_tool_calls`, `functions`, `function_call` (tools.py). Responses carry specd's per-request
 speculation figures as an extra top-level field `spec_stats`.
 """
 

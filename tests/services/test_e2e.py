@@ -177,7 +177,8 @@ def test_response_format_through_the_openai_client(tiny_models, shared_redis):
         assert picked.choices[0].message.content in choices
         for extra, param in (({"guided_json": schema, "response_format": response_format}, "guided_json"),
                              ({"guided_regex": "a+", "guided_choice": ["a"]}, "guided_regex"),
-                             ({"functions": [{"name": "f", "parameters": {}}]}, "functions"),
+                             ({"functions": [{"name": "f"}], "tools": [{"type": "function", "function": {
+                                 "name": "g"}}]}, "functions"),
                              ({"tool_choice": "required"}, "tool_choice")):
             with pytest.raises(openai.BadRequestError) as err:
                 client.chat.completions.create(model=model_name, messages=messages, max_tokens=8, extra_body=extra)

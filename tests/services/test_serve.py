@@ -50,6 +50,11 @@ def test_seed_command_line_serves_and_ctrl_c_stops_everything(tiny_models, tmp_p
                                                messages=[{"role": "user", "content": "Shanghai is"}],
                                                temperature=0)
         assert reply.usage.completion_tokens >= 1 and reply.model_extra["spec_stats"]["num_drafts"] >= 1
+        # A constrained request opens the verifier's stream to the grammar service, which Ctrl-C ends.
+        constrained = client.chat.completions.create(model=client.models.list().data[0].id, max_tokens=8,
+                                                     messages=[{"role": "user", "content": "Shanghai is"}],
+                                                     response_format={"type": "json_object"})
+        assert constrained.usage.completion_tokens >= 1
         metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode()
         assert "specd:spec_decode_num_drafts_total" in metrics
         # The verifier's step metrics, on the port given
