@@ -297,14 +297,14 @@ def run_e2e_bench(target: Path, drafts: dict, methods: list[str], batches: list[
     off: dict[int, E2ERow] = {}
     for method in methods:
         env, expected = {}, None
-        if base_method(method)[0] == "replay":
+        if base_method(method.replace("-fixed", ""))[0] == "replay":
             refs = work_dir / "replay_references.jsonl"
             write_references(refs, [(list(p), out) for p, out in info["off_outputs"].items()])
             rate = corrupt_rate_for(replay_acceptance, k)
             env |= {"SPECD_REPLAY_REFERENCES": str(refs), "SPECD_REPLAY_CORRUPT_RATE": repr(rate)}
             expected = replay_acceptance
             info["replay_corrupt_rate"] = rate
-        draft = drafts.get(base_method(method)[0])
+        draft = drafts.get(base_method(method.replace("-fixed", ""))[0])
         draft = draft() if callable(draft) else draft  # written on first use (the 8B suite's heads)
         method_rows, extra = run_method(method, target, draft, batches, prompts, max_tokens, k, device, env,
                                         min_requests=min_requests, drafter_device=drafter_device)

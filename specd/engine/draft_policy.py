@@ -17,7 +17,7 @@ about to be verified (rejection sampling is exact for any k).
 
 from __future__ import annotations
 
-from specd.engine.acceptance_estimate import AcceptanceEstimate, AcceptancePrior
+from specd.engine.acceptance_estimate import AcceptanceEstimates, AcceptancePrior
 from specd.engine.draft_lengths import choose_draft_lengths
 from specd.engine.stats import StepTimings
 from specd.engine.step_cost import StepCostModel
@@ -47,7 +47,7 @@ class DraftLengthPolicy:
         self.margin = margin
         self.measure_costs = measure_costs
         self.forced_k: int | None = None  # warm-up: every sequence drafts min(forced_k, its cap)
-        self._estimates: dict[int, AcceptanceEstimate] = {}
+        self._estimates = AcceptanceEstimates(max_depth, self.prior)
         self._step = 0  # verify steps seen (probes fall on multiples of probe_every)
         self._drafted = (0, 0)  # the step's verify batch: query tokens T, draft depth d
 
@@ -59,9 +59,9 @@ class DraftLengthPolicy:
         if not self.adaptive or not any(caps.values()):
             return dict(caps)
         if len(self._estimates) > len(caps):  # requests gone (finished, aborted, preempted): forgotten
-            self._estimates = {i: e for i, e in self._estimates.items() if i in caps}
+            self._estimates.keep_only(caps)
         ids, limits = list(caps), list(caps.values())
-        ks = choose_draft_lengths([self._estimate(i).cumulative() for i in ids], limits, self.cost.step_seconds,
+        ks = choose_draft_lengths(self._estimates.cumulative(ids), limits, self.cost.step_seconds,
                                   margin=self.margin)
         if self.probe_every and self._step % self.probe_every == self.probe_every - 1:
             ks = [k if k or not cap else 1 for k, cap in zip(ks, limits)]
@@ -71,10 +71,10 @@ class DraftLengthPolicy:
         """Count steps to the next probe from now (warm-up's steps do not shift served ones)."""
         self._step = 0
 
-    def observe_verdict(self, seq_id: int, num_drafted: int, num_accepted: int) -> None:
-        """A sequence's verify step: num_drafted drafts verified (0 too), num_accepted kept."""
-        if self.adaptive:
-            self._estimate(seq_id).observe(num_drafted, num_accepted)
+    def observe_verdicts(self, seq_ids: list[int], num_drafted: list[int], num_accepted: list[int]) -> None:
+        """A verify step's sequences: num_drafted[i] drafts verified (0 too), num_accepted[i] kept."""
+        if self.adaptive and seq_ids:
+            self._estimates.observe(seq_ids, num_drafted, num_accepted)
 
     def drafted(self, num_tokens: int, depth: int) -> None:
         """The step's verify batch: T = num_tokens query tokens, at draft depth `depth` (max k)."""
@@ -89,9 +89,3 @@ class DraftLengthPolicy:
             verify = step.verify + step.device_wait
             other = max(0.0, seconds - step.draft - verify - step.prefill)
             self.cost.observe(*self._drafted, verify_s=verify, draft_s=step.draft, other_s=other)
-
-    def _estimate(self, seq_id: int) -> AcceptanceEstimate:
-        est = self._estimates.get(seq_id)
-        if est is None:
-            est = self._estimates[seq_id] = AcceptanceEstimate(self.max_depth, self.prior)
-        return est
