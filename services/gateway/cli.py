@@ -38,6 +38,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    "(default: compile in the gateway)")
     p.add_argument("--tool-call-parser", default="", choices=["", *TOOL_CALL_FORMATS],
                    help="how the model writes tool calls (default: recognised from its chat template)")
+    p.add_argument("--ssl", action="store_true",
+                   help="serve HTTPS on the HTTP port with the --tls-cert-file / --tls-key-file certificate")
     p.add_argument("--enable-metrics", action="store_true", help="serve Prometheus metrics on GET /metrics")
     p.add_argument("--shutdown-grace", type=float, default=10.0,
                    help="seconds requests in flight may take to finish after SIGTERM")
@@ -62,7 +64,7 @@ def _run(args: argparse.Namespace) -> int:
                            request_stream=args.request_stream, max_queue_depth=args.max_queue_depth,
                            request_timeout=args.request_timeout, enable_metrics=args.enable_metrics,
                            max_model_len=args.max_model_len, grammar=args.grammar,
-                           tool_call_parser=args.tool_call_parser,
+                           tool_call_parser=args.tool_call_parser, ssl=args.ssl,
                            max_request_bytes=args.max_request_bytes, tls=TLSConfig.from_args(args),
                            api_keys=tuple(parse_keys(args.api_keys) if args.api_keys is not None else keys_from_env()))
     run(config, host=args.host, port=args.port, grpc_port=args.grpc_port, grace_s=args.shutdown_grace,

@@ -68,6 +68,7 @@ class GatewayConfig:
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # HTTP bodies (413) and gRPC messages
     api_keys: tuple[str, ...] = ()  # accepted Bearer keys; empty: no key needed
     tls: TLSConfig = PLAINTEXT  # the gRPC server's certificate; the CA the grammar service is checked with
+    ssl: bool = False  # HTTPS on the OpenAI port too, with tls's certificate (lmdeploy's --ssl)
 
     def __post_init__(self) -> None:
         if self.max_queue_depth < 0:
@@ -79,6 +80,8 @@ class GatewayConfig:
         if self.max_request_bytes < 1024:
             raise ConfigError(f"max_request_bytes: must be >= 1024, got {self.max_request_bytes}")
         self.api_keys = tuple(self.api_keys)
+        if self.ssl and not self.tls.serves_tls:
+            raise ConfigError("ssl: HTTPS needs the certificate of --tls-cert-file and --tls-key-file")
 
     @property
     def model_name(self) -> str:

@@ -76,9 +76,11 @@ class GatewayServer:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((self.host, self.port))
         self.port = sock.getsockname()[1]
+        tls = self.config.tls if self.config.ssl else None
         http = _Uvicorn(uvicorn.Config(create_app(gateway), host=self.host, port=self.port, lifespan="off",
                                        access_log=self.access_log, log_level=self.log_level,
-                                       timeout_graceful_shutdown=max(1, int(self.grace_s))))
+                                       timeout_graceful_shutdown=max(1, int(self.grace_s)),
+                                       ssl_certfile=tls and tls.cert_file, ssl_keyfile=tls and tls.key_file))
         grpc_server, self.grpc_port, health_servicer = await build_grpc_server(gateway, self.host, self.grpc_port)
         http_task = asyncio.create_task(http.serve(sockets=[sock]), name="specd-gateway-http")
         try:
@@ -86,8 +88,9 @@ class GatewayServer:
                 await asyncio.sleep(0.01)
             if http_task.done():
                 http_task.result()  # startup failed: raise its error
-            logger.info("gateway for %s: HTTP on %s:%d, gRPC on %s:%d, requests to %s", gateway.model_name,
-                        self.host, self.port, self.host, self.grpc_port, self.config.request_stream)
+            logger.info("gateway for %s: %s on %s:%d, gRPC on %s:%d, requests to %s", gateway.model_name,
+                        "HTTPS" if tls else "HTTP", self.host, self.port, self.host, self.grpc_port,
+                        self.config.request_stream)
             self.ready.set()
             stop_wait = asyncio.create_task(self._stop.wait())
             await asyncio.wait({http_task, stop_wait}, return_when=asyncio.FIRST_COMPLETED)

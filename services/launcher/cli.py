@@ -40,6 +40,8 @@ def add_parser(sub) -> None:
     api.add_argument("--verifier-metrics-port", type=int, default=0,
                      help="with --enable-metrics: where the verifier serves its step metrics (0: a free port, logged)")
     api.add_argument("--model-name", dest="served_model_name", default=None)
+    api.add_argument("--ssl", action="store_true",
+                     help="HTTPS on the server port, with the --tls-cert-file / --tls-key-file certificate (as lmdeploy's)")
     api.add_argument("--tool-call-parser", default="", choices=["", *TOOL_CALL_FORMATS],
                      help="how the model writes tool calls (default: recognised from its chat template)")
     api.add_argument("--device", default="cpu", help="verifier device: cpu | cuda | cuda:N")
@@ -75,7 +77,7 @@ def _run(args: argparse.Namespace) -> int:
         speculative_adaptive=args.speculative_adaptive,
         max_batch_size=args.max_batch_size, session_len=args.session_len, tp=args.tp,
         enable_metrics=args.enable_metrics, verifier_metrics_port=args.verifier_metrics_port,
-        served_model_name=args.served_model_name, tool_call_parser=args.tool_call_parser,
+        served_model_name=args.served_model_name, tool_call_parser=args.tool_call_parser, ssl=args.ssl,
         device=args.device, drafter_device=args.drafter_device, eager_mode=args.eager_mode,
         enable_prefix_caching=args.enable_prefix_caching,
         max_queue_depth=args.max_queue_depth,

@@ -44,6 +44,7 @@ class StackConfig:
     enable_metrics: bool = False
     served_model_name: str | None = None
     tool_call_parser: str = ""  # the gateway's --tool-call-parser ("": from the chat template)
+    ssl: bool = False  # HTTPS on server_port, with tls's certificate
     device: str = "cpu"
     drafter_device: str | None = None
     eager_mode: bool = False  # no CUDA graphs, in the verifier and the drafter
@@ -67,6 +68,8 @@ class StackConfig:
                              "needs --speculative-draft-model")
         if self.speculative_num_draft_tokens < 0:
             raise ValueError("speculative_num_draft_tokens: must be >= 0")
+        if self.ssl and not self.tls.serves_tls:
+            raise ValueError("ssl: HTTPS needs the certificate of --tls-cert-file and --tls-key-file")
         if self.tls.serves_tls != self.tls.connects_tls:
             raise ValueError("tls: the stack's services talk to each other, so give --tls-cert-file and "
                              "--tls-key-file together with --tls-ca-file (the CA that signed them)")
@@ -167,8 +170,8 @@ class Stack:
                      "--speculative-num-draft-tokens", str(c.speculative_num_draft_tokens)]
             if not c.speculative_adaptive:
                 args.append("--no-speculative-adaptive")
-        self._spawn("verifier", args + self._client_tls_flags())
-        self._wait_grpc_health(f"127.0.0.1:{admin_port}", timeout, PLAINTEXT)  # the admin port has no TLS yet
+        self._spawn("verifier", args + c.tls.to_flags())
+        self._wait_grpc_health(f"127.0.0.1:{admin_port}", timeout)
         args = ["gateway", c.model, "--host", c.server_name, "--port", str(c.server_port),
                 "--grpc-port", str(self.grpc_port), "--redis-url", self.redis_url,
                 "--max-queue-depth", str(c.max_queue_depth), "--grammar", grammar_addr]
@@ -176,6 +179,8 @@ class Stack:
             args += ["--served-model-name", c.served_model_name]
         if c.tool_call_parser:
             args += ["--tool-call-parser", c.tool_call_parser]
+        if c.ssl:
+            args.append("--ssl")
         if c.session_len:  # the gateway refuses what the verifier's context could not hold
             args += ["--max-model-len", str(c.session_len)]
         if c.enable_metrics:
@@ -185,18 +190,15 @@ class Stack:
         from specd import settings
 
         self._spawn("gateway", args, env={settings.API_KEYS.name: ",".join(c.api_keys)})
-        self._wait_http_health(f"http://127.0.0.1:{c.server_port}/health", timeout)
-        log.info("specd is serving on http://%s:%d (gRPC :%d)", c.server_name, c.server_port, self.grpc_port)
+        scheme = "https" if c.ssl else "http"
+        self._wait_http_health(f"{scheme}://127.0.0.1:{c.server_port}/health", timeout)
+        log.info("specd is serving on %s://%s:%d (gRPC :%d)", scheme, c.server_name, c.server_port, self.grpc_port)
         if self.verifier_metrics_port:
             log.info("the verifier's step metrics: http://127.0.0.1:%d/metrics", self.verifier_metrics_port)
 
     def _server_tls_flags(self) -> list[str]:
         tls = self.config.tls
         return TLSConfig(cert_file=tls.cert_file, key_file=tls.key_file, client_ca_file=tls.client_ca_file).to_flags()
-
-    def _client_tls_flags(self) -> list[str]:
-        tls = self.config.tls
-        return TLSConfig(cert_file=tls.cert_file, key_file=tls.key_file, ca_file=tls.ca_file).to_flags()
 
     def _check_children(self) -> None:
         for name, proc in self.children:
@@ -225,13 +227,16 @@ class Stack:
                 time.sleep(0.2)
 
     def _wait_http_health(self, url: str, timeout: float) -> None:
+        import ssl
         import urllib.request
 
+        # HTTPS: the gateway's certificate is checked against the stack's CA, as the services' are.
+        context = ssl.create_default_context(cafile=self.config.tls.ca_file) if url.startswith("https") else None
         deadline = time.monotonic() + timeout
         while True:
             self._check_children()
             try:
-                with urllib.request.urlopen(url, timeout=1.0) as reply:
+                with urllib.request.urlopen(url, timeout=1.0, context=context) as reply:
                     if reply.status == 200:
                         return
             except OSError:

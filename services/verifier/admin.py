@@ -88,7 +88,8 @@ class VerifierAdminServicer(verifier_pb2_grpc.VerifierAdminServicer):
 class AdminServer:
     """The gRPC server of the admin port (a small thread pool; the loop stays in its own thread)."""
 
-    def __init__(self, host: str = "0.0.0.0", port: int = 0, max_workers: int = 4) -> None:
+    def __init__(self, host: str = "0.0.0.0", port: int = 0, max_workers: int = 4, credentials=None) -> None:
+        """credentials: grpc.ServerCredentials for TLS (services/common/tls.py), None for plaintext."""
         self.servicer = VerifierAdminServicer()
         self.health = health.HealthServicer()
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers,
@@ -100,7 +101,9 @@ class AdminServer:
             (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
             self.server)
         try:
-            self.port = self.server.add_insecure_port(f"{host}:{port}")
+            address = f"{host}:{port}"
+            self.port = (self.server.add_secure_port(address, credentials) if credentials is not None
+                         else self.server.add_insecure_port(address))
         except RuntimeError:  # grpcio raises where older versions returned 0
             self.port = 0
         if self.port == 0:

@@ -57,7 +57,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--log-level", default="INFO")
     add_threads_argument(p)
     p.add_argument("--log-interval", type=float, default=10.0, help="seconds between summary lines (0: off)")
-    add_tls_arguments(p, server=False)  # it connects to drafters and the grammar service
+    add_tls_arguments(p)  # it connects to drafters and the grammar service, and serves its admin port
     p.set_defaults(func=run)
     return p
 

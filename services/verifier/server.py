@@ -18,7 +18,7 @@ import sys
 from dataclasses import dataclass, field
 
 from services.verifier.claims import ClaimConfig
-from services.common.tls import PLAINTEXT, TLSConfig, channel_credentials
+from services.common.tls import PLAINTEXT, TLSConfig, channel_credentials, server_credentials
 from specd.messages import SPECULATIVE_METHODS, ConfigError, PytorchEngineConfig, SpeculativeConfig
 from specd.transport.redis_streams import DEFAULT_REQUEST_STREAM
 
@@ -55,7 +55,8 @@ class VerifierConfig:
     reclaim_idle_ms: int = 30_000  # take over entries idle this long (their verifier died); 0: never
     drafter_deadline_ms: int = 2_000  # a drafter step slower than this is decoded target-only
     drafter_refresh_s: float = 10.0  # re-resolve the drafter names this often (0: only at start)
-    tls: TLSConfig = PLAINTEXT  # CA (and client certificate) for the drafter and grammar channels
+    tls: TLSConfig = PLAINTEXT  # CA (and client certificate) for the drafter and grammar channels; the
+    #                             certificate (and client CA) of the admin port
     async_emit: bool = True  # result round trips overlap the next engine step (a writer thread)
     eager_mode: bool = False  # no CUDA graphs for the target's steps
     enable_prefix_caching: bool = True  # prompts reuse cached blocks of earlier ones (kv_cache.py)
@@ -252,7 +253,7 @@ def serve(config: VerifierConfig) -> int:
                                  claims=ClaimConfig(idle_ms=config.reclaim_idle_ms),
                                  async_emit=config.async_emit)
     try:
-        admin = AdminServer(config.admin_host, config.admin_port).start()
+        admin = AdminServer(config.admin_host, config.admin_port, credentials=server_credentials(config.tls)).start()
     except OSError:
         raise PortInUseError("admin-port", config.admin_host, config.admin_port) from None
     log.info("admin port open", extra={"port": admin.port, "consumer": config.consumer})

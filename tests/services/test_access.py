@@ -10,6 +10,7 @@ from __future__ import annotations
 import ast
 import datetime
 import ipaddress
+import ssl
 import subprocess
 import tempfile
 import time
@@ -110,13 +111,15 @@ def test_launcher_command_line_carries_keys_and_tls(monkeypatch, pki, tiny_model
     monkeypatch.setattr(supervisor, "run_stack", lambda config: seen.setdefault("config", config) and 0)
     args = build_parser().parse_args(
         ["serve", "api_server", str(tiny_models["target-llama"]), "--api-keys", "A", "B", "--tls-cert-file",
-         pki["cert"], "--tls-key-file", pki["key"], "--tls-ca-file", pki["ca"], "--request-timeout", "7"])
+         pki["cert"], "--tls-key-file", pki["key"], "--tls-ca-file", pki["ca"], "--request-timeout", "7", "--ssl"])
     assert args.func(args) == 0
     config = seen["config"]
-    assert config.api_keys == ("A", "B") and config.request_timeout == 7.0
+    assert config.api_keys == ("A", "B") and config.request_timeout == 7.0 and config.ssl
     assert config.tls == TLSConfig(cert_file=pki["cert"], key_file=pki["key"], ca_file=pki["ca"])
     with pytest.raises(ValueError, match="tls"):  # serving TLS that the stack's own clients cannot verify
         supervisor.StackConfig(model="m", tls=TLSConfig(cert_file=pki["cert"], key_file=pki["key"]))
+    with pytest.raises(ValueError, match="ssl"):  # HTTPS without a certificate
+        supervisor.StackConfig(model="m", ssl=True)
 
 
 # ---- TLS between services ------------------------------------------------------------------------------
@@ -218,7 +221,7 @@ def secured_stack(tiny_models, pki, redis_with_password):
     config = StackConfig(model=str(tiny_models["target-llama"]), server_name="127.0.0.1", server_port=free_port(),
                          grpc_port=free_port(), drafter_port=free_port(), redis_url=url,
                          speculative_algorithm="ngram", speculative_num_draft_tokens=3, max_batch_size=8,
-                         enable_metrics=True, api_keys=(KEY, "sk-second"), request_timeout=60,
+                         enable_metrics=True, api_keys=(KEY, "sk-second"), request_timeout=60, ssl=True,
                          tls=TLSConfig(cert_file=pki["cert"], key_file=pki["key"], ca_file=pki["ca"]))
     stack = Stack(config)
     try:
@@ -228,20 +231,26 @@ def secured_stack(tiny_models, pki, redis_with_password):
         stack.stop()
 
 
-def test_http_needs_a_key_but_health_and_metrics_do_not(secured_stack):
-    base = f"http://127.0.0.1:{secured_stack.config.server_port}"
+def test_http_needs_a_key_but_health_and_metrics_do_not(secured_stack, pki):
+    """Over HTTPS (--ssl, the services' certificate), every service and the verifier's admin port on
+    TLS (the stack only starts once each answered its health check through it)."""
+    base = f"https://127.0.0.1:{secured_stack.config.server_port}"
+    http = httpx.Client(verify=ssl.create_default_context(cafile=pki["ca"]))
     for key in ("wrong-key", ""):
-        client = openai.OpenAI(base_url=base + "/v1", api_key=key or "none", max_retries=0, timeout=30)
+        client = openai.OpenAI(base_url=base + "/v1", api_key=key or "none", max_retries=0, timeout=30,
+                               http_client=http)
         with pytest.raises(openai.AuthenticationError) as info:
             client.completions.create(model="x", prompt="hi", max_tokens=2)
         assert info.value.body["code"] == "invalid_api_key" and "valid api key" in info.value.body["message"]
-    r = httpx.post(base + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
+    r = http.post(base + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
     assert r.status_code == 401 and r.json()["error"]["type"] == "invalid_request_error"
-    assert httpx.get(base + "/v1/models").status_code == 401
-    assert httpx.get(base + "/health").status_code == 200
-    assert "specd:" in httpx.get(base + "/metrics").text
+    assert http.get(base + "/v1/models").status_code == 401
+    assert http.get(base + "/health").status_code == 200
+    assert "specd:" in http.get(base + "/metrics").text
+    with pytest.raises(httpx.HTTPError):  # plain HTTP on the HTTPS port
+        httpx.get(f"http://127.0.0.1:{secured_stack.config.server_port}/health", timeout=3)
 
-    client = openai.OpenAI(base_url=base + "/v1", api_key=KEY, max_retries=0, timeout=60)
+    client = openai.OpenAI(base_url=base + "/v1", api_key=KEY, max_retries=0, timeout=60, http_client=http)
     model = client.models.list().data[0].id
     plain = client.completions.create(model=model, prompt="def add(a, b):", max_tokens=12, temperature=0)
     assert plain.usage.completion_tokens >= 1
@@ -344,3 +353,46 @@ def test_two_grpc_services_cannot_share_a_port(tiny_models):
 def test_free_ports_are_never_handed_out_twice():
     ports = [free_port() for _ in range(200)]
     assert len(set(ports)) == len(ports)
+
+
+# ---- HTTPS on the OpenAI port; TLS on the verifier's admin port -------------------------------------
+def test_https_serves_the_openai_port_with_the_service_certificate(tiny_models, pki, redis_url):
+    from services.gateway.core import GatewayConfig
+    from specd.messages import ConfigError
+    from tests.services.gateway_harness import ServiceLoop
+
+    tls = TLSConfig(cert_file=pki["cert"], key_file=pki["key"])
+    with pytest.raises(ConfigError, match="ssl"):
+        GatewayConfig(model=str(tiny_models["target-llama"]), ssl=True)
+    services = ServiceLoop()
+    try:
+        server = services.start(GatewayConfig(model=str(tiny_models["target-llama"]), redis_url=redis_url,
+                                              tls=tls, ssl=True))
+        url, ours = f"https://127.0.0.1:{server.port}", ssl.create_default_context(cafile=pki["ca"])
+        assert httpx.get(f"{url}/health", verify=ours).status_code == 200
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, http_client=httpx.Client(verify=ours))
+        assert client.models.list().data[0].id == str(tiny_models["target-llama"])
+        for bad in (dict(verify=ssl.create_default_context(cafile=pki["other_ca"])), dict(verify=True)):
+            with pytest.raises(httpx.ConnectError):
+                httpx.get(f"{url}/health", **bad)
+        with pytest.raises(httpx.HTTPError):  # plain HTTP on the HTTPS port
+            httpx.get(f"http://127.0.0.1:{server.port}/health", timeout=3)
+    finally:
+        services.close()
+
+
+def test_the_verifier_admin_port_serves_tls(pki):
+    from services.common.tls import server_credentials
+    from services.verifier.admin import AdminServer
+
+    admin = AdminServer("127.0.0.1", 0, credentials=server_credentials(
+        TLSConfig(cert_file=pki["cert"], key_file=pki["key"], client_ca_file=pki["ca"]))).start()
+    try:
+        admin.set_serving(True)
+        mutual = TLSConfig(cert_file=pki["cert"], key_file=pki["key"], ca_file=pki["ca"])
+        assert _health(f"127.0.0.1:{admin.port}", mutual) == health_pb2.HealthCheckResponse.SERVING
+        for wrong in (TLSConfig(), TLSConfig(ca_file=pki["ca"])):  # plaintext; no client certificate
+            with pytest.raises(grpc.RpcError):
+                _health(f"127.0.0.1:{admin.port}", wrong, timeout=1)
+    finally:
+        admin.server.stop(0)
