@@ -99,6 +99,8 @@ class Drafting:
         their next drafts over)."""
         submit = getattr(self.proposer, "propose_async", None) if self.ahead else None
         batch = [seq for seq in batch if seq.seq_id not in self._carried]
+        if submit is not None and not any(self.num_drafts(seq) for seq in batch):
+            return  # a step where nobody drafts asks the drafter nothing (its tokens wait: request)
         if submit is None or not batch:
             return
         requests = [self.request(seq) for seq in batch]
@@ -132,11 +134,13 @@ class Drafting:
         _check(requests, proposals)
         return {req.seq_id: p for req, p in zip(requests, proposals)}
 
-    def draft(self, batch: list[Sequence], sent_ahead: dict[int, DraftProposal]) -> list[DraftProposal]:
+    def draft(self, batch: list[Sequence], sent_ahead: dict[int, DraftProposal], ask: bool = True
+              ) -> list[DraftProposal]:
         """k_i drafts per sequence of batch: the ones sent ahead where they still apply, the rest
-        from one batched proposer call."""
+        from one batched proposer call. ask=False (every k_i is 0): none, and the drafter is not
+        called; the tokens it has not seen wait in each sequence for its next request."""
         carried, self._carried, self._surplus = self._carried, {}, {}
-        if self.proposer is None or not batch:
+        if self.proposer is None or not batch or not ask:
             return [NO_DRAFTS] * len(batch)
         proposals: list[DraftProposal | None] = [None] * len(batch)
         fresh: list[int] = []

@@ -93,9 +93,11 @@ class SpecEngine:
         self._marking: DeviceClock | None = None  # the clock of the verify forward being launched
         if hasattr(runner, "on_launch"):  # the runner marks its forward's first device work
             runner.on_launch = self._mark_launch
-        # Decode steps queued before the last one's tokens reach the host (overlap.py): without
-        # speculation, on runners that read a chunk's first token from the device.
-        self._overlap = proposer is None and getattr(runner, "takes_first_token_ids", False)
+        # Decode steps queued before the last one's tokens reach the host (overlap.py), on runners
+        # that read a chunk's first token from the device: steps where no sequence drafts (no
+        # proposer, or adaptive drafting gave every sequence k = 0), where the drafter needs no
+        # hidden rows (a decode step queued ahead keeps none; the drafter catches up on tokens alone).
+        self._overlap = self._hidden_kind == "none" and getattr(runner, "takes_first_token_ids", False)
         self._in_flight: StepInFlight | None = None
         # Prompts start from the cached blocks of earlier ones (kv_cache.py) unless the drafter
         # needs the target's hidden state of every prompt token, which only a full prefill gives.
@@ -176,7 +178,7 @@ class SpecEngine:
         flight, self._in_flight = self._in_flight, None
         if flight is not None:
             batch = next_decode_batch(self.running, flight, self.runner.plan_appends(), self.stop)
-            if batch:
+            if batch and self._drafts_nothing(batch):
                 return self._overlapped_step(flight, batch, t0, before, t_collect)
             finished += self._land(flight)  # the synchronous step below starts from landed state
         finished += self._admit_and_announce()
@@ -187,7 +189,8 @@ class SpecEngine:
         batch = [s for s in self.running if not s.is_finished]
         proposals = self.draft(batch, prefetched)
         t2 = time.perf_counter()
-        if self._overlap and batch and not any(decode_ahead_blocks(s) for s in batch):
+        if (self._overlap and batch and not any(p.token_ids.numel() for p in proposals)
+                and not any(decode_ahead_blocks(s) for s in batch)):
             self._in_flight = self._launch(batch, proposals, None)  # lands in the next step
             t3 = time.perf_counter()
         else:
@@ -223,6 +226,10 @@ class SpecEngine:
         self.stats.num_steps += 1
         self.draft_policy.observe_timings(self.stats.timings.since(before), t_end - t0)
         return finished
+
+    def _drafts_nothing(self, batch: list[Sequence]) -> bool:
+        """No sequence of batch drafts this step: no proposer, or k = 0 for all (draft_policy.py)."""
+        return self.proposer is None or not any(self._num_drafts(s) for s in batch)
 
     def _launch(self, batch: list[Sequence], proposals: list[DraftProposal], flight: StepInFlight | None
                 ) -> StepInFlight:
@@ -315,8 +322,8 @@ class SpecEngine:
     def draft(self, batch: list[Sequence], prefetched: dict[int, DraftProposal] | None = None
               ) -> list[DraftProposal]:
         """k_i drafts per sequence (drafting.py: sent ahead where they apply, else asked now)."""
-        proposals = self.drafting.draft(batch, prefetched or {})
         ks = [self._num_drafts(s) for s in batch] if self.proposer is not None else []  # verify budgets
+        proposals = self.drafting.draft(batch, prefetched or {}, ask=any(ks))
         self.stats.record_draft_lengths(ks)
         self.draft_policy.drafted(len(batch) + sum(p.token_ids.numel() for p in proposals), max(ks, default=0))
         return proposals
@@ -406,7 +413,7 @@ class SpecEngine:
                 # appended past it: overlap.py.)
                 self.runner.truncate(seq.seq_id, seq.num_tokens + m)
             new_tokens = emitted[i][:m + 1]
-            if self.proposer is not None:
+            if self.proposer is not None and self._hidden_kind != "none":
                 hidden = self._hidden_rows(out, i, m + 1)
                 if hidden is not None:
                     seq.undrafted_hidden.append(hidden)

@@ -109,3 +109,41 @@ def test_sequences_that_need_their_history_take_the_synchronous_step(tiny_models
     penalized = engine_over(CountingRunner, target, False)
     penalized.generate(prompts[3:4], params[3:4])
     assert penalized.runner.num_carried_forwards == 0
+
+
+@pytest.mark.parametrize("sampling", [False, True], ids=["greedy", "sampled"])
+def test_steps_where_adaptive_drafting_drafts_nothing_overlap(tiny_models, sampling):
+    """With a proposer whose drafts never pay (every draft missed; drafting costly), adaptive
+    drafting settles on k = 0: those steps queue ahead as without a proposer, the drafter is not
+    asked in them, and its probes still come back. The output is the synchronous loop's with the
+    same proposer and policy, token for token (greedy: also the target-only loop's)."""
+    from specd.engine.draft_policy import DraftLengthPolicy
+    from specd.proposers.replay import ReplayProposer, load_references, write_references
+    from tests.engine.draft_costs import FixedCost
+    from tests.engine.test_adaptive_drafting import Recording
+
+    target = tiny_models["target-llama"]
+    prompts, params = make_requests(512, seed=8)
+    params = [SamplingParams(**{**p.__dict__, "max_new_tokens": 40}) for p in params]
+    if sampling:
+        params = sampled(params)
+    target_only = outcome(engine_over(HostTokensRunner, target, False).generate(prompts, params))
+    refs = target.parent / "overlap_refs.jsonl"
+    write_references(refs, [(p, out) for p, (out, _) in zip(prompts, target_only)])
+
+    def speculative(runner_class):
+        proposer = Recording(ReplayProposer(load_references(refs), 512, 1.0))  # every draft corrupted
+        policy = DraftLengthPolicy(3, method="replay", cost=FixedCost(3, depth_share=0.3))
+        engine = SpecEngine(runner_class(str(target), CONFIG), proposer, 3, max_batch_size=CONFIG.max_batch_size,
+                            max_model_len=CONFIG.session_len, draft_policy=policy)
+        return engine, proposer, outcome(engine.generate(prompts, params))
+
+    _, _, want = speculative(HostTokensRunner)
+    engine, proposer, got = speculative(CountingRunner)
+    assert got == want
+    if not sampling:
+        assert got == target_only
+    stats = engine.stats
+    assert engine.runner.num_carried_forwards > 0.5 * stats.num_steps  # undrafted steps ran ahead
+    assert 0 < proposer.num_calls <= stats.num_steps - stats.num_undrafted_steps  # probes, no k = 0 calls
+    assert all_blocks_free(engine)
