@@ -47,6 +47,8 @@ class StepCostModel:
         self._draft: list[float | None] = [None] * (self.max_depth + 1)  # depth -> mean seconds
         self._other: float | None = None
         self.num_observed = 0
+        self._points: tuple[np.ndarray, np.ndarray] | None = None  # _verify_points, until the next sample
+        self._drafts: list[float] | None = None  # _draft_table, until the next sample
 
     # ---- measurements ---------------------------------------------------------------------
     def observe(self, num_tokens: int, depth: int, *, verify_s: float, draft_s: float,
@@ -65,6 +67,7 @@ class StepCostModel:
         self._draft[depth] = draft_s if self._draft[depth] is None else self._ema(self._draft[depth], draft_s)
         self._other = other_s if self._other is None else self._ema(self._other, other_s)
         self.num_observed += 1
+        self._points = self._drafts = None
 
     def _ema(self, mean: float, sample: float) -> float:
         sample = min(sample, CLIP * mean) if mean > 0 else sample
@@ -74,18 +77,32 @@ class StepCostModel:
     def step_seconds(self, num_tokens: np.ndarray, depth: int) -> np.ndarray:
         """Predicted seconds (units of a one-token verify before any measurement) of a step at
         each T of num_tokens, all at draft depth `depth`."""
-        return (self._other or 0.0) + self.verify_seconds(num_tokens) + self.draft_seconds(depth)
+        drafts = self._draft_table()
+        draft = drafts[depth] if 0 <= depth < len(drafts) else self.draft_seconds(depth)
+        return (self._other or 0.0) + self.verify_seconds(num_tokens) + draft
+
+    def _verify_points(self) -> tuple[np.ndarray, np.ndarray]:
+        """The verify points as arrays, sorted by T (made once per measurement: the chooser asks
+        several times a step)."""
+        if self._points is None:
+            points = sorted(self._verify.values())
+            self._points = (np.array([p[0] for p in points]), np.array([p[1] for p in points]))
+        return self._points
+
+    def _draft_table(self) -> list[float]:
+        """draft_seconds of every depth up to max_depth (made once per measurement)."""
+        if self._drafts is None:
+            self._drafts = [self.draft_seconds(d) for d in range(self.max_depth + 1)]
+        return self._drafts
 
     def verify_seconds(self, num_tokens: np.ndarray) -> np.ndarray:
         t = np.asarray(num_tokens, dtype=np.float64)
-        points = sorted(self._verify.values())
-        if not points:
+        xs, ys = self._verify_points()
+        if len(xs) == 0:
             return 1.0 + self.token_slope * t
-        if len(points) == 1:  # the default shape through the one measured point
-            (t0, v0), = points
+        if len(xs) == 1:  # the default shape through the one measured point
+            t0, v0 = xs[0], ys[0]
             return v0 * (1.0 + self.token_slope * t) / (1.0 + self.token_slope * t0)
-        xs = np.array([p[0] for p in points])
-        ys = np.array([p[1] for p in points])
         inside = np.interp(t, xs, ys)
         # Outside the measured range, the nearest segment's slope (never negative: noise).
         lo = max(0.0, (ys[1] - ys[0]) / max(xs[1] - xs[0], 1e-9))
