@@ -27,8 +27,9 @@ from services.gateway.errors import GatewayError, redis_unavailable
 from services.gateway.logprobs import LogprobRenderer
 from services.gateway.metrics import CONTENT_TYPE_LATEST
 from services.gateway.request_stream import GenerationOutput, RequestStream, RequestTimings
+from services.gateway.reasoning import ReasoningStream
 from services.gateway.tools import ToolCallStream, new_call_id, template_messages, tool_call_dict
-from specd.messages import SpecStats
+from specd.messages import ConfigError, SpecStats
 
 logger = logging.getLogger(__name__)
 
@@ -85,23 +86,32 @@ def create_app(gateway: Gateway) -> FastAPI:
                 raise GatewayError(400, "response_format: cannot be combined with tool calls (tool_choice "
                                         "'none' allows it)", param="response_format")
             constraint = tools.response_format(call_format)
+        reasoning = gateway.reasoning
+        if reasoning is not None and constraint is not None:  # the answer is constrained, not the thinking
+            try:
+                constraint = reasoning.constrain_after(constraint)
+            except ConfigError as e:
+                raise GatewayError(400, str(e), param="response_format") from None
         streams, meta = await _submit(gateway, body, prompt, timings, "chatcmpl-", constraint,
                                       constraint_param="tools" if call_format else "response_format")
         if body.stream:
             return await _sse_response(gateway, streams, meta, body.include_usage, oai.ChatCompletionChunk,
                                        [oai.chat_chunks(s, meta, body.include_usage, i, usage_chunk=len(streams) == 1,
-                                                        tool_calls=call_format and ToolCallStream(call_format))
+                                                        tool_calls=call_format and ToolCallStream(call_format),
+                                                        reasoning=reasoning and ReasoningStream(reasoning))
                                         for i, s in enumerate(streams)])
         results = await _collect_all(streams)
         choices = []
         for i, (stream, result) in enumerate(zip(streams, results)):
             logprobs = LogprobRenderer.of(stream)
-            message, finish_reason = oai.ChatResponseMessage(content=result.text), result.finish_reason
+            thinking, text = reasoning.split(result.text, final=True) if reasoning else ("", result.text)
+            message = oai.ChatResponseMessage(content=text, reasoning_content=thinking or None)
+            finish_reason = result.finish_reason
             if call_format is not None:
-                split = call_format.split(result.text, final=True)
+                split = call_format.split(text, final=True)
                 calls = [tool_call_dict(call, new_call_id()) for call in split.calls]
                 message = oai.ChatResponseMessage(content=split.content or (None if calls else ""),
-                                                  tool_calls=calls or None)
+                                                  reasoning_content=thinking or None, tool_calls=calls or None)
                 finish_reason = "tool_calls" if calls and finish_reason == "stop" else finish_reason
             choices.append(oai.ChatChoice(index=i, message=message,
                                           logprobs=logprobs and logprobs.chat(result.logprobs),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from services.common.tls import TLSConfig, add_tls_arguments
+from services.gateway.reasoning import FORMATS as REASONING_FORMATS
 from services.gateway.tool_formats import FORMATS as TOOL_CALL_FORMATS
 from specd.host_threads import add_threads_argument
 
@@ -38,6 +39,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    "(default: compile in the gateway)")
     p.add_argument("--tool-call-parser", default="", choices=["", *TOOL_CALL_FORMATS],
                    help="how the model writes tool calls (default: recognised from its chat template)")
+    p.add_argument("--reasoning-parser", default="", choices=["", *REASONING_FORMATS],
+                   help="split a reasoning model's thinking into reasoning_content (default: none)")
     p.add_argument("--ssl", action="store_true",
                    help="serve HTTPS on the HTTP port with the --tls-cert-file / --tls-key-file certificate")
     p.add_argument("--enable-metrics", action="store_true", help="serve Prometheus metrics on GET /metrics")
@@ -64,7 +67,8 @@ def _run(args: argparse.Namespace) -> int:
                            request_stream=args.request_stream, max_queue_depth=args.max_queue_depth,
                            request_timeout=args.request_timeout, enable_metrics=args.enable_metrics,
                            max_model_len=args.max_model_len, grammar=args.grammar,
-                           tool_call_parser=args.tool_call_parser, ssl=args.ssl,
+                           tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
+                           ssl=args.ssl,
                            max_request_bytes=args.max_request_bytes, tls=TLSConfig.from_args(args),
                            api_keys=tuple(parse_keys(args.api_keys) if args.api_keys is not None else keys_from_env()))
     run(config, host=args.host, port=args.port, grpc_port=args.grpc_port, grace_s=args.shutdown_grace,

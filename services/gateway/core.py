@@ -32,6 +32,7 @@ from services.gateway.redis_client import gateway_redis
 from services.gateway.errors import REDIS_ERRORS, GatewayError, redis_unavailable
 from services.gateway.request_stream import GenerationOutput, RequestStream, RequestTimings
 from services.gateway.result_reader import ResultReader
+from services.gateway.reasoning import reasoning_format
 from services.gateway.tool_formats import ToolCallFormat, tool_call_format
 from services.gateway.tools import ToolRequest
 from services.gateway.validation import find_invalid_value
@@ -65,6 +66,7 @@ class GatewayConfig:
     max_model_len: int | None = None  # None: config.json's max_position_embeddings
     grammar: str = ""  # grammar service host:port validating response_format; "": compile here
     tool_call_parser: str = ""  # how the model writes tool calls (tool_formats.py); "": from the template
+    reasoning_parser: str = ""  # deepseek_r1 | qwen3: reasoning_content split off (reasoning.py); "": none
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # HTTP bodies (413) and gRPC messages
     api_keys: tuple[str, ...] = ()  # accepted Bearer keys; empty: no key needed
     tls: TLSConfig = PLAINTEXT  # the gRPC server's certificate; the CA the grammar service is checked with
@@ -111,6 +113,7 @@ class Gateway:
         self._tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="specd-tokenize")
         self.created = int(time.time())
         self._tool_call_format = tool_call_format(config.tool_call_parser, self.tokenizer.chat_template)
+        self.reasoning = reasoning_format(config.reasoning_parser)
 
     async def start(self) -> None:
         self.reader.start()

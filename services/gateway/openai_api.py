@@ -29,6 +29,7 @@ from services.gateway.errors import GatewayError
 from services.gateway.guided import GUIDED_FIELDS, constraint_of
 from services.gateway.logprobs import ChatLogprobs, CompletionLogprobs, LogprobRenderer
 from services.gateway.request_stream import GenerationOutput, RequestStream
+from services.gateway.reasoning import ReasoningStream
 from services.gateway.tools import ToolCallStream, ToolRequest, parse_tools
 from services.gateway.validation import MAX_STOP_WORDS
 
@@ -286,6 +287,7 @@ class _Response(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None
+    reasoning_content: str | None = None  # with --reasoning-parser: the thinking before </think>
     tool_calls: list[dict[str, Any]] | None = None  # {id, type: "function", function: {name, arguments}}
 
 
@@ -306,6 +308,7 @@ class ChatCompletionResponse(_Response):
 class ChatDelta(BaseModel):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[dict[str, Any]] | None = None  # {index, id, type, function: {name, arguments}} deltas
 
 
@@ -381,25 +384,28 @@ async def _outputs(stream: RequestStream, first: GenerationOutput | None) -> Asy
 
 
 def chat_chunks(stream: RequestStream, meta: dict, include_usage: bool, index: int = 0, usage_chunk: bool = True,
-                tool_calls: ToolCallStream | None = None):
-    """Renders a chat stream (choice `index`) as SSE chunks: the role, text deltas (with tool_calls:
-    content and tool-call deltas), finish_reason + spec_stats, usage (usage_chunk False: the caller
-    sends the usage of every choice at once)."""
+                tool_calls: ToolCallStream | None = None, reasoning: ReasoningStream | None = None):
+    """Renders a chat stream (choice `index`) as SSE chunks: the role, text deltas (with reasoning:
+    reasoning_content first; with tool_calls: content and tool-call deltas), finish_reason +
+    spec_stats, usage (usage_chunk False: the caller sends the usage of every choice at once)."""
     logprobs = LogprobRenderer.of(stream)
 
     def delta_of(out: GenerationOutput) -> tuple[ChatDelta, str | None]:
+        final = out.finish_reason is not None
+        thinking, text = reasoning.feed(out.text or "", final) if reasoning is not None else ("", out.text or "")
         if tool_calls is None:
-            return ChatDelta(content=out.text or None), out.finish_reason
-        content, calls = tool_calls.feed(out.text or "", final=out.finish_reason is not None)
+            return ChatDelta(content=text or None, reasoning_content=thinking or None), out.finish_reason
+        content, calls = tool_calls.feed(text, final)
         finish = "tool_calls" if out.finish_reason == "stop" and tool_calls.num_calls else out.finish_reason
-        return ChatDelta(content=content or None, tool_calls=calls or None), finish
+        return ChatDelta(content=content or None, reasoning_content=thinking or None,
+                         tool_calls=calls or None), finish
 
     async def render(first: GenerationOutput | None) -> AsyncIterator[str]:
         yield sse(ChatCompletionChunk(**meta, choices=[ChatChunkChoice(
             index=index, delta=ChatDelta(role="assistant", content=""))]), include_usage=include_usage)
         async for out in _outputs(stream, first):
             delta, finish_reason = delta_of(out)
-            if delta.content or delta.tool_calls or finish_reason or out.logprobs:
+            if delta.content or delta.reasoning_content or delta.tool_calls or finish_reason or out.logprobs:
                 yield sse(ChatCompletionChunk(
                     **meta, choices=[ChatChunkChoice(index=index, delta=delta,
                                                      logprobs=logprobs and logprobs.chat(out.logprobs),

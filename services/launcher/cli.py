@@ -6,6 +6,7 @@ import argparse
 import logging
 
 from services.common.tls import TLSConfig, add_tls_arguments
+from services.gateway.reasoning import FORMATS as REASONING_FORMATS
 from services.gateway.tool_formats import FORMATS as TOOL_CALL_FORMATS
 
 METHODS = ["eagle3", "deepseek_mtp", "qwen3_5_mtp", "draft_model", "ngram"]
@@ -42,6 +43,8 @@ def add_parser(sub) -> None:
     api.add_argument("--model-name", dest="served_model_name", default=None)
     api.add_argument("--ssl", action="store_true",
                      help="HTTPS on the server port, with the --tls-cert-file / --tls-key-file certificate (as lmdeploy's)")
+    api.add_argument("--reasoning-parser", default="", choices=["", *REASONING_FORMATS],
+                     help="split a reasoning model's thinking into reasoning_content (default: none)")
     api.add_argument("--tool-call-parser", default="", choices=["", *TOOL_CALL_FORMATS],
                      help="how the model writes tool calls (default: recognised from its chat template)")
     api.add_argument("--device", default="cpu", help="verifier device: cpu | cuda | cuda:N")
@@ -78,6 +81,7 @@ def _run(args: argparse.Namespace) -> int:
         max_batch_size=args.max_batch_size, session_len=args.session_len, tp=args.tp,
         enable_metrics=args.enable_metrics, verifier_metrics_port=args.verifier_metrics_port,
         served_model_name=args.served_model_name, tool_call_parser=args.tool_call_parser, ssl=args.ssl,
+        reasoning_parser=args.reasoning_parser,
         device=args.device, drafter_device=args.drafter_device, eager_mode=args.eager_mode,
         enable_prefix_caching=args.enable_prefix_caching,
         max_queue_depth=args.max_queue_depth,

@@ -45,6 +45,7 @@ class StackConfig:
     served_model_name: str | None = None
     tool_call_parser: str = ""  # the gateway's --tool-call-parser ("": from the chat template)
     ssl: bool = False  # HTTPS on server_port, with tls's certificate
+    reasoning_parser: str = ""  # the gateway's --reasoning-parser ("": none)
     device: str = "cpu"
     drafter_device: str | None = None
     eager_mode: bool = False  # no CUDA graphs, in the verifier and the drafter
@@ -181,6 +182,8 @@ class Stack:
             args += ["--tool-call-parser", c.tool_call_parser]
         if c.ssl:
             args.append("--ssl")
+        if c.reasoning_parser:
+            args += ["--reasoning-parser", c.reasoning_parser]
         if c.session_len:  # the gateway refuses what the verifier's context could not hold
             args += ["--max-model-len", str(c.session_len)]
         if c.enable_metrics:

@@ -9,15 +9,12 @@ text. Through the whole stack and the OpenAI client, `auto` then returns the mod
 from __future__ import annotations
 
 import json
-import shutil
 
 import openai
 import pytest
-import torch
-from transformers import AutoModelForCausalLM
 
 from services.gateway.tool_formats import FORMATS
-from specd.models.loader import load_tokenizer
+from tests.services.fine_tune import fine_tune_chat
 from tests.services.test_e2e import start_stack
 from tests.services.test_tools_e2e import reassemble
 
@@ -38,40 +35,11 @@ def call_text(fmt, name: str, arguments: dict) -> str:
             + fmt.section_end)
 
 
-def fine_tune(base, out_dir, fmt, steps: int = 200) -> None:
+def fine_tune(base, out_dir, fmt) -> None:
     """The base target, taught to call get_weather for weather questions and to greet back."""
-    tokenizer = load_tokenizer(base)
-    if fmt.name != "hermes":
-        tokenizer.chat_template = TOOLS_TEMPLATE
-    examples = [(f"weather in {c}?", call_text(fmt, "get_weather", {"city": c})) for c in CITIES]
-    examples += [(g, "Hi there!") for g in GREETINGS]
-    rows = []
-    for question, answer in examples:
-        prompt = tokenizer.apply_chat_template([{"role": "user", "content": question}], tools=TOOLS,
-                                               tokenize=False, add_generation_prompt=True)
-        p = tokenizer.encode(prompt, add_special_tokens=False)
-        a = tokenizer.encode(answer + "<|im_end|>", add_special_tokens=False)
-        rows.append((p + a, len(p)))
-    width = max(len(ids) for ids, _ in rows)
-    ids = torch.full((len(rows), width), tokenizer.eos_token_id)
-    labels = torch.full((len(rows), width), -100)
-    for i, (row, num_prompt) in enumerate(rows):
-        ids[i, :len(row)] = torch.tensor(row)
-        labels[i, num_prompt:len(row)] = torch.tensor(row[num_prompt:])
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    for _ in range(steps):
-        loss = model(input_ids=ids, labels=labels).loss
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    assert loss.item() < 0.05, f"fine-tuning did not converge: loss {loss.item():.3f}"
-    model.save_pretrained(out_dir)
-    tokenizer.save_pretrained(out_dir)
-    for extra in ("generation_config.json",):
-        if (base / extra).exists():
-            shutil.copy(base / extra, out_dir / extra)
+    pairs = [(f"weather in {c}?", call_text(fmt, "get_weather", {"city": c})) for c in CITIES]
+    pairs += [(g, "Hi there!") for g in GREETINGS]
+    fine_tune_chat(base, out_dir, pairs, tools=TOOLS, template=None if fmt.name == "hermes" else TOOLS_TEMPLATE)
 
 
 @pytest.mark.slow
