@@ -55,3 +55,4 @@ def choose_draft_lengths(cumulative, caps, step_cost: StepCost, *, margin: float
         return [0] * batch
     d, n = best
     return np.bincount(s[j < d][:n], minlength=batch).tolist()
+

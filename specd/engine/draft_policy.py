@@ -61,8 +61,11 @@ class DraftLengthPolicy:
         if len(self._estimates) > len(caps):  # requests gone (finished, aborted, preempted): forgotten
             self._estimates.keep_only(caps)
         ids, limits = list(caps), list(caps.values())
-        ks = choose_draft_lengths(self._estimates.cumulative(ids), limits, self.cost.step_seconds,
-                                  margin=self.margin)
+        if len(ids) == 1:  # batch 1, every step: each k scored in plain floats
+            ks = [self._best_alone(self._estimates.cumulative(ids)[0].tolist(), limits[0])]
+        else:
+            ks = choose_draft_lengths(self._estimates.cumulative(ids), limits, self.cost.step_seconds,
+                                      margin=self.margin)
         if self.probe_every and self._step % self.probe_every == self.probe_every - 1:
             ks = [k if k or not cap else 1 for k, cap in zip(ks, limits)]
         return dict(zip(ids, ks))
@@ -89,3 +92,15 @@ class DraftLengthPolicy:
             verify = step.verify + step.device_wait
             other = max(0.0, seconds - step.draft - verify - step.prefill)
             self.cost.observe(*self._drafted, verify_s=verify, draft_s=step.draft, other_s=other)
+
+    def _best_alone(self, cumulative: list[float], cap: int) -> int:
+        """choose_draft_lengths for one sequence: the k in [0, cap] of the best expected rate (k = 0
+        favoured by the margin; the smallest k on a tie)."""
+        best_k, tokens = 0, 1.0
+        best_rate = tokens / self.cost.step_seconds_one(1.0, 0) * (1.0 + self.margin)
+        for k in range(1, min(cap, len(cumulative)) + 1):
+            tokens += cumulative[k - 1]
+            rate = tokens / self.cost.step_seconds_one(1.0 + k, k)
+            if rate > best_rate:
+                best_k, best_rate = k, rate
+        return best_k

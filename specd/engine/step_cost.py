@@ -17,6 +17,7 @@ measured are extrapolated from what it has, scaled by the default's slopes.
 
 from __future__ import annotations
 
+import bisect
 import math
 
 import numpy as np
@@ -48,6 +49,7 @@ class StepCostModel:
         self._other: float | None = None
         self.num_observed = 0
         self._points: tuple[np.ndarray, np.ndarray] | None = None  # _verify_points, until the next sample
+        self._point_lists: tuple[list[float], list[float]] = ([], [])  # the same as lists
         self._drafts: list[float] | None = None  # _draft_table, until the next sample
 
     # ---- measurements ---------------------------------------------------------------------
@@ -81,19 +83,48 @@ class StepCostModel:
         draft = drafts[depth] if 0 <= depth < len(drafts) else self.draft_seconds(depth)
         return (self._other or 0.0) + self.verify_seconds(num_tokens) + draft
 
+    def step_seconds_one(self, num_tokens: float, depth: int) -> float:
+        """step_seconds of one plan, in plain floats (no array work: batch 1 asks it every step)."""
+        drafts = self._draft_table()
+        draft = drafts[depth] if 0 <= depth < len(drafts) else self.draft_seconds(depth)
+        return (self._other or 0.0) + self._verify_one(float(num_tokens)) + draft
+
+    def _verify_one(self, t: float) -> float:
+        """verify_seconds of one T, the same rule in plain floats."""
+        self._verify_points()
+        xs, ys = self._point_lists
+        if len(xs) == 0:
+            return 1.0 + self.token_slope * t
+        if len(xs) == 1:
+            return ys[0] * (1.0 + self.token_slope * t) / (1.0 + self.token_slope * xs[0])
+        if t < xs[0]:
+            lo = max(0.0, (ys[1] - ys[0]) / max(xs[1] - xs[0], 1e-9))
+            return max(0.0, ys[0] - lo * (xs[0] - t))
+        if t > xs[-1]:
+            hi = max(0.0, (ys[-1] - ys[-2]) / max(xs[-1] - xs[-2], 1e-9))
+            return max(0.0, ys[-1] + hi * (t - xs[-1]))
+        i = min(bisect.bisect_right(xs, t), len(xs) - 1)
+        x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+        return max(0.0, y0 if x1 == x0 else y0 + (y1 - y0) * (t - x0) / (x1 - x0))
+
     def _verify_points(self) -> tuple[np.ndarray, np.ndarray]:
         """The verify points as arrays, sorted by T (made once per measurement: the chooser asks
         several times a step)."""
         if self._points is None:
             points = sorted(self._verify.values())
             self._points = (np.array([p[0] for p in points]), np.array([p[1] for p in points]))
+            self._point_lists = ([p[0] for p in points], [p[1] for p in points])
         return self._points
 
     def _draft_table(self) -> list[float]:
         """draft_seconds of every depth up to max_depth (made once per measurement)."""
         if self._drafts is None:
-            self._drafts = [self.draft_seconds(d) for d in range(self.max_depth + 1)]
+            per_depth = self._default_per_depth()
+            self._drafts = [self.draft_seconds(d, per_depth) for d in range(self.max_depth + 1)]
         return self._drafts
+
+    def _default_per_depth(self) -> float:
+        return self.depth_share * self._verify_one(1.0)
 
     def verify_seconds(self, num_tokens: np.ndarray) -> np.ndarray:
         t = np.asarray(num_tokens, dtype=np.float64)
@@ -110,9 +141,10 @@ class StepCostModel:
         out = np.where(t < xs[0], ys[0] - lo * (xs[0] - t), inside)
         return np.maximum(np.where(t > xs[-1], ys[-1] + hi * (t - xs[-1]), out), 0.0)
 
-    def draft_seconds(self, depth: int) -> float:
+    def draft_seconds(self, depth: int, per_depth: float | None = None) -> float:
+        """per_depth: the default's cost of one more depth (computed when not given)."""
         measured = [(d, s) for d, s in enumerate(self._draft) if s is not None]
-        per_depth = self.depth_share * float(self.verify_seconds(np.array([1.0]))[0])
+        per_depth = self._default_per_depth() if per_depth is None else per_depth
         if not measured:
             return per_depth * depth
         below = [(d, s) for d, s in measured if d <= depth]

@@ -80,3 +80,24 @@ def test_the_margin_keeps_marginal_drafting_off():
 
 def test_an_empty_batch():
     assert choose_draft_lengths([], [], linear_cost()) == []
+
+
+def test_one_sequence_plans_as_the_batch_chooser_does():
+    """The policy's batch-1 path (plain floats) picks the chooser's k, with measured costs too."""
+    from specd.engine.draft_policy import DraftLengthPolicy
+    from specd.engine.stats import StepTimings
+
+    rng = np.random.default_rng(5)
+    for trial in range(40):
+        policy = DraftLengthPolicy(K, method="eagle3", margin=float(rng.uniform(0, 0.1)))
+        for _ in range(int(rng.integers(0, 12))):  # measured verify and draft costs, at random shapes
+            t, d = int(rng.integers(1, 9)), int(rng.integers(0, K + 1))
+            policy.drafted(t, d)
+            step = StepTimings()
+            step.verify, step.draft = float(rng.uniform(1e-3, 5e-3)), float(rng.uniform(0, 2e-3)) * d
+            policy.observe_timings(step, step.verify + step.draft + float(rng.uniform(0, 1e-3)))
+        policy.observe_verdicts([0], [K], [int(rng.integers(0, K + 1))])
+        cap = int(rng.integers(0, K + 1))
+        want = choose_draft_lengths(policy._estimates.cumulative([0]), [cap], policy.cost.step_seconds,
+                                    margin=policy.margin)
+        assert [policy.plan({0: cap})[0]] == want, trial
