@@ -189,7 +189,7 @@ class SpecEngine:
         batch = [s for s in self.running if not s.is_finished]
         proposals = self.draft(batch, prefetched)
         t2 = time.perf_counter()
-        if (self._overlap and batch and not any(p.token_ids.numel() for p in proposals)
+        if (self._overlap and batch and self._drafts_nothing(batch)
                 and not any(decode_ahead_blocks(s) for s in batch)):
             self._in_flight = self._launch(batch, proposals, None)  # lands in the next step
             t3 = time.perf_counter()

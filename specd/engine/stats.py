@@ -93,9 +93,11 @@ class EngineStats:
     timings: StepTimings = field(default_factory=StepTimings)
     # Draft lengths chosen (draft_policy.py), steps with a proposer only: draft_length_counts[k]
     # counts sequence-steps whose verify budget was k drafts; num_undrafted_steps counts steps in
-    # which every sequence had k = 0 (plain decoding: nothing paid, or no budget left).
+    # which every sequence had k = 0 (plain decoding: nothing paid, or no budget left),
+    # num_drafted_steps those in which some sequence drafted.
     draft_length_counts: list[int] = field(default_factory=list)
     num_undrafted_steps: int = 0
+    num_drafted_steps: int = 0
 
     def record_draft_lengths(self, ks: list[int]) -> None:
         """One step's chosen k per sequence (none: a step without a proposer or a batch)."""
@@ -106,6 +108,7 @@ class EngineStats:
                 self.draft_length_counts.extend([0] * (k + 1 - len(self.draft_length_counts)))
             self.draft_length_counts[k] += 1
         self.num_undrafted_steps += not any(ks)
+        self.num_drafted_steps += any(ks)
 
     @property
     def mean_draft_length(self) -> float:

@@ -148,9 +148,9 @@ def carried_run(target_path, draft_path, params: SamplingParams) -> tuple[list[l
     carried_ids: set[int] = set()
     real_draft = engine.drafting.draft
 
-    def draft(batch, sent_ahead):  # which sequences this step verifies carried drafts for
+    def draft(batch, sent_ahead, **kwargs):  # which sequences this step verifies carried drafts for
         before = set(engine.drafting._carried)  # (near the end k = 0 drops them: not those)
-        out = real_draft(batch, sent_ahead)
+        out = real_draft(batch, sent_ahead, **kwargs)
         carried_ids.update(s.seq_id for s, p in zip(batch, out) if s.seq_id in before and p.token_ids.numel())
         return out
 
