@@ -13,7 +13,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 
 import redis.exceptions
-from fastapi import Depends, FastAPI, Request
+from fastapi import Depends, FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
@@ -24,6 +24,7 @@ from services.gateway import openai_api as oai
 from services.gateway.body_limit import BodySizeLimit
 from services.gateway.core import Gateway, collect, first_output
 from services.gateway.errors import GatewayError, redis_unavailable
+from services.gateway.idempotency import HEADER as IDEMPOTENCY_HEADER, check_key, fingerprint
 from services.gateway.logprobs import LogprobRenderer
 from services.gateway.metrics import CONTENT_TYPE_LATEST
 from services.gateway.request_stream import GenerationOutput, RequestStream, RequestTimings
@@ -32,6 +33,9 @@ from services.gateway.tools import ToolCallStream, new_call_id, template_message
 from specd.messages import ConfigError, SpecStats
 
 logger = logging.getLogger(__name__)
+
+KEY_HEADER = Header(None, alias=IDEMPOTENCY_HEADER)  # idempotency.py
+LAST_EVENT_HEADER = Header(None, alias="Last-Event-ID")  # SSE's: resume a keyed stream after that event
 
 
 def create_app(gateway: Gateway) -> FastAPI:
@@ -71,7 +75,8 @@ def create_app(gateway: Gateway) -> FastAPI:
         return model_card()
 
     @app.post("/v1/chat/completions", dependencies=keyed)
-    async def chat_completions(body: oai.ChatCompletionRequest):
+    async def chat_completions(body: oai.ChatCompletionRequest, idempotency_key: str | None = KEY_HEADER,
+                               last_event_id: str | None = LAST_EVENT_HEADER):
         timings = RequestTimings()
         gateway.check_model(body.model)
         gateway.check_values(body.model_dump(exclude_unset=True))
@@ -93,12 +98,15 @@ def create_app(gateway: Gateway) -> FastAPI:
             except ConfigError as e:
                 raise GatewayError(400, str(e), param="response_format") from None
         streams, meta = await _submit(gateway, body, prompt, timings, "chatcmpl-", constraint,
-                                      constraint_param="tools" if call_format else "response_format")
+                                      constraint_param="tools" if call_format else "response_format",
+                                      idempotency_key=idempotency_key)
         if body.stream:
+            resume = _resume_position(last_event_id, len(streams))
             return await _sse_response(gateway, streams, meta, body.include_usage, oai.ChatCompletionChunk,
                                        [oai.chat_chunks(s, meta, body.include_usage, i, usage_chunk=len(streams) == 1,
                                                         tool_calls=call_format and ToolCallStream(call_format),
-                                                        reasoning=reasoning and ReasoningStream(reasoning))
+                                                        reasoning=reasoning and ReasoningStream(reasoning),
+                                                        event_ids=len(streams) == 1, resume_after=resume)
                                         for i, s in enumerate(streams)])
         results = await _collect_all(streams)
         choices = []
@@ -120,16 +128,19 @@ def create_app(gateway: Gateway) -> FastAPI:
                                           spec_stats=oai.SpecStatsInfo.of(_spec_stats(results)))
 
     @app.post("/v1/completions", dependencies=keyed)
-    async def completions(body: oai.CompletionRequest):
+    async def completions(body: oai.CompletionRequest, idempotency_key: str | None = KEY_HEADER,
+                          last_event_id: str | None = LAST_EVENT_HEADER):
         timings = RequestTimings()
         gateway.check_model(body.model)
         gateway.check_values(body.model_dump(exclude_unset=True))
         prompt = await gateway.encode_text(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
-        streams, meta = await _submit(gateway, body, prompt, timings, "cmpl-")
+        streams, meta = await _submit(gateway, body, prompt, timings, "cmpl-", idempotency_key=idempotency_key)
         if body.stream:
+            resume = _resume_position(last_event_id, len(streams))
             return await _sse_response(gateway, streams, meta, body.include_usage, oai.CompletionChunk,
                                        [oai.completion_chunks(s, meta, body.include_usage, i,
-                                                              usage_chunk=len(streams) == 1)
+                                                              usage_chunk=len(streams) == 1,
+                                                              event_ids=len(streams) == 1, resume_after=resume)
                                         for i, s in enumerate(streams)])
         results = await _collect_all(streams)
         choices = []
@@ -151,25 +162,51 @@ def create_app(gateway: Gateway) -> FastAPI:
 
 async def _submit(gateway: Gateway, body, prompt: list[int], timings: RequestTimings, id_prefix: str,
                   constraint: dict | None = None, constraint_param: str = "response_format",
-                  ) -> tuple[list[RequestStream], dict]:
+                  idempotency_key: str | None = None) -> tuple[list[RequestStream], dict]:
     """Queue the request's n choices (each a request of its own, seeded oai.choice_seed); a refusal
     of any (429, 503) abandons those queued before it. constraint: the output's (default: the
-    request's response_format); constraint_param: the field its errors name."""
+    request's response_format); constraint_param: the field its errors name. idempotency_key: a
+    retry of a call with this key reads the requests that call queued (idempotency.py)."""
     max_tokens = gateway.check_prompt(prompt, body.requested_max_tokens)
+    request_ids, created = [gateway.new_request_id() for _ in range(body.n)], int(time.time())
+    earlier = None
+    if idempotency_key is not None:
+        # Streamed or not, the same request: a client may retry a dropped stream as a plain call.
+        request_print = fingerprint(id_prefix, body.model_dump(exclude_unset=True,
+                                                                exclude={"stream", "stream_options"}))
+        earlier = await gateway.idempotency.claim(check_key(idempotency_key), request_print, request_ids, created)
+        if earlier is not None:
+            request_ids, created = earlier.request_ids, earlier.created
     streams: list[RequestStream] = []
     try:
-        for index in range(body.n):
-            queued = oai.to_queued_request(body, gateway.new_request_id(), prompt, max_tokens, model=gateway.model_name,
+        for index, request_id in enumerate(request_ids):
+            queued = oai.to_queued_request(body, request_id, prompt, max_tokens, model=gateway.model_name,
                                            timeout_s=gateway.config.request_timeout, index=index,
                                            response_format=constraint)
-            streams.append(await gateway.submit(queued, timings if index == 0 else RequestTimings(),
-                                                constraint_param=constraint_param))
+            choice_timings = timings if index == 0 else RequestTimings()
+            streams.append(await gateway.attach(queued, choice_timings) if earlier is not None else
+                           await gateway.submit(queued, choice_timings, constraint_param=constraint_param,
+                                                keep=idempotency_key is not None))
     except BaseException:
-        for stream in streams:
-            stream.abandon("another choice of the request was refused")
+        for stream in streams:  # cancelled where this call queued them; an earlier call's run on
+            if earlier is None:
+                gateway.abandon(stream.request_id, "another choice of the request was refused")
+            else:
+                stream.abandon("another choice of the request failed")
+        if idempotency_key is not None and earlier is None:
+            await gateway.idempotency.release(idempotency_key)
         raise
-    return streams, {"id": id_prefix + streams[0].request_id, "created": int(time.time()),
-                     "model": gateway.model_name}
+    return streams, {"id": id_prefix + request_ids[0], "created": created, "model": gateway.model_name}
+
+
+def _resume_position(last_event_id: str | None, num_choices: int) -> int | None:
+    """The output tokens a resumed stream's client already has (SSE Last-Event-ID: a single
+    choice's events are numbered by the tokens sent with them), None for the whole stream."""
+    if last_event_id is None or num_choices != 1:
+        return None
+    if not last_event_id.isdigit():
+        raise GatewayError(400, "Last-Event-ID: expected the id of one of this stream's events", param="Last-Event-ID")
+    return int(last_event_id)
 
 
 async def _collect_all(streams: list[RequestStream]) -> list:

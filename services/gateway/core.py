@@ -30,6 +30,7 @@ from services.common.tls import PLAINTEXT, TLSConfig, channel_credentials
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.redis_client import gateway_redis
 from services.gateway.errors import REDIS_ERRORS, GatewayError, redis_unavailable
+from services.gateway.idempotency import IdempotencyKeys
 from services.gateway.request_stream import GenerationOutput, RequestStream, RequestTimings
 from services.gateway.result_reader import ResultReader
 from services.gateway.reasoning import reasoning_format
@@ -107,6 +108,7 @@ class Gateway:
         self.reader = ResultReader(self.client, prefix=config.result_prefix)
         self.metrics = GatewayMetrics(self.model_name)
         self._xadd_if_room = self.client.register_script(_XADD_IF_ROOM)
+        self.idempotency = IdempotencyKeys(self.client)
         self.api_keys = ApiKeys(config.api_keys)
         # One thread: long prompts tokenize off the event loop (other requests' streams keep
         # flowing), and HF tokenizers are not safe to call from several threads at once.
@@ -228,8 +230,8 @@ class Gateway:
         return self._validator
 
     # ---- the queue ----------------------------------------------------------------------------
-    async def submit(self, queued: QueuedRequest, timings: RequestTimings,
-                     timeout_s: float | None = None, constraint_param: str = "response_format") -> RequestStream:
+    async def submit(self, queued: QueuedRequest, timings: RequestTimings, timeout_s: float | None = None,
+                     constraint_param: str = "response_format", keep: bool = False) -> RequestStream:
         """XADD to the request stream (429 when full, 503 when Redis is down) and open its result stream.
 
         timeout_s: this request's deadline from receipt (default and upper bound: request_timeout).
@@ -238,7 +240,7 @@ class Gateway:
         self.check_token_ids(queued.params)
         await self.check_response_format(queued.response_format, constraint_param)
         rid = queued.request_id
-        queue = self.reader.subscribe(rid)
+        queue = self.reader.subscribe(rid, keep=keep)
         fields = [x for kv in queued.to_fields().items() for x in kv]
         try:
             reply = await self._xadd_if_room(keys=[self.config.request_stream],
@@ -254,10 +256,29 @@ class Gateway:
             raise GatewayError(429, f"the request queue is full ({reply} requests waiting, limit "
                                     f"{self.config.max_queue_depth}); retry later", code="queue_full",
                                retry_after=1)
-        return RequestStream(rid, queue, self.tokenizer, queued.params,
+        return self._stream(queued, queue, timings, timeout_s, keep)
+
+    async def attach(self, queued: QueuedRequest, timings: RequestTimings,
+                     timeout_s: float | None = None) -> RequestStream:
+        """The outputs of a request an earlier call with the same Idempotency-Key queued (queued:
+        the same request rebuilt from the retry), read from its result stream's start."""
+        timeout_s = min(timeout_s or self.config.request_timeout, self.config.request_timeout)
+        queue = self.reader.subscribe(queued.request_id, keep=True)
+        return self._stream(queued, queue, timings, timeout_s, keep=True)
+
+    def _stream(self, queued: QueuedRequest, queue, timings: RequestTimings, timeout_s: float,
+                keep: bool) -> RequestStream:
+        # A keyed request outlives its client: leaving stops the reading only (a retry reads on).
+        on_abandon = self.detach if keep else self.abandon
+        return RequestStream(queued.request_id, queue, self.tokenizer, queued.params,
                              num_prompt_tokens=len(queued.prompt_token_ids),
                              deadline=timings.received + timeout_s, timings=timings,
-                             on_finish=self._finished, on_abandon=self.abandon)
+                             on_finish=self._finished, on_abandon=on_abandon)
+
+    def detach(self, request_id: str, reason: str) -> None:
+        """Stop reading a keyed request's results; it runs on for a retry to read."""
+        logger.info("request %s detached: %s", request_id, reason)
+        self.reader.unsubscribe(request_id, delete=False)
 
     def _finished(self, stream: RequestStream) -> None:
         self.metrics.observe_finished(

@@ -30,6 +30,7 @@ from services.common.api_keys import ApiKeyInterceptor
 from services.common.grpc_server import NO_PORT_SHARING
 from services.common.tls import add_port
 from services.gateway.core import Gateway, collect, first_output
+from services.gateway.idempotency import METADATA as IDEMPOTENCY_METADATA, check_key, fingerprint
 from services.gateway.errors import REDIS_ERRORS, GatewayError, redis_unavailable
 from services.gateway.request_stream import RequestTimings
 from services.gateway.validation import MAX_STOP_WORDS
@@ -162,7 +163,21 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
         # The client's gRPC deadline, when shorter than the gateway's limit, is the request's deadline.
         timeout_s = context.time_remaining() or self.gateway.config.request_timeout
         queued = await self.to_queued_request(request, timeout_s)
-        return await self.gateway.submit(queued, timings, timeout_s)
+        key = dict(context.invocation_metadata() or ()).get(IDEMPOTENCY_METADATA)
+        if key is None:
+            return await self.gateway.submit(queued, timings, timeout_s)
+        # The HTTP header's twin (idempotency.py): a retry reads the request the first call queued.
+        keys = self.gateway.idempotency
+        request_print = fingerprint("grpc", {"request": request.SerializeToString(deterministic=True).hex()})
+        earlier = await keys.claim(check_key(key), request_print, [queued.request_id], int(time.time()))
+        if earlier is not None:
+            queued.request_id = earlier.request_ids[0]
+            return await self.gateway.attach(queued, timings, timeout_s)
+        try:
+            return await self.gateway.submit(queued, timings, timeout_s, keep=True)
+        except BaseException:
+            await keys.release(key)
+            raise
 
     async def to_queued_request(self, request: generate_pb2.GenerateRequest,
                                 timeout_s: float | None = None) -> QueuedRequest:

@@ -360,12 +360,15 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
-def sse(chunk: ChatCompletionChunk | CompletionChunk, *, include_usage: bool = False) -> str:
-    """One server-sent event; `usage` appears (null until the end) only with include_usage."""
+def sse(chunk: ChatCompletionChunk | CompletionChunk, *, include_usage: bool = False,
+        event_id: int | None = None) -> str:
+    """One server-sent event; `usage` appears (null until the end) only with include_usage;
+    event_id: its `id:` field (the output tokens sent so far, for Last-Event-ID)."""
     exclude = set() if include_usage else {"usage"}
     if chunk.spec_stats is None:
         exclude.add("spec_stats")
-    return f"data: {chunk.model_dump_json(exclude=exclude)}\n\n"
+    head = f"id: {event_id}\n" if event_id is not None else ""
+    return f"{head}data: {chunk.model_dump_json(exclude=exclude)}\n\n"
 
 
 def sse_error(error: GatewayError) -> str:
@@ -384,10 +387,13 @@ async def _outputs(stream: RequestStream, first: GenerationOutput | None) -> Asy
 
 
 def chat_chunks(stream: RequestStream, meta: dict, include_usage: bool, index: int = 0, usage_chunk: bool = True,
-                tool_calls: ToolCallStream | None = None, reasoning: ReasoningStream | None = None):
+                tool_calls: ToolCallStream | None = None, reasoning: ReasoningStream | None = None,
+                event_ids: bool = False, resume_after: int | None = None):
     """Renders a chat stream (choice `index`) as SSE chunks: the role, text deltas (with reasoning:
     reasoning_content first; with tool_calls: content and tool-call deltas), finish_reason +
-    spec_stats, usage (usage_chunk False: the caller sends the usage of every choice at once)."""
+    spec_stats, usage (usage_chunk False: the caller sends the usage of every choice at once).
+    event_ids: each delta's `id:` is the output tokens sent so far; resume_after: the client has
+    the events up to that id (Last-Event-ID), which are rendered but not sent."""
     logprobs = LogprobRenderer.of(stream)
 
     def delta_of(out: GenerationOutput) -> tuple[ChatDelta, str | None]:
@@ -401,17 +407,22 @@ def chat_chunks(stream: RequestStream, meta: dict, include_usage: bool, index: i
                          tool_calls=calls or None), finish
 
     async def render(first: GenerationOutput | None) -> AsyncIterator[str]:
-        yield sse(ChatCompletionChunk(**meta, choices=[ChatChunkChoice(
-            index=index, delta=ChatDelta(role="assistant", content=""))]), include_usage=include_usage)
+        if resume_after is None:
+            yield sse(ChatCompletionChunk(**meta, choices=[ChatChunkChoice(
+                index=index, delta=ChatDelta(role="assistant", content=""))]), include_usage=include_usage,
+                event_id=0 if event_ids else None)
         async for out in _outputs(stream, first):
             delta, finish_reason = delta_of(out)
+            sent = len(stream.token_ids)
+            if resume_after is not None and sent <= resume_after:
+                continue
             if delta.content or delta.reasoning_content or delta.tool_calls or finish_reason or out.logprobs:
                 yield sse(ChatCompletionChunk(
                     **meta, choices=[ChatChunkChoice(index=index, delta=delta,
                                                      logprobs=logprobs and logprobs.chat(out.logprobs),
                                                      finish_reason=finish_reason)],
                     spec_stats=SpecStatsInfo.of(out.spec_stats) if out.finish_reason else None),
-                    include_usage=include_usage)
+                    include_usage=include_usage, event_id=sent if event_ids else None)
         if include_usage and usage_chunk:  # the request's speculation figures again, beside its usage
             yield sse(ChatCompletionChunk(**meta, choices=[], usage=Usage.of(
                 stream.num_prompt_tokens, len(stream.token_ids)), spec_stats=SpecStatsInfo.of(stream.spec_stats)),
@@ -420,19 +431,22 @@ def chat_chunks(stream: RequestStream, meta: dict, include_usage: bool, index: i
 
 
 def completion_chunks(stream: RequestStream, meta: dict, include_usage: bool, index: int = 0,
-                      usage_chunk: bool = True):
+                      usage_chunk: bool = True, event_ids: bool = False, resume_after: int | None = None):
     """Renders a completion stream (choice `index`) as SSE chunks: text deltas, finish_reason +
-    spec_stats, usage (usage_chunk as chat_chunks')."""
+    spec_stats, usage (usage_chunk, event_ids and resume_after as chat_chunks')."""
     logprobs = LogprobRenderer.of(stream)
 
     async def render(first: GenerationOutput | None) -> AsyncIterator[str]:
         async for out in _outputs(stream, first):
+            sent = len(stream.token_ids)
+            if resume_after is not None and sent <= resume_after:
+                continue
             if out.text or out.finish_reason or out.logprobs:
                 yield sse(CompletionChunk(
                     **meta, choices=[CompletionChoice(index=index, text=out.text, finish_reason=out.finish_reason,
                                                       logprobs=logprobs and logprobs.completion(out.logprobs))],
                     spec_stats=SpecStatsInfo.of(out.spec_stats) if out.finish_reason else None),
-                    include_usage=include_usage)
+                    include_usage=include_usage, event_id=sent if event_ids else None)
         if include_usage and usage_chunk:  # the request's speculation figures again, beside its usage
             yield sse(CompletionChunk(**meta, choices=[], usage=Usage.of(
                 stream.num_prompt_tokens, len(stream.token_ids)), spec_stats=SpecStatsInfo.of(stream.spec_stats)),

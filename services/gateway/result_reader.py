@@ -34,6 +34,7 @@ class _Subscription:
     queue: asyncio.Queue  # of ResultEntry, deduplicated
     last_id: str = "0-0"  # stream id already read; 0 so that nothing written before joining is missed
     num_delivered: int = 0  # output tokens handed to the queue (positions below are duplicates)
+    keep: bool = False  # the stream outlives this reader (Idempotency-Key: a retry may read it again)
 
 
 class ResultReader:
@@ -73,16 +74,19 @@ class ResultReader:
     def num_active(self) -> int:
         return len(self._subs)
 
-    def subscribe(self, request_id: str) -> asyncio.Queue:
+    def subscribe(self, request_id: str, keep: bool = False) -> asyncio.Queue:
+        """The queue of a request's result entries, from the stream's start. keep: leave the stream
+        to its TTL when done (a retry with the same Idempotency-Key reads it again)."""
         key = result_key(request_id, self.prefix)
-        sub = self._subs[key] = _Subscription(key, asyncio.Queue())
+        sub = self._subs[key] = _Subscription(key, asyncio.Queue(), keep=keep)
         self._wakeup.set()
         self._cut_read_short()
         return sub.queue
 
     def unsubscribe(self, request_id: str, *, delete: bool = True) -> None:
         key = result_key(request_id, self.prefix)
-        if self._subs.pop(key, None) is not None and delete:
+        sub = self._subs.pop(key, None)
+        if sub is not None and delete and not sub.keep:
             self._to_delete.append(key)
             self._wakeup.set()
 
@@ -229,7 +233,8 @@ class ResultReader:
         sub.queue.put_nowait(entry)
         if entry.kind != "delta":
             del self._subs[sub.key]
-            self._to_delete.append(sub.key)
+            if not sub.keep:
+                self._to_delete.append(sub.key)
 
     async def _delete_finished(self) -> None:
         """Finished requests' result streams deleted, cancelled ones' cancel keys set: one round trip."""
