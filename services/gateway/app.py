@@ -183,10 +183,8 @@ async def _submit(gateway: Gateway, body, prompt: list[int], timings: RequestTim
             queued = oai.to_queued_request(body, request_id, prompt, max_tokens, model=gateway.model_name,
                                            timeout_s=gateway.config.request_timeout, index=index,
                                            response_format=constraint)
-            choice_timings = timings if index == 0 else RequestTimings()
-            streams.append(await gateway.attach(queued, choice_timings) if earlier is not None else
-                           await gateway.submit(queued, choice_timings, constraint_param=constraint_param,
-                                                keep=idempotency_key is not None))
+            streams.append(await gateway.submit(queued, timings if index == 0 else RequestTimings(),
+                                                constraint_param=constraint_param, idempotency_key=idempotency_key))
     except BaseException:
         for stream in streams:  # cancelled where this call queued them; an earlier call's run on
             if earlier is None:

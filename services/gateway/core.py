@@ -30,7 +30,7 @@ from services.common.tls import PLAINTEXT, TLSConfig, channel_credentials
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.redis_client import gateway_redis
 from services.gateway.errors import REDIS_ERRORS, GatewayError, redis_unavailable
-from services.gateway.idempotency import IdempotencyKeys
+from services.gateway.idempotency import IdempotencyKeys, queued_field, record_key
 from services.gateway.request_stream import GenerationOutput, RequestStream, RequestTimings
 from services.gateway.result_reader import ResultReader
 from services.gateway.reasoning import reasoning_format
@@ -41,11 +41,16 @@ from services.gateway.validation import find_invalid_value
 logger = logging.getLogger(__name__)
 
 # XADD only while XLEN < limit (limit 0: no limit), atomically; returns the entry id or the depth.
+# With an idempotency record (KEYS[2], ARGV[2] the request's field in it: idempotency.py) only once
+# per request, whichever call comes first: "queued" when one did.
 _XADD_IF_ROOM = """
+if KEYS[2] and redis.call('HEXISTS', KEYS[2], ARGV[2]) == 1 then return 'queued' end
 local depth = redis.call('XLEN', KEYS[1])
 local limit = tonumber(ARGV[1])
 if limit > 0 and depth >= limit then return depth end
-return redis.call('XADD', KEYS[1], '*', unpack(ARGV, 2))
+local id = redis.call('XADD', KEYS[1], '*', unpack(ARGV, 3))
+if KEYS[2] then redis.call('HSET', KEYS[2], ARGV[2], id) end
+return id
 """
 
 # A body this size holds a 1M-token prompt as token ids; raise it for longer contexts.
@@ -231,7 +236,8 @@ class Gateway:
 
     # ---- the queue ----------------------------------------------------------------------------
     async def submit(self, queued: QueuedRequest, timings: RequestTimings, timeout_s: float | None = None,
-                     constraint_param: str = "response_format", keep: bool = False) -> RequestStream:
+                     constraint_param: str = "response_format", idempotency_key: str | None = None
+                     ) -> RequestStream:
         """XADD to the request stream (429 when full, 503 when Redis is down) and open its result stream.
 
         timeout_s: this request's deadline from receipt (default and upper bound: request_timeout).
@@ -240,11 +246,14 @@ class Gateway:
         self.check_token_ids(queued.params)
         await self.check_response_format(queued.response_format, constraint_param)
         rid = queued.request_id
+        keep = idempotency_key is not None
         queue = self.reader.subscribe(rid, keep=keep)
         fields = [x for kv in queued.to_fields().items() for x in kv]
+        keys, once = [self.config.request_stream], ""
+        if keep:  # queued once per key, whichever call comes first (a retry may be the one)
+            keys, once = [*keys, record_key(idempotency_key)], queued_field(rid)
         try:
-            reply = await self._xadd_if_room(keys=[self.config.request_stream],
-                                             args=[self.config.max_queue_depth, *fields])
+            reply = await self._xadd_if_room(keys=keys, args=[self.config.max_queue_depth, once, *fields])
         except REDIS_ERRORS as e:
             self.reader.unsubscribe(rid, delete=False)
             raise redis_unavailable(e) from None
@@ -256,15 +265,9 @@ class Gateway:
             raise GatewayError(429, f"the request queue is full ({reply} requests waiting, limit "
                                     f"{self.config.max_queue_depth}); retry later", code="queue_full",
                                retry_after=1)
+        if reply in (b"queued", "queued"):
+            logger.info("request %s attached: an earlier call with its Idempotency-Key queued it", rid)
         return self._stream(queued, queue, timings, timeout_s, keep)
-
-    async def attach(self, queued: QueuedRequest, timings: RequestTimings,
-                     timeout_s: float | None = None) -> RequestStream:
-        """The outputs of a request an earlier call with the same Idempotency-Key queued (queued:
-        the same request rebuilt from the retry), read from its result stream's start."""
-        timeout_s = min(timeout_s or self.config.request_timeout, self.config.request_timeout)
-        queue = self.reader.subscribe(queued.request_id, keep=True)
-        return self._stream(queued, queue, timings, timeout_s, keep=True)
 
     def _stream(self, queued: QueuedRequest, queue, timings: RequestTimings, timeout_s: float,
                 keep: bool) -> RequestStream:

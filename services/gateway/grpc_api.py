@@ -172,11 +172,11 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
         earlier = await keys.claim(check_key(key), request_print, [queued.request_id], int(time.time()))
         if earlier is not None:
             queued.request_id = earlier.request_ids[0]
-            return await self.gateway.attach(queued, timings, timeout_s)
         try:
-            return await self.gateway.submit(queued, timings, timeout_s, keep=True)
+            return await self.gateway.submit(queued, timings, timeout_s, idempotency_key=key)
         except BaseException:
-            await keys.release(key)
+            if earlier is None:
+                await keys.release(key)
             raise
 
     async def to_queued_request(self, request: generate_pb2.GenerateRequest,

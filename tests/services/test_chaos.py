@@ -1,7 +1,9 @@
-"""Chaos: the whole stack as OS processes while a verifier, a drafter and a grammar replica are
-SIGKILLed one after another, mid-generation. 64 greedy requests (EAGLE-3 speculation through two
-drafters, a quarter of them constrained by a grammar) stream over the gateway's gRPC API; every
-one must complete with exactly the tokens of a fault-free in-process run: none lost, none
+"""Chaos: the whole stack as OS processes while a verifier, a drafter, a grammar replica and a
+gateway are SIGKILLed one after another, mid-generation. 64 greedy requests (EAGLE-3 speculation
+through two drafters, a quarter of them constrained by a grammar) stream over two gateways' gRPC
+API, each with an idempotency key; a client whose gateway died retries on the other one with its
+key and reads the same run from its start, keeping the tokens it lacks. Every request must
+complete with exactly the tokens of a fault-free in-process run, from one run: none lost, none
 duplicated, none changed."""
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ ROOT = Path(__file__).resolve().parents[2]
 NUM_REQUESTS = 64
 MAX_TOKENS = 32
 REGEX = r"(yes|no|maybe)( [0-9]{1,3}){2,40}"
-KILLS = (("verifier", 0.12), ("drafter", 0.35), ("grammar", 0.55))  # (what, fraction of tokens delivered)
+# (what, fraction of tokens delivered)
+KILLS = (("verifier", 0.12), ("drafter", 0.35), ("grammar", 0.55), ("gateway", 0.7))
 
 
 class Procs:
@@ -104,7 +107,7 @@ def fault_free(target: Path, prompts, grammars) -> list[list[int]]:
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-def test_sigkill_a_verifier_a_drafter_and_a_grammar_replica(tiny_models, tmp_path):
+def test_sigkill_a_verifier_a_drafter_a_grammar_replica_and_a_gateway(tiny_models, tmp_path):
     t_start = time.monotonic()
     target, draft = tiny_models["target-llama"], tiny_models["draft-eagle3"]
     prompts, grammars = workload()
@@ -116,7 +119,7 @@ def test_sigkill_a_verifier_a_drafter_and_a_grammar_replica(tiny_models, tmp_pat
     drafters = [f"127.0.0.1:{free_port()}" for _ in range(2)]
     grammar_replicas = [f"127.0.0.1:{free_port()}" for _ in range(2)]
     admins = [f"127.0.0.1:{free_port()}" for _ in range(2)]
-    grpc_port = free_port()
+    grpc_ports = [free_port(), free_port()]
     try:
         for i, address in enumerate(drafters):
             procs.spawn(f"drafter{i}", "drafter", str(target), "--speculative-algorithm", "eagle3",
@@ -131,12 +134,13 @@ def test_sigkill_a_verifier_a_drafter_and_a_grammar_replica(tiny_models, tmp_pat
                         "--speculative-num-draft-tokens", "3", "--max-batch-size", "16",
                         "--reclaim-idle-ms", "1500", "--drafter-deadline-ms", "2000", "--admin-host", "127.0.0.1",
                         "--admin-port", admin.split(":")[1], "--metrics-port", "0", "--log-interval", "0")
-        procs.spawn("gateway", "gateway", str(target), "--host", "127.0.0.1", "--port", str(free_port()),
-                    "--grpc-port", str(grpc_port), "--redis-url", redis_server.url,
-                    "--grammar", ",".join(grammar_replicas))
+        for i, port in enumerate(grpc_ports):
+            procs.spawn(f"gateway{i}", "gateway", str(target), "--host", "127.0.0.1", "--port", str(free_port()),
+                        "--grpc-port", str(port), "--redis-url", redis_server.url,
+                        "--grammar", ",".join(grammar_replicas))
         everyone = list(procs.procs)
         wait_until(lambda: all(grpc_healthy(a) for a in [*drafters, *grammar_replicas, *admins]), procs, everyone)
-        wait_until(lambda: grpc_healthy(f"127.0.0.1:{grpc_port}"), procs, everyone)
+        wait_until(lambda: all(grpc_healthy(f"127.0.0.1:{p}") for p in grpc_ports), procs, everyone)
         t_ready = time.monotonic()
 
         delivered = [0]
@@ -148,16 +152,24 @@ def test_sigkill_a_verifier_a_drafter_and_a_grammar_replica(tiny_models, tmp_pat
                 sampling=common_pb2.SamplingParameters(temperature=0.0, top_p=1.0, repetition_penalty=1.0))
             if grammars[i] is not None:
                 request.response_format_json = json.dumps({"type": "regex_schema", "regex_schema": REGEX})
-            tokens = []
-            with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
-                try:
-                    for delta in generate_pb2_grpc.GenerateStub(channel).GenerateStream(request, timeout=240):
-                        tokens += delta.token_ids
-                        with lock:
-                            delivered[0] += len(delta.token_ids)
-                except grpc.RpcError as err:
-                    return tokens, f"{err.code().name}: {err.details()}"
-            return tokens, None
+            tokens, ids, error = [], set(), None
+            # Half the clients start on the gateway that dies; a retry goes to the other one.
+            for attempt, port in enumerate((grpc_ports[i % 2], grpc_ports[1])):
+                replayed = 0  # a retry reads the run from its start: the tokens held are skipped
+                with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+                    try:
+                        for delta in generate_pb2_grpc.GenerateStub(channel).GenerateStream(
+                                request, timeout=240, metadata=(("idempotency-key", f"chaos-{i}"),)):
+                            ids.add(delta.id)
+                            fresh = list(delta.token_ids)[max(0, len(tokens) - replayed):]
+                            replayed += len(delta.token_ids)
+                            tokens += fresh
+                            with lock:
+                                delivered[0] += len(fresh)
+                        return tokens, None, ids, attempt
+                    except grpc.RpcError as err:
+                        error = f"{err.code().name}: {err.details()}"
+            return tokens, error, ids, attempt
 
         killed_at = {}
         with ThreadPoolExecutor(NUM_REQUESTS) as pool:
@@ -169,22 +181,27 @@ def test_sigkill_a_verifier_a_drafter_and_a_grammar_replica(tiny_models, tmp_pat
                 killed_at[what] = round(delivered[0] / total_tokens, 2)
             results = [f.result() for f in futures]
         t_done = time.monotonic()
-        procs.check_alive("verifier1", "drafter1", "grammar1", "gateway")
+        procs.check_alive("verifier1", "drafter1", "grammar1", "gateway1")
         survivor_log = procs.log("verifier1")
+        retry_log = procs.log("gateway1")
     finally:
         procs.stop()
         redis_server.stop()
 
-    lost = sum(1 for tokens, error in results if error is not None)
-    duplicated = sum(max(0, len(tokens) - len(w)) for (tokens, _), w in zip(results, want))
-    wrong = [i for i, ((tokens, _), w) in enumerate(zip(results, want)) if tokens != w]
+    lost = sum(1 for _, error, _, _ in results if error is not None)
+    duplicated = sum(max(0, len(tokens) - len(w)) for (tokens, *_), w in zip(results, want))
+    wrong = [i for i, ((tokens, *_), w) in enumerate(zip(results, want)) if tokens != w]
+    retried = sum(attempt for *_, attempt in results)
     print(f"\nchaos: {NUM_REQUESTS} requests ({sum(g is not None for g in grammars)} constrained), "
-          f"{total_tokens} tokens; SIGKILLed verifier, drafter, grammar replica at {killed_at} of the tokens "
-          f"delivered; requests lost {lost}, duplicated tokens {duplicated}, outputs differing {len(wrong)}; "
-          f"workload {t_done - t_ready:.1f} s, whole test {t_done - t_start:.1f} s")
-    assert lost == 0, [e for _, e in results if e][:3]
+          f"{total_tokens} tokens; SIGKILLed verifier, drafter, grammar replica, gateway at {killed_at} of the "
+          f"tokens delivered; requests lost {lost}, retried {retried}, duplicated tokens {duplicated}, outputs "
+          f"differing {len(wrong)}; workload {t_done - t_ready:.1f} s, whole test {t_done - t_start:.1f} s")
+    assert lost == 0, [e for _, e, _, _ in results if e][:3]
     assert duplicated == 0
     assert not wrong, f"requests {wrong[:8]} differ from the fault-free run"
+    # One run a request: a retry read the run its first call queued (the same request id).
+    assert all(len(ids) == 1 for _, _, ids, _ in results)
+    assert retried > 0 and retry_log.count("attached") >= retried
     # Every fault hit work in flight: kills landed before the end, and the survivor shows each recovery.
     assert all(f < 1.0 for f in killed_at.values()), killed_at
     assert "reclaimed a request from a dead verifier" in survivor_log

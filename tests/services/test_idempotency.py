@@ -117,3 +117,30 @@ def test_grpc_metadata_key_attaches_the_retry(gateway, responder):
         with pytest.raises(grpc.RpcError) as info:  # the same key for another request
             stub.Generate(generate_pb2.GenerateRequest(text="other", max_tokens=2), metadata=key, timeout=30)
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "Idempotency-Key" in info.value.details()
+
+
+def test_a_retry_queues_what_a_dead_gateway_recorded_but_never_queued(base_url, responder, redis_url):
+    """The first gateway recorded the key and died before its XADD: the retry queues the request
+    under the recorded id, once."""
+    import asyncio
+
+    from services.gateway.idempotency import IdempotencyKeys, fingerprint
+    from services.gateway.openai_api import CompletionRequest
+    from services.gateway.redis_client import gateway_redis
+
+    body = CompletionRequest(**BODY).model_dump(exclude_unset=True, exclude={"stream", "stream_options"})
+
+    async def record() -> None:
+        client = gateway_redis(redis_url)
+        try:
+            assert await IdempotencyKeys(client).claim("orphan-1", fingerprint("cmpl-", body), ["deadbeef"], 7) is None
+        finally:
+            await client.aclose()
+
+    asyncio.run(record())
+    reply = httpx.post(f"{base_url}/v1/completions", json=BODY, headers={"Idempotency-Key": "orphan-1"}, timeout=30)
+    assert reply.status_code == 200
+    assert reply.json()["id"] == "cmpl-deadbeef" and reply.json()["created"] == 7 and "deadbeef" in responder.seen
+    seen = len(responder.seen)
+    again = httpx.post(f"{base_url}/v1/completions", json=BODY, headers={"Idempotency-Key": "orphan-1"}, timeout=30)
+    assert again.json()["choices"] == reply.json()["choices"] and len(responder.seen) == seen
