@@ -216,7 +216,9 @@ async def _collect_all(streams: list[RequestStream]) -> list:
 
 
 def _usage(results: list) -> oai.Usage:
-    return oai.Usage.of(results[0].num_prompt_tokens, sum(len(r.token_ids) for r in results))
+    # The choices share one prompt: what one of them found cached (the others may wait for it).
+    return oai.Usage.of(results[0].num_prompt_tokens, sum(len(r.token_ids) for r in results),
+                        max(r.num_cached_tokens for r in results))
 
 
 def _spec_stats(results: list) -> SpecStats:
@@ -248,7 +250,8 @@ async def _sse_response(gateway: Gateway, streams: list[RequestStream], meta: di
                 total = SpecStats()
                 for stream in streams:
                     total.merge(stream.spec_stats)
-                usage = oai.Usage.of(streams[0].num_prompt_tokens, sum(len(s.token_ids) for s in streams))
+                usage = oai.Usage.of(streams[0].num_prompt_tokens, sum(len(s.token_ids) for s in streams),
+                                     max(s.num_cached_tokens for s in streams))
                 yield oai.sse(chunk_type(**meta, choices=[], usage=usage, spec_stats=oai.SpecStatsInfo.of(total)),
                               include_usage=True)
         except GatewayError as e:  # after the headers went out: an in-band error event

@@ -247,15 +247,21 @@ def to_queued_request(req: _SamplingFields, request_id: str, prompt_token_ids: l
 
 
 # ---- responses -------------------------------------------------------------------------------------
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # found in the verifier's prefix cache (docs/serving.md, "Prefix caching")
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails = PromptTokensDetails()
 
     @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int) -> "Usage":
+    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> "Usage":
         return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                   total_tokens=prompt_tokens + completion_tokens)
+                   total_tokens=prompt_tokens + completion_tokens,
+                   prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens))
 
 
 class SpecStatsInfo(BaseModel):
@@ -425,7 +431,8 @@ def chat_chunks(stream: RequestStream, meta: dict, include_usage: bool, index: i
                     include_usage=include_usage, event_id=sent if event_ids else None)
         if include_usage and usage_chunk:  # the request's speculation figures again, beside its usage
             yield sse(ChatCompletionChunk(**meta, choices=[], usage=Usage.of(
-                stream.num_prompt_tokens, len(stream.token_ids)), spec_stats=SpecStatsInfo.of(stream.spec_stats)),
+                stream.num_prompt_tokens, len(stream.token_ids), stream.num_cached_tokens),
+                spec_stats=SpecStatsInfo.of(stream.spec_stats)),
                 include_usage=True)
     return render
 
@@ -449,6 +456,7 @@ def completion_chunks(stream: RequestStream, meta: dict, include_usage: bool, in
                     include_usage=include_usage, event_id=sent if event_ids else None)
         if include_usage and usage_chunk:  # the request's speculation figures again, beside its usage
             yield sse(CompletionChunk(**meta, choices=[], usage=Usage.of(
-                stream.num_prompt_tokens, len(stream.token_ids)), spec_stats=SpecStatsInfo.of(stream.spec_stats)),
+                stream.num_prompt_tokens, len(stream.token_ids), stream.num_cached_tokens),
+                spec_stats=SpecStatsInfo.of(stream.spec_stats)),
                 include_usage=True)
     return render

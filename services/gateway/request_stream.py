@@ -45,6 +45,7 @@ class GenerationResult:
     time_to_first_token: float
     latency: float
     logprobs: list[tuple[int, list | None]] | None = None  # as GenerationOutput's, for all tokens
+    num_cached_tokens: int = 0  # prompt tokens the verifier found in its prefix cache
 
 
 @dataclass
@@ -87,6 +88,7 @@ class RequestStream:
         self.logprob_release = LogprobRelease() if params.logprobs is not None else None
         self.finish_reason: str | None = None
         self.spec_stats = SpecStats()
+        self.num_cached_tokens = 0  # from the final entry
         self.is_done = False
         self._on_finish = on_finish
         self._on_abandon = on_abandon
@@ -122,6 +124,7 @@ class RequestStream:
         logprobs = release.take(len(self.detokenizer.text), self.stop_filter, final=True) if release else None
         self.finish_reason = "stop" if self.stop_filter.is_stopped else (entry.finish_reason or "stop")
         self.spec_stats = entry.spec_stats or SpecStats()
+        self.num_cached_tokens = entry.cached_tokens
         self.is_done = True
         self.timings.finished = time.perf_counter()
         self._on_finish(self)
@@ -156,4 +159,5 @@ class RequestStream:
                 logprobs.extend(out.logprobs or [])
         return GenerationResult(self.request_id, "".join(parts), list(self.token_ids),
                                 self.finish_reason or "stop", self.num_prompt_tokens, self.spec_stats,
-                                self.timings.time_to_first_token, self.timings.latency, logprobs)
+                                self.timings.time_to_first_token, self.timings.latency, logprobs,
+                                self.num_cached_tokens)

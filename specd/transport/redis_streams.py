@@ -11,7 +11,8 @@ Result stream (one per request, `specd:results:<id>`), written by the verifier, 
                 counting where the dead one stopped)
                 logprobs=<JSON list aligned with tokens: [logprob, [[token id, logprob], ...]] or null
                 per token>, only for requests that asked (SamplingParams.logprobs)
-    kind=final  pos, tokens (possibly empty), finish_reason, spec_stats (JSON), prompt_tokens, logprobs
+    kind=final  pos, tokens (possibly empty), finish_reason, spec_stats (JSON), prompt_tokens, cached_tokens,
+                logprobs
     kind=error  code (HTTP-like status), message
     A TTL makes abandoned results expire: set with a stream's first write and its last, and
     refreshed by any write a tenth of the TTL after the last refresh, so a stream outlives any
@@ -87,6 +88,7 @@ class ResultEntry:
     finish_reason: str | None = None
     spec_stats: SpecStats | None = None  # final: the request's; delta: so far (optional)
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # final: prompt tokens the verifier found in its prefix cache
     code: int = 0
     message: str = ""
     # delta / final, for requests that asked: per token [logprob, [[token id, logprob], ...]] or None
@@ -102,7 +104,7 @@ class ResultEntry:
         if self.kind == "final":
             fields.update(finish_reason=self.finish_reason or "",
                           spec_stats=json.dumps(asdict(self.spec_stats or SpecStats())),
-                          prompt_tokens=self.prompt_tokens)
+                          prompt_tokens=self.prompt_tokens, cached_tokens=self.cached_tokens)
         elif self.kind == "error":
             fields.update(code=self.code, message=self.message)
         return {k: str(v) for k, v in fields.items()}
@@ -122,6 +124,7 @@ class ResultEntry:
             entry.finish_reason = f.get("finish_reason") or None
             entry.spec_stats = _spec_stats(f.get("spec_stats", "{}"))
             entry.prompt_tokens = int(f.get("prompt_tokens", 0))
+            entry.cached_tokens = int(f.get("cached_tokens", 0))
         elif entry.kind == "error":
             entry.code, entry.message = int(f.get("code", 500)), f.get("message", "")
         return entry

@@ -118,12 +118,14 @@ class ResultQueue:
         self._add(request_id, fields, last=False)
 
     def final(self, request_id: str, pos: int, token_ids: list[int], finish_reason: str | None,
-              spec_stats: SpecStats | None, prompt_tokens: int, logprobs: list | None = None) -> None:
-        """The last entry of a finished request, carrying its last tokens (possibly none)."""
+              spec_stats: SpecStats | None, prompt_tokens: int, logprobs: list | None = None,
+              cached_tokens: int = 0) -> None:
+        """The last entry of a finished request, carrying its last tokens (possibly none);
+        cached_tokens: its prompt tokens found in the prefix cache."""
         fields = {b"kind": b"final", b"pos": b"%d" % pos, b"tokens": _tokens(token_ids),
                   b"finish_reason": (finish_reason or "").encode(),
                   b"spec_stats": _JSON.encode(asdict(spec_stats or SpecStats())).encode(),
-                  b"prompt_tokens": b"%d" % prompt_tokens}
+                  b"prompt_tokens": b"%d" % prompt_tokens, b"cached_tokens": b"%d" % cached_tokens}
         if logprobs is not None:
             fields[b"logprobs"] = _logprobs(logprobs)
         self._add(request_id, fields, last=True)

@@ -185,7 +185,8 @@ class ResultPipeline:
             return
         self.result_queue.final(ar.request_id, ar.num_emitted, seq.output_token_ids[ar.num_emitted:],
                                 seq.finish_reason, seq.stats, len(seq.prompt_token_ids),
-                                _logprobs(seq, ar.num_emitted, len(seq.output_token_ids)))
+                                _logprobs(seq, ar.num_emitted, len(seq.output_token_ids)),
+                                cached_tokens=seq.num_cached_tokens)
         self.result_queue.finish_entry(ar.entry_id)
         ar.num_emitted = len(seq.output_token_ids)
         self._request_ids.discard(ar.request_id)
