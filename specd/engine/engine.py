@@ -23,19 +23,19 @@ from specd.engine.device_clock import DeviceClock
 from specd.engine.draft_policy import DraftLengthPolicy
 from specd.engine.drafting import Drafting, default_carry, plan_draft_lengths
 from specd.engine.first_token import sample_first_tokens
-from specd.engine.logprobs import TokenLogprob, verify_logprobs
+from specd.engine.logprobs import TokenLogprob, asking, verify_logprobs
 from specd.engine.overlap import decode_ahead_blocks, HostRows, next_decode_batch, PinnedRing, StepInFlight
 from specd.engine.request_checks import check_request
 from specd.engine.sequence import Sequence, SequenceStatus
 from specd.engine.staging import VerifyStaging
 from specd.engine.stats import EngineStats
 from specd.engine.stop import StopChecker
-from specd.engine.verify import BatchSamplingTensors, pad_drafts, verify_target_probs
+from specd.engine.verify import BatchSamplingTensors, pad_drafts, target_probs_of, verify_logits
 from specd.grammar.backend import GrammarSpec
 from specd.messages import SpecStats
 from specd.models.base import SequenceChunk, TargetRunner
 from specd.proposers.base import DraftProposal, Proposer
-from specd.rejection import rejection_sample
+from specd.rejection import RejectionResult, rejection_sample
 from specd.sampling_params import SamplingParams
 
 log = logging.getLogger("specd.engine")
@@ -369,11 +369,19 @@ class SpecEngine:
         masks = self.constraints.masks(batch, host_drafts)
         self._fail_lost_constraints()
         all_greedy = all(s.params.is_greedy for s in batch)
-        target_probs = verify_target_probs(out, num_drafts, st, histories, host_drafts, suppress, masks,
-                                           all_greedy=all_greedy, logit_biases=biases)
-        result = rejection_sample(target_probs, draft_ids, draft_probs, num_drafts_t, st.seeds, positions,
-                                  one_hot_target=all_greedy)
-        logprobs = verify_logprobs(batch, out.logits, out.offsets, num_drafts, target_probs, result.output_token_ids)
+        logits = verify_logits(out, num_drafts, st, histories, host_drafts, suppress, masks, biases)
+        if all_greedy and not any(num_drafts) and not asking(batch):
+            # Greedy decoding: the token is each row's argmax (rejection sampling's answer for a
+            # one-hot row and no draft), without the [B, V] one-hot rows and their kernels.
+            tokens = logits.argmax(dim=-1)  # [B]
+            no_drafts = torch.zeros_like(tokens)
+            result, logprobs = RejectionResult(tokens[:, None], no_drafts, no_drafts + 1), None
+        else:
+            target_probs = target_probs_of(logits, num_drafts, st, all_greedy)
+            result = rejection_sample(target_probs, draft_ids, draft_probs, num_drafts_t, st.seeds, positions,
+                                      one_hot_target=all_greedy)
+            logprobs = verify_logprobs(batch, out.logits, out.offsets, num_drafts, target_probs,
+                                       result.output_token_ids)
         self._clock.step_queued()
         return out, result, logprobs
 

@@ -91,7 +91,7 @@ def verify_logprobs(batch: list, logits: torch.Tensor, offsets: list[int], num_d
     """The verify step's logprobs for the sequences that ask; None when none does.
 
     logits: the forward's rows, request i's k_i + 1 from offsets[i]; target_probs [B, K + 1, V]
-    (verify_target_probs: row j after drafts 0..j-1); token_ids [B, K + 1]: the token emitted at
+    (target_probs_of: row j after drafts 0..j-1); token_ids [B, K + 1]: the token emitted at
     each row, -1 past the last (rejection_sample's output_token_ids)."""
     ask = asking(batch)
     if not ask:

@@ -88,26 +88,23 @@ def penalized_logits(logits: torch.Tensor, num_drafts: list[int], st: SamplingTe
     return apply_presence_frequency_penalties(logits, outputs, row_st.presence_penalty, row_st.frequency_penalty)
 
 
-def verify_target_probs(out: ForwardOutput, num_drafts: list[int], st: SamplingTensors,
-                        histories: list[tuple[list[int], list[int]]] | None, draft_token_ids: list[list[int]],
-                        suppress: list[tuple[int, list[int]]] | None = None,
-                        masks: list | None = None, all_greedy: bool = False,
-                        logit_biases: list[dict[int, float]] | None = None) -> torch.Tensor:
-    """The processed target distribution at each verified position, [B, K+1, V].
+def verify_logits(out: ForwardOutput, num_drafts: list[int], st: SamplingTensors,
+                  histories: list[tuple[list[int], list[int]]] | None, draft_token_ids: list[list[int]],
+                  suppress: list[tuple[int, list[int]]] | None = None, masks: list | None = None,
+                  logit_biases: list[dict[int, float]] | None = None) -> torch.Tensor:
+    """The verified rows' logits with the request's processors applied, [sum(k_i + 1), V].
 
-    Row j of request i is the distribution after its committed tokens and drafts 0..j-1.
+    Row j of request i is the one after its committed tokens and drafts 0..j-1.
     draft_token_ids: the drafts per request on the host (for the penalties' histories).
     histories[i] = (prompt, output) of request i, for the penalties (penalized_logits), None
     where no request has one; logit_biases likewise. suppress[i] =
     (num_rows, token_ids): those ids are masked out of request i's first num_rows rows, which is
     how min_new_tokens keeps EOS and stop tokens from ending a sequence too early. masks[i] (a
     grammar MaskResult or None) restricts request i's rows serially along its drafts.
-    all_greedy: every request is greedy (known on the host), so the filters' vocabulary sort is
-    skipped; the result is the same one-hot rows processed_probs would give.
 
     Index tensors are built on the host and copied without a sync; nothing here reads the device.
     """
-    batch, max_k = len(num_drafts), max(num_drafts, default=0)
+    batch = len(num_drafts)
     device = out.logits.device
     num_rows = sum(num_drafts) + batch
     if out.offsets[-1] == num_rows:  # each chunk is just its k_i + 1 rows (the engine's verify batch)
@@ -116,7 +113,6 @@ def verify_target_probs(out: ForwardOutput, num_drafts: list[int], st: SamplingT
         rows = torch.tensor([r for i, k in enumerate(num_drafts)
                              for r in range(out.offsets[i], out.offsets[i] + k + 1)], dtype=torch.long)
         logits = out.logits[rows.to(device, non_blocking=True)]  # [sum(k_i + 1), V]
-    counts = torch.tensor([k + 1 for k in num_drafts])
     logits = penalized_logits(logits, num_drafts, st, histories, draft_token_ids, logit_biases)
     if masks is not None:
         starts = [0]
@@ -134,6 +130,18 @@ def verify_target_probs(out: ForwardOutput, num_drafts: list[int], st: SamplingT
             r += k + 1
         if masks is not None and any(m is not None for m in masks):
             logits = keep_grammar_rows(grammar_logits, logits)
+    return logits
+
+
+def target_probs_of(logits: torch.Tensor, num_drafts: list[int], st: SamplingTensors,
+                    all_greedy: bool = False) -> torch.Tensor:
+    """verify_logits's rows [sum(k_i + 1), V] as processed distributions [B, K + 1, V] (padding
+    rows repeat a request's last, never read). all_greedy: every request is greedy (known on the
+    host), so the filters' vocabulary sort is skipped: the same one-hot rows processed_probs gives."""
+    batch, max_k = len(num_drafts), max(num_drafts, default=0)
+    device = logits.device
+    num_rows = sum(num_drafts) + batch
+    counts = torch.tensor([k + 1 for k in num_drafts])
     if all_greedy:
         probs = greedy_probs(logits)  # [sum(k_i + 1), V]
     else:
