@@ -270,10 +270,15 @@ class LlamaRunner:
         for c, start in zip(chunks, starts):
             if start + len(c.token_ids) > self.session_len:
                 raise ValueError(f"sequence {c.seq_id} would exceed session_len={self.session_len}")
+        allocator = self.kv_cache.allocator
+        # A chunk of n tokens takes at most n // block_size + 1 new blocks: with that many free for
+        # the batch (the usual case) the exact count, a call a chunk, is not needed.
+        bound = sum(len(c.token_ids) for c in chunks) // self.block_size + len(chunks)
+        if allocator.can_allocate(bound):
+            return starts
         need = sum(self.kv_cache.num_new_blocks(c.seq_id, len(c.token_ids)) for c in chunks)
-        if not self.kv_cache.allocator.can_allocate(need):
-            raise CacheFullError(f"batch needs {need} new KV blocks, "
-                                 f"{self.kv_cache.allocator.num_free_blocks} free")
+        if not allocator.can_allocate(need):
+            raise CacheFullError(f"batch needs {need} new KV blocks, {allocator.num_free_blocks} free")
         return starts
 
     def forward(self, chunks: list[SequenceChunk], *, want_hidden: bool = False,
