@@ -407,14 +407,15 @@ class SpecEngine:
         num_accepted = [row[0] for row in landed]
         emitted = [row[1:] for row in landed]
         finished = []
-        verdicts: tuple[list[int], list[int], list[int]] = ([], [], [])  # ids, drafted, accepted
+        verdict_ids, verdict_ks, verdict_ms = [], [], []  # the draft policy's evidence
         for i, seq in enumerate(batch):
             if seq.is_finished:
                 continue
             k, m = int(proposals[i].token_ids.numel()), num_accepted[i]
             seq.stats.record_step(k, m)
-            for column, value in zip(verdicts, (seq.seq_id, k, m)):
-                column.append(value)
+            verdict_ids.append(seq.seq_id)
+            verdict_ks.append(k)
+            verdict_ms.append(m)
             if k:
                 # The cache holds the last token and all k drafts; keep the last token + m accepted.
                 # (Without drafts it holds what it keeps, and a decode step queued since has
@@ -433,7 +434,7 @@ class SpecEngine:
             if seq.is_finished:
                 self._release(seq)
                 finished.append(seq)
-        self.draft_policy.observe_verdicts(*verdicts)
+        self.draft_policy.observe_verdicts(verdict_ids, verdict_ks, verdict_ms)
         self.running = [s for s in self.running if not s.is_finished]
         return finished
 
