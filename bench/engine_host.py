@@ -9,7 +9,7 @@ tokens per sequence and keeps them all). The proposer is in-process and answers 
 so its own cost stays out. On the GPU the same host work runs while the device is idle before the
 launch (bookkeeping, fill) or overlaps the forward (sampling set-up); here it is the whole step.
 
-    .venv/bin/python bench/engine_host.py --batches 1,8,64,128 [--steps 200]
+    .venv/bin/python bench/engine_host.py --batches 1,8,64,128 [--steps 200] [--decode]
 
 With `--round-trip-us N` the proposer answers as the remote drafters do, N us after each send
 (drafts sent ahead), and the table sets the verify batch staged while they are out against not
@@ -93,17 +93,21 @@ def _stub_body(vocab: int, hidden: int):
     return body
 
 
-def host_us_per_step(batch: int, steps: int, round_trip_s: float | None = None
+def host_us_per_step(batch: int, steps: int, round_trip_s: float | None = None, *, decode: bool = False
                      ) -> tuple[float, float, float]:
     """(median, mean) engine host us per step at this batch, every draft accepted, and the
-    median launch us (the verify step's host work before its forward is queued)."""
+    median launch us (the verify step's host work before its forward is queued). decode:
+    speculation off, greedy decode steps queued ahead (specd/engine/overlap.py)."""
     config = arch_config("small")
     model = random_model(config, torch.float32, torch.device("cpu"))
     engine_config = PytorchEngineConfig(max_batch_size=batch, block_size=16, num_gpu_blocks=batch * 600,
                                         session_len=8192, device_type="cpu", dtype="float32")
     runner = LlamaRunner(".", engine_config, model=model, config=config, use_static_path=True)
-    engine = SpecEngine(runner, FixedProposer(round_trip_s), K, max_batch_size=batch, max_model_len=8192,
-                        draft_ahead=round_trip_s is not None, draft_carry=0)
+    if decode:
+        engine = SpecEngine(runner, None, 0, max_batch_size=batch, max_model_len=8192)
+    else:
+        engine = SpecEngine(runner, FixedProposer(round_trip_s), K, max_batch_size=batch, max_model_len=8192,
+                            draft_ahead=round_trip_s is not None, draft_carry=0)
     for i in range(batch):
         engine.add_request([(7 * i + j) % 500 + 3 for j in range(24)],
                            SamplingParams(max_new_tokens=8000, ignore_eos=True))
@@ -119,7 +123,7 @@ def host_us_per_step(batch: int, steps: int, round_trip_s: float | None = None
             launches.append((engine.stats.timings.launch - launch0) * 1e6)
     accepted = sum(s.stats.num_accepted_tokens for s in engine.running)
     drafted = sum(s.stats.num_draft_tokens for s in engine.running)
-    assert accepted == drafted > 0, "the stub should accept every draft"
+    assert accepted == drafted and (decode or drafted > 0), "the stub should accept every draft"
     return statistics.median(times), statistics.fmean(times), statistics.median(launches)
 
 
@@ -129,8 +133,17 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--round-trip-us", type=float, default=None,
                     help="drafts sent ahead, ready this long after the send: staging off vs on")
+    ap.add_argument("--decode", action="store_true", help="speculation off: overlapped greedy decode steps")
     args = ap.parse_args()
     torch.set_num_threads(1)  # the host path is one thread; torch's pool would add noise here
+    if args.decode:
+        print(f"engine host time per decode step (speculation off, overlapped, forward body stubbed), "
+              f"{args.steps} steps\n")
+        print("| batch | median us | mean us | us per sequence |\n|---|---|---|---|")
+        for batch in (int(b) for b in args.batches.split(",")):
+            median, mean, _ = host_us_per_step(batch, args.steps, decode=True)
+            print(f"| {batch} | {median:.0f} | {mean:.0f} | {median / batch:.1f} |")
+        return
     if args.round_trip_us is None:
         print(f"engine host time per step (k = {K}, every draft accepted, forward body stubbed), "
               f"{args.steps} steps\n")
