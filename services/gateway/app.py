@@ -29,7 +29,7 @@ from services.gateway.logprobs import LogprobRenderer
 from services.gateway.metrics import CONTENT_TYPE_LATEST
 from services.gateway.request_stream import GenerationOutput, RequestStream, RequestTimings
 from services.gateway.reasoning import ReasoningStream
-from services.gateway.tools import ToolCallStream, new_call_id, template_messages, tool_call_dict
+from services.gateway.tools import ToolCallStream, call_id, template_messages, tool_call_dict
 from specd.messages import ConfigError, SpecStats
 
 logger = logging.getLogger(__name__)
@@ -104,7 +104,8 @@ def create_app(gateway: Gateway) -> FastAPI:
             resume = _resume_position(last_event_id, len(streams))
             return await _sse_response(gateway, streams, meta, body.include_usage, oai.ChatCompletionChunk,
                                        [oai.chat_chunks(s, meta, body.include_usage, i, usage_chunk=len(streams) == 1,
-                                                        tool_calls=call_format and ToolCallStream(call_format),
+                                                        tool_calls=call_format and ToolCallStream(call_format,
+                                                                                                  s.request_id),
                                                         reasoning=reasoning and ReasoningStream(reasoning),
                                                         event_ids=len(streams) == 1, resume_after=resume)
                                         for i, s in enumerate(streams)])
@@ -117,7 +118,7 @@ def create_app(gateway: Gateway) -> FastAPI:
             finish_reason = result.finish_reason
             if call_format is not None:
                 split = call_format.split(text, final=True)
-                calls = [tool_call_dict(call, new_call_id()) for call in split.calls]
+                calls = [tool_call_dict(call, call_id(stream.request_id, j)) for j, call in enumerate(split.calls)]
                 message = oai.ChatResponseMessage(content=split.content or (None if calls else ""),
                                                   reasoning_content=thinking or None, tool_calls=calls or None)
                 finish_reason = "tool_calls" if calls and finish_reason == "stop" else finish_reason

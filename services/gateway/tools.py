@@ -11,9 +11,9 @@ target distribution keeps the output lossless).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
-import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -141,8 +141,10 @@ def template_messages(messages: list[dict]) -> list[dict]:
     return out
 
 
-def new_call_id() -> str:
-    return "call_" + uuid.uuid4().hex[:24]
+def call_id(request_id: str, index: int) -> str:
+    """A call's id: from its request's id and its place, so a retried request (Idempotency-Key)
+    names its calls as the first answer did."""
+    return "call_" + hashlib.blake2b(f"{request_id}:{index}".encode(), digest_size=12).hexdigest()
 
 
 def tool_call_dict(call: ParsedCall, call_id: str, index: int | None = None) -> dict:
@@ -156,6 +158,7 @@ class ToolCallStream:
     type and name once, then its arguments as they are written."""
 
     fmt: ToolCallFormat
+    request_id: str
     text: str = ""
     _content_sent: int = 0
     _args_sent: list[int] = field(default_factory=list)  # per call
@@ -169,7 +172,7 @@ class ToolCallStream:
         deltas = []
         for i, call in enumerate(split.calls):
             if i == len(self._ids):
-                self._ids.append(new_call_id())
+                self._ids.append(call_id(self.request_id, i))
                 self._args_sent.append(0)
                 deltas.append({"index": i, "id": self._ids[i], "type": "function",
                                "function": {"name": call.name, "arguments": ""}})

@@ -11,7 +11,7 @@ import pytest
 
 from services.gateway.errors import GatewayError
 from services.gateway.tool_formats import DEEPSEEK_V3, FORMATS, HERMES, LLAMA3_JSON, tool_call_format
-from services.gateway.tools import ToolCallStream, parse_tools, template_messages
+from services.gateway.tools import ToolCallStream, call_id, parse_tools, template_messages
 from specd.grammar.backend import GrammarSpec
 from specd.grammar.compiler import GrammarCompilerCache
 from specd.grammar.response_format import parse_response_format
@@ -35,7 +35,7 @@ def call_text(fmt, calls) -> str:
 
 def streamed(fmt, text: str, rng: random.Random) -> tuple[str, list[tuple[str, str]], set[str]]:
     """Feeds text in random pieces; the reassembled content, calls and the ids seen."""
-    stream, content, calls, ids, i = ToolCallStream(fmt), "", {}, set(), 0
+    stream, content, calls, ids, i = ToolCallStream(fmt, "req-1"), "", {}, set(), 0
     while i < len(text):
         n = rng.randint(1, 7)
         piece_content, deltas = stream.feed(text[i:i + n], final=i + n >= len(text))
@@ -61,7 +61,7 @@ def test_calls_parse_whole_and_streamed(fmt):
     for seed in range(30):
         content, calls, ids = streamed(fmt, text, random.Random(seed))
         assert (content, calls) == ("Let me look.", CALLS)
-        assert len(ids) == 2
+        assert ids == {call_id("req-1", 0), call_id("req-1", 1)}  # as the whole response names them
 
 
 @pytest.mark.parametrize("fmt", list(FORMATS.values()), ids=list(FORMATS))
@@ -82,7 +82,7 @@ def test_a_call_cut_short_is_returned_as_text(fmt):
 
 
 def test_partial_trigger_is_held_back_until_it_resolves():
-    stream = ToolCallStream(HERMES)
+    stream = ToolCallStream(HERMES, "req-1")
     assert stream.feed("a <tool")[0] == "a"
     assert stream.feed("box>")[0] == " <toolbox>"
 
