@@ -33,8 +33,11 @@ DRAFTS = {"ngram": None, "eagle3": "draft-eagle3"}
 
 
 def spec(tiny_models, method):
+    """Fixed k: every step asks the drafters (adaptive drafting asks nothing in steps where no
+    sequence drafts, which measured timings decide), so a failover shows within the steps counted."""
     draft = DRAFTS[method]
-    return SpeculativeConfig(method=method, num_speculative_tokens=3, model=str(tiny_models[draft]) if draft else "")
+    return SpeculativeConfig(method=method, num_speculative_tokens=3, model=str(tiny_models[draft]) if draft else "",
+                             adaptive=False)
 
 
 def serve(tiny_models, method, port=0):
@@ -151,7 +154,8 @@ def test_slow_drafter_costs_one_deadline_then_decoding_goes_on(tiny_models):
     try:
         with RemoteProposer([server.address], deadline_s=0.3) as remote:
             engine = build_engine(tiny_models["target-llama"], ENGINE_CONFIG,
-                                  SpeculativeConfig(method="ngram", num_speculative_tokens=3), proposer=remote)
+                                  SpeculativeConfig(method="ngram", num_speculative_tokens=3, adaptive=False),
+                                  proposer=remote)
             t0 = time.perf_counter()
             seqs = engine.generate(prompts, params)
             elapsed = time.perf_counter() - t0
@@ -194,7 +198,8 @@ def test_malformed_drafts_are_a_lost_drafter_not_a_failed_step(tiny_models, faul
     try:
         with RemoteProposer([server.address], deadline_s=2.0) as remote:
             engine = build_engine(tiny_models["target-llama"], ENGINE_CONFIG,
-                                  SpeculativeConfig(method="ngram", num_speculative_tokens=3), proposer=remote)
+                                  SpeculativeConfig(method="ngram", num_speculative_tokens=3, adaptive=False),
+                                  proposer=remote)
             seqs = engine.generate(prompts, params)
             assert remote.num_failovers >= 1
     finally:
