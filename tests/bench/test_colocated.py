@@ -11,6 +11,6 @@ from bench import colocated
 @pytest.mark.slow
 def test_default_threads_are_within_1_2x_of_the_best_hand_set(capsys):
     code = colocated.main(["--variants", "default,omp1", "--requests", "32", "--max-tokens", "24",
-                           "--rounds", "2", "--max-ratio", "1.2"])
+                           "--rounds", "3", "--max-ratio", "1.2"])  # best of 3: a round varies by 1.5x here
     out = capsys.readouterr().out
     assert code == 0, out
